@@ -1,0 +1,58 @@
+"""The "dense" backend: (B, H, N, M) scores, never an (N, M, D) tensor.
+
+Key term: ``q @ rel_k.T`` is (B, H, N, 2K+1) -- the Toeplitz structure of the clipped offsets means
+each query needs only 2K+1 dot products with the table -- gathered through the (N, M) index.
+Value term: per-row bucket sums of the weights, (B, H, N, 2K+1), times ``rel_v``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..positions import relative_position_index
+
+
+def causal_allowed(n: int, m: int, query_offset: int, device) -> torch.Tensor:
+    """(N, M) bool, True where key ``j`` is not in the future of query ``i``: ``j <= i + query_offset``."""
+    return torch.arange(m, device=device)[None, :] <= torch.arange(n, device=device)[:, None] + query_offset
+
+
+def masked_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim where a row of all ``-inf`` gives zeros (and zero gradients), not NaN."""
+    peak = scores.detach().amax(-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    e = torch.exp(scores - peak)
+    total = e.sum(-1, keepdim=True)
+    return e / torch.where(total > 0, total, torch.ones_like(total))
+
+
+def dense_weights(q, k, rel_k, *, max_relative_position, mask, is_causal, scale, query_offset):
+    """Attention weights (B, H, N, M) before dropout, and the (N, M) relative index."""
+    n, m = q.shape[-2], k.shape[-2]
+    idx = relative_position_index(n, m, max_relative_position, query_offset=query_offset, device=q.device)
+    scores = q @ k.transpose(-1, -2)
+    if rel_k is not None:
+        rel = q @ rel_k.transpose(-1, -2)  # (B, H, N, 2K+1); rel_k is (Hr, 2K+1, D), Hr in {1, H}
+        scores = scores + torch.gather(rel, -1, idx.expand(*rel.shape[:-1], m))
+    scores = scores * scale
+    if mask is not None:
+        scores = scores + mask
+    if is_causal:
+        scores = scores.masked_fill(~causal_allowed(n, m, query_offset, q.device), float("-inf"))
+    return masked_softmax(scores), idx
+
+
+def dense_attention(q, k, v, rel_k, rel_v, *, max_relative_position, mask, is_causal, dropout_p, scale,
+                    query_offset, need_weights=False):
+    """See :func:`relattn.relative_attention`; tables arrive as (Hr, 2K+1, D) with Hr in {1, H}."""
+    p, idx = dense_weights(q, k, rel_k, max_relative_position=max_relative_position, mask=mask,
+                           is_causal=is_causal, scale=scale, query_offset=query_offset)
+    if dropout_p > 0.0:
+        p = F.dropout(p, dropout_p, training=True)
+    out = p @ v
+    if rel_v is not None:
+        buckets = p.new_zeros(*p.shape[:-1], 2 * max_relative_position + 1)
+        buckets = buckets.scatter_add(-1, idx.expand_as(p), p)
+        out = out + buckets @ rel_v
+    return (out, p) if need_weights else out

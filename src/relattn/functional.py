@@ -1,0 +1,162 @@
+"""``relative_attention``: Shaw attention shaped like ``torch.nn.functional.scaled_dot_product_attention``.
+
+Notation: ``B`` batch, ``H`` heads, ``N`` query length, ``M`` key length, ``D`` head dim of queries and
+keys, ``Dv`` head dim of values, ``K`` max relative position (tables have ``2K + 1`` rows).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .backends import AttentionCall, resolve
+from .positions import check_max_relative_position
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def _check_table(name, table, *, heads, rows, dim, like) -> torch.Tensor | None:
+    if table is None:
+        return None
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"{name} must be a Tensor or None, got {type(table).__name__}")
+    if table.dim() == 2:
+        table = table.unsqueeze(0)
+    elif table.dim() != 3:
+        raise ValueError(f"{name} must be (2K+1, D) or (H, 2K+1, D); got {table.dim()} dims {_shape(table)}")
+    if table.shape[0] not in (1, heads) or table.shape[1] != rows or table.shape[2] != dim:
+        raise ValueError(
+            f"{name} must be ({rows}, {dim}) or ({heads}, {rows}, {dim}) for H={heads}, "
+            f"2K+1={rows}, head dim {dim}; got {_shape(table)}"
+        )
+    _check_like(name, table, like)
+    return table
+
+
+def _check_like(name, t, like) -> None:
+    if t.dtype != like.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but q has dtype {like.dtype}; all inputs must match")
+    if t.device != like.device:
+        raise ValueError(f"{name} is on {t.device} but q is on {like.device}; all inputs must be on one device")
+
+
+def _check_mask(attn_mask, *, target, like) -> torch.Tensor | None:
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(f"attn_mask must be bool (True = may attend) or floating (added); got {attn_mask.dtype}")
+    if attn_mask.device != like.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {like.device}")
+    shape = tuple(attn_mask.shape)
+    if len(shape) > 4 or any(s not in (1, t) for s, t in zip(shape[::-1], target[::-1], strict=False)):
+        raise ValueError(
+            f"attn_mask of shape {_shape(attn_mask)} does not broadcast to (B, H, N, M) = {tuple(target)}"
+        )
+    mask = attn_mask.reshape((1,) * (4 - len(shape)) + shape)
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(~mask, float("-inf"))
+    return mask.to(like.dtype)
+
+
+def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_causal, dropout_p, scale,
+             query_offset) -> AttentionCall:
+    """Check every argument and bring it to the canonical form backends receive."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (B, H, L, D); got {t.dim()} dims {_shape(t)}")
+    if not q.is_floating_point():
+        raise TypeError(f"q must be floating point, got {q.dtype}")
+    _check_like("k", k, q)
+    _check_like("v", v, q)
+    b, h, n, d = q.shape
+    m = k.shape[2]
+    if k.shape[:2] != (b, h) or k.shape[3] != d:
+        raise ValueError(f"k must be (B, H, M, D) = ({b}, {h}, M, {d}) to match q {_shape(q)}; got {_shape(k)}")
+    if v.shape[:3] != (b, h, m):
+        raise ValueError(f"v must be (B, H, M, Dv) = ({b}, {h}, {m}, Dv) to match k {_shape(k)}; got {_shape(v)}")
+    kk = check_max_relative_position(max_relative_position)
+    rel_k = _check_table("rel_k", rel_k, heads=h, rows=2 * kk + 1, dim=d, like=q)
+    rel_v = _check_table("rel_v", rel_v, heads=h, rows=2 * kk + 1, dim=v.shape[3], like=q)
+    mask = _check_mask(attn_mask, target=(b, h, n, m), like=q)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if isinstance(query_offset, bool) or not isinstance(query_offset, int):
+        raise TypeError(f"query_offset must be an int, got {type(query_offset).__name__}")
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
+    elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    return AttentionCall(q, k, v, rel_k, rel_v, kk, mask, is_causal, float(dropout_p), float(scale), query_offset)
+
+
+def relative_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rel_k: torch.Tensor | None = None,
+    rel_v: torch.Tensor | None = None,
+    *,
+    max_relative_position: int,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    query_offset: int = 0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Self-attention with relative position representations (Shaw et al., 2018).
+
+    Args:
+        q: (B, H, N, D) queries. Query ``i`` sits at absolute position ``i + query_offset``.
+        k: (B, H, M, D) keys at positions ``0 .. M-1``.
+        v: (B, H, M, Dv) values.
+        rel_k: key-side table ``a^K``: (2K+1, D) shared by all heads, (H, 2K+1, D) one per head, or
+            None for no relative term on the keys.
+        rel_v: value-side table ``a^V``: (2K+1, Dv), (H, 2K+1, Dv) or None.
+        max_relative_position: ``K``; offsets ``j - i`` are clipped to ``[-K, K]`` and shifted by ``K``.
+        attn_mask: bool (True = may attend, as SDPA) or float (added to the scores), broadcastable
+            to (B, H, N, M).
+        is_causal: forbid keys ``j > i + query_offset``.
+        dropout_p: dropout on the attention weights, applied before both the value sum and the
+            relative-value sum. Always applied when > 0 (pass 0.0 at evaluation, as with SDPA).
+        scale: score scale, ``1/sqrt(D)`` by default.
+        query_offset: absolute position of the first query; ``M - N`` for incremental decoding.
+        backend: ``"auto"`` (the fastest that supports the inputs) or a name from
+            :data:`relattn.backends.BACKENDS`.
+
+    Returns:
+        (B, H, N, Dv): ``out_i = sum_j w_ij (v_j + a^V[idx_ij])`` with
+        ``w_i = softmax_j((q_i . k_j + q_i . a^K[idx_ij]) * scale + mask_ij)`` and
+        ``idx_ij = clip(j - i - query_offset, -K, K) + K``. A row with nothing to attend to gives
+        zeros (and zero gradients), never NaN.
+    """
+    call = validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, attn_mask=attn_mask,
+                    is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset)
+    chosen = resolve(backend, call)
+    return chosen.fn(call.q, call.k, call.v, call.rel_k, call.rel_v,
+                     max_relative_position=call.max_relative_position, mask=call.mask,
+                     is_causal=call.is_causal, dropout_p=call.dropout_p, scale=call.scale,
+                     query_offset=call.query_offset)
+
+
+def relative_attention_weights(q, k, rel_k=None, *, max_relative_position, attn_mask=None, is_causal=False,
+                               scale=None, query_offset=0) -> torch.Tensor:
+    """The (B, H, N, M) attention weights ``w`` of :func:`relative_attention` (no dropout)."""
+    from .backends.dense import dense_weights
+
+    call = validate(q, k, k[..., :0], rel_k, None, max_relative_position=max_relative_position,
+                    attn_mask=attn_mask, is_causal=is_causal, dropout_p=0.0, scale=scale,
+                    query_offset=query_offset)
+    weights, _ = dense_weights(call.q, call.k, call.rel_k, max_relative_position=call.max_relative_position,
+                               mask=call.mask, is_causal=call.is_causal, scale=call.scale,
+                               query_offset=call.query_offset)
+    return weights

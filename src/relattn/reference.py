@@ -1,0 +1,217 @@
+"""The specification, written like the specification: numpy, float64, loops allowed.
+
+Self-attention with relative position representations (Shaw, Uszkoreit & Vaswani, 2018), as in
+the handbook chapters this project is built from. Every fast path in :mod:`relattn` is tested
+against the functions here, and the loop forms here are the ground truth for the vectorised forms.
+
+Notation: ``N`` query length, ``M`` key length, ``d_k``/``d_v`` head dims, ``K`` the maximum
+relative position (the table has ``2K + 1`` rows: offset ``r`` in ``[-K, K]`` lives at row ``r + K``).
+
+Seeding: the spec seeds numpy's *global* generator. Here every random draw goes through a local
+``np.random.RandomState`` built from ``seed`` (legacy ``RandomState(s)`` draws exactly what
+``np.random.seed(s)`` followed by ``np.random.randn`` draws), so the spec's printed numbers are
+reproduced without this module ever touching global RNG state.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "clip_relative_position",
+    "relative_position_matrix",
+    "RelativePositionEmbedding",
+    "relative_attention_scores",
+    "relative_attention_scores_vectorized",
+    "relative_attention_output",
+    "relative_attention_output_vectorized",
+    "softmax",
+    "RelativeSelfAttention",
+    "relative_attention",
+]
+
+
+def _check_k(max_relative_position: int) -> int:
+    if isinstance(max_relative_position, bool) or not isinstance(max_relative_position, (int, np.integer)):
+        raise TypeError(f"max_relative_position must be an int, got {type(max_relative_position).__name__}")
+    if max_relative_position < 0:
+        raise ValueError(f"max_relative_position must be >= 0, got {max_relative_position}")
+    return int(max_relative_position)
+
+
+def _rng(seed: int | None, rng: np.random.RandomState | np.random.Generator | None):
+    if seed is not None and rng is not None:
+        raise ValueError("pass seed or rng, not both")
+    if rng is not None:
+        return rng
+    if seed is not None:
+        return np.random.RandomState(seed)
+    return np.random.default_rng()
+
+
+def _randn(rng, *shape: int) -> np.ndarray:
+    if isinstance(rng, np.random.RandomState):
+        return rng.randn(*shape)
+    return rng.standard_normal(shape)
+
+
+def clip_relative_position(j: int, i: int, max_dist: int) -> int:
+    """Clipped relative position of key ``j`` seen from query ``i``: ``clip(j - i, -max_dist, max_dist)``."""
+    max_dist = _check_k(max_dist)
+    rel_pos = j - i
+    return max(-max_dist, min(max_dist, rel_pos))
+
+
+def relative_position_matrix(query_len: int, key_len: int, max_dist: int, *, query_offset: int = 0) -> np.ndarray:
+    """``(N, M)`` int matrix of clipped offsets ``clip(j - (i + query_offset), -K, K)`` (not shifted)."""
+    out = np.empty((query_len, key_len), dtype=np.int64)
+    for i in range(query_len):
+        for j in range(key_len):
+            out[i, j] = clip_relative_position(j, i + query_offset, max_dist)
+    return out
+
+
+class RelativePositionEmbedding:
+    """The two learned tables of the spec: ``a_K`` (2K+1, d_k) for keys and ``a_V`` (2K+1, d_v) for values.
+
+    Rows are initialised ``N(0, 1) * sqrt(2 / (2K + 1 + d))`` (Glorot-normal scale), keys first, then
+    values, from ``RandomState(seed)`` when ``seed`` is given (as the spec's ``np.random.seed(seed)``).
+    """
+
+    def __init__(self, max_distance: int, d_k: int, d_v: int, seed: int | None = None, *, rng=None):
+        max_distance = _check_k(max_distance)
+        gen = _rng(seed, rng)
+        n_positions = 2 * max_distance + 1
+        scale_k = np.sqrt(2.0 / (n_positions + d_k))
+        scale_v = np.sqrt(2.0 / (n_positions + d_v))
+        self.a_K = _randn(gen, n_positions, d_k) * scale_k
+        self.a_V = _randn(gen, n_positions, d_v) * scale_v
+        self.max_distance = max_distance
+
+    def index(self, rel_pos: int) -> int:
+        """Row of the table for a raw offset ``j - i``: clip to ``[-K, K]``, then shift by ``K``."""
+        return max(-self.max_distance, min(self.max_distance, rel_pos)) + self.max_distance
+
+    def get_key_embedding(self, rel_pos: int) -> np.ndarray:
+        """``a^K`` for the raw offset ``rel_pos = j - i``."""
+        return self.a_K[self.index(rel_pos)]
+
+    def get_value_embedding(self, rel_pos: int) -> np.ndarray:
+        """``a^V`` for the raw offset ``rel_pos = j - i``."""
+        return self.a_V[self.index(rel_pos)]
+
+
+def relative_attention_scores(Q, K, rel_embed: RelativePositionEmbedding, *, query_offset: int = 0, scale=None):
+    """Loop form: ``e_ij = (q_i . k_j + q_i . a^K_{j-i}) * scale``, scale ``1/sqrt(d_k)`` by default.
+
+    Q (N, d_k), K (M, d_k) -> (N, M). Query ``i`` sits at absolute position ``i + query_offset``.
+    """
+    n, d_k = Q.shape
+    m = K.shape[0]
+    scores = np.zeros((n, m))
+    for i in range(n):
+        for j in range(m):
+            content_score = np.dot(Q[i], K[j])
+            a_k = rel_embed.get_key_embedding(j - (i + query_offset))
+            scores[i, j] = content_score + np.dot(Q[i], a_k)
+    return scores * (1.0 / np.sqrt(d_k) if scale is None else scale)
+
+
+def relative_attention_scores_vectorized(Q, K, rel_embed, *, query_offset: int = 0, scale=None):
+    """Same as :func:`relative_attention_scores`, by gathering ``Q @ a_K.T`` through the index matrix."""
+    n, d_k = Q.shape
+    idx = relative_position_matrix(n, K.shape[0], rel_embed.max_distance, query_offset=query_offset)
+    rel = (Q @ rel_embed.a_K.T)[np.arange(n)[:, None], idx + rel_embed.max_distance]
+    return (Q @ K.T + rel) * (1.0 / np.sqrt(d_k) if scale is None else scale)
+
+
+def relative_attention_output(attention_weights, V, rel_embed: RelativePositionEmbedding, *, query_offset: int = 0):
+    """Loop form: ``out_i = sum_j w_ij (v_j + a^V_{j-i})``. weights (N, M), V (M, d_v) -> (N, d_v)."""
+    n, m = attention_weights.shape
+    output = np.zeros((n, V.shape[1]))
+    for i in range(n):
+        for j in range(m):
+            a_v = rel_embed.get_value_embedding(j - (i + query_offset))
+            output[i] += attention_weights[i, j] * (V[j] + a_v)
+    return output
+
+
+def relative_attention_output_vectorized(attention_weights, V, rel_embed, *, query_offset: int = 0):
+    """Same as :func:`relative_attention_output`: per-row bucket sums of the weights times ``a_V``."""
+    n, m = attention_weights.shape
+    k = rel_embed.max_distance
+    idx = relative_position_matrix(n, m, k, query_offset=query_offset) + k
+    buckets = np.zeros((n, 2 * k + 1))
+    np.add.at(buckets, (np.repeat(np.arange(n), m), idx.ravel()), attention_weights.ravel())
+    return attention_weights @ V + buckets @ rel_embed.a_V
+
+
+def softmax(scores):
+    """Row softmax; a row that is ``-inf`` everywhere (nothing to attend to) gives zeros, not NaN."""
+    peak = scores.max(axis=-1, keepdims=True)
+    peak = np.where(np.isfinite(peak), peak, 0.0)
+    e = np.exp(scores - peak)
+    total = e.sum(axis=-1, keepdims=True)
+    return e / np.where(total > 0, total, 1.0)
+
+
+class RelativeSelfAttention:
+    """The spec's single-head layer: projections ``W_q, W_k`` (embed_dim, d_k), ``W_v`` (embed_dim, d_v).
+
+    Projections are drawn ``N(0,1) * sqrt(2 / (embed_dim + d))`` from ``RandomState(seed)`` in the order
+    W_q, W_k, W_v; the tables are then drawn from a *fresh* ``RandomState(seed)``, as the spec reseeds.
+    """
+
+    def __init__(self, embed_dim: int, d_k: int, d_v: int, max_distance: int = 16, seed: int | None = None):
+        gen = _rng(seed, None)
+        scale_qk = np.sqrt(2.0 / (embed_dim + d_k))
+        scale_v = np.sqrt(2.0 / (embed_dim + d_v))
+        self.W_q = _randn(gen, embed_dim, d_k) * scale_qk
+        self.W_k = _randn(gen, embed_dim, d_k) * scale_qk
+        self.W_v = _randn(gen, embed_dim, d_v) * scale_v
+        self.rel_embed = RelativePositionEmbedding(max_distance, d_k, d_v, seed)
+        self.d_k = d_k
+
+    def forward(self, X):
+        """X (N, embed_dim) -> output (N, d_v), attention weights (N, N)."""
+        Q, K, V = X @ self.W_q, X @ self.W_k, X @ self.W_v
+        weights = softmax(relative_attention_scores(Q, K, self.rel_embed))
+        return relative_attention_output(weights, V, self.rel_embed), weights
+
+
+def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, attn_mask=None,
+                       is_causal=False, scale=None, query_offset=0, return_weights=False):
+    """Batched multi-head reference for the torch op, built from the spec's functions above.
+
+    q (B, H, N, D), k (B, H, M, D), v (B, H, M, Dv); rel_k/rel_v (2K+1, D) or (H, 2K+1, D) or None;
+    attn_mask bool (True = may attend) or float (added), broadcastable to (B, H, N, M). Fully masked
+    rows give zero output. Returns (B, H, N, Dv) float64 [and the (B, H, N, M) weights].
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    b, h, n, d = q.shape
+    m, dv = k.shape[2], v.shape[-1]
+    kk = _check_k(max_relative_position)
+    tables = []
+    for t, dim in ((rel_k, d), (rel_v, dv)):
+        t = np.zeros((h, 2 * kk + 1, dim)) if t is None else np.asarray(t, dtype=np.float64)
+        tables.append(np.broadcast_to(t, (h, 2 * kk + 1, dim)))
+    bias = np.zeros((b, h, n, m))
+    if attn_mask is not None:
+        mask = np.asarray(attn_mask)
+        bias = bias + (np.where(mask, 0.0, -np.inf) if mask.dtype == bool else mask)
+    if is_causal:
+        future = np.arange(m)[None, :] > np.arange(n)[:, None] + query_offset
+        bias = np.where(future, -np.inf, bias)
+    out = np.zeros((b, h, n, dv))
+    weights = np.zeros((b, h, n, m))
+    emb = RelativePositionEmbedding.__new__(RelativePositionEmbedding)
+    emb.max_distance = kk
+    for bi in range(b):
+        for hi in range(h):
+            emb.a_K, emb.a_V = tables[0][hi], tables[1][hi]
+            s = relative_attention_scores_vectorized(q[bi, hi], k[bi, hi], emb, query_offset=query_offset,
+                                                     scale=scale)
+            weights[bi, hi] = softmax(s + bias[bi, hi])
+            out[bi, hi] = relative_attention_output_vectorized(weights[bi, hi], v[bi, hi], emb,
+                                                               query_offset=query_offset)
+    return (out, weights) if return_weights else out
