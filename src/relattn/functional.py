@@ -23,14 +23,15 @@ def _check_table(name, table, *, heads, rows, dim, like) -> torch.Tensor | None:
         return None
     if not isinstance(table, torch.Tensor):
         raise TypeError(f"{name} must be a Tensor or None, got {type(table).__name__}")
+    if table.dim() not in (2, 3):
+        raise ValueError(f"{name} must be (2K+1, D) or (H, 2K+1, D); got {table.dim()} dims {_shape(table)}")
+    received = _shape(table)
     if table.dim() == 2:
         table = table.unsqueeze(0)
-    elif table.dim() != 3:
-        raise ValueError(f"{name} must be (2K+1, D) or (H, 2K+1, D); got {table.dim()} dims {_shape(table)}")
     if table.shape[0] not in (1, heads) or table.shape[1] != rows or table.shape[2] != dim:
         raise ValueError(
             f"{name} must be ({rows}, {dim}) or ({heads}, {rows}, {dim}) for H={heads}, "
-            f"2K+1={rows}, head dim {dim}; got {_shape(table)}"
+            f"2K+1={rows}, head dim {dim}; got {received}"
         )
     _check_like(name, table, like)
     return table

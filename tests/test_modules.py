@@ -1,0 +1,159 @@
+"""RelativeMultiheadAttention: against nn.MultiheadAttention (tables off), against the op, and its KV cache."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from relattn import KVCache, RelativeMultiheadAttention, relative_attention
+
+E, H = 12, 3
+
+
+def twin_mha(mod: RelativeMultiheadAttention) -> nn.MultiheadAttention:
+    mha = nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(torch.cat([mod.q_proj.weight, mod.k_proj.weight, mod.v_proj.weight]))
+        mha.in_proj_bias.copy_(torch.cat([mod.q_proj.bias, mod.k_proj.bias, mod.v_proj.bias]))
+        mha.out_proj.weight.copy_(mod.out_proj.weight)
+        mha.out_proj.bias.copy_(mod.out_proj.bias)
+    return mha.eval()
+
+
+def module(**kw):
+    torch.manual_seed(0)
+    mod = RelativeMultiheadAttention(E, H, kw.pop("k", 3), dtype=torch.float64, **kw).eval()
+    with torch.no_grad():
+        for p in (mod.q_proj.bias, mod.k_proj.bias, mod.v_proj.bias, mod.out_proj.bias):
+            p.normal_()
+    return mod
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "padding", "both", "3d"])
+def test_without_tables_equals_nn_multihead_attention(mask_kind):
+    """A drop-in: with relative terms off, masks in nn.MultiheadAttention's convention give its exact result."""
+    mod = module(relative_keys=False, relative_values=False)
+    mha = twin_mha(mod)
+    g = torch.Generator().manual_seed(1)
+    x, mem = torch.randn(2, 5, E, generator=g, dtype=torch.float64), torch.randn(2, 7, E, generator=g,
+                                                                                dtype=torch.float64)
+    kw = {}
+    if mask_kind in ("bool", "both"):
+        kw["attn_mask"] = torch.rand(5, 7, generator=g) > 0.7
+        kw["attn_mask"][:, 0] = False
+    if mask_kind == "float":
+        kw["attn_mask"] = torch.randn(5, 7, generator=g, dtype=torch.float64)
+    if mask_kind == "3d":
+        kw["attn_mask"] = torch.randn(2 * H, 5, 7, generator=g, dtype=torch.float64)
+    if mask_kind in ("padding", "both"):
+        kw["key_padding_mask"] = torch.tensor([[False] * 7, [False] * 4 + [True] * 3])
+    got, w = mod(x, mem, mem, need_weights=True, **kw)
+    want, want_w = mha(x, mem, mem, need_weights=True, **kw)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(w, want_w)
+    got_fast, none = mod(x, mem, mem, **kw)
+    assert none is None
+    torch.testing.assert_close(got_fast, want)
+
+
+@pytest.mark.parametrize("share_heads", [True, False])
+def test_module_equals_op(share_heads):
+    mod = module(share_heads=share_heads, k=2)
+    assert mod.rel_k.shape == ((5, E // H) if share_heads else (H, 5, E // H))
+    x = torch.randn(2, 6, E, dtype=torch.float64)
+
+    def split(t):
+        return t.view(2, 6, H, E // H).transpose(1, 2)
+
+    q, k, v = split(mod.q_proj(x)), split(mod.k_proj(x)), split(mod.v_proj(x))
+    o = relative_attention(q, k, v, mod.rel_k, mod.rel_v, max_relative_position=2, is_causal=True)
+    want = mod.out_proj(o.transpose(1, 2).reshape(2, 6, E))
+    got, _ = mod(x, is_causal=True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_is_causal_equals_triu_mask():
+    mod = module()
+    x = torch.randn(1, 8, E, dtype=torch.float64)
+    future = torch.ones(8, 8, dtype=torch.bool).triu(1)
+    torch.testing.assert_close(mod(x, is_causal=True)[0], mod(x, attn_mask=future)[0])
+
+
+@pytest.mark.parametrize("chunks", [[1] * 9, [4, 1, 1, 3], [9]])
+def test_kv_cache_matches_full_causal_pass(chunks):
+    mod = module(k=2)
+    x = torch.randn(2, sum(chunks), E, dtype=torch.float64)
+    full, _ = mod(x, is_causal=True)
+    cache, outs, start = KVCache(), [], 0
+    for c in chunks:
+        outs.append(mod(x[:, start:start + c], is_causal=True, kv_cache=cache)[0])
+        start += c
+        assert len(cache) == start
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-12, atol=1e-12)
+
+
+def test_need_weights_per_head_and_averaged():
+    mod = module()
+    x = torch.randn(2, 5, E, dtype=torch.float64)
+    out, w = mod(x, need_weights=True, average_attn_weights=False)
+    assert w.shape == (2, H, 5, 5)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, H, 5, dtype=torch.float64))
+    out2, wm = mod(x, need_weights=True)
+    torch.testing.assert_close(wm, w.mean(1))
+    torch.testing.assert_close(out, out2)
+    torch.testing.assert_close(out, mod(x)[0])
+
+
+def test_dropout_only_in_training():
+    mod = module(dropout=0.5)
+    x = torch.randn(1, 6, E, dtype=torch.float64)
+    torch.testing.assert_close(mod(x)[0], mod(x)[0])
+    mod.train()
+    torch.manual_seed(0)
+    a = mod(x)[0]
+    torch.manual_seed(1)
+    assert (a - mod(x)[0]).abs().max() > 1e-3
+
+
+def test_initialisation():
+    mod = RelativeMultiheadAttention(256, 4, 64)
+    d = 64
+    std = math.sqrt(2.0 / (129 + d))
+    for t in (mod.rel_k, mod.rel_v):
+        assert t.shape == (129, d)
+        assert abs(t.std().item() / std - 1) < 0.05 and abs(t.mean().item()) < 0.01
+    bound = math.sqrt(6.0 / (256 + 256))  # Xavier-uniform
+    assert mod.q_proj.weight.abs().max() <= bound and mod.q_proj.weight.abs().max() > 0.9 * bound
+    assert mod.q_proj.bias.abs().max() == 0 and mod.out_proj.bias.abs().max() == 0
+    assert RelativeMultiheadAttention(8, 2, 4, relative_values=False).rel_v is None
+
+
+def test_gradients_reach_every_parameter():
+    mod = module(share_heads=False)
+    mod(torch.randn(2, 5, E, dtype=torch.float64), is_causal=True)[0].square().sum().backward()
+    for name, p in mod.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize(("ctor", "match"), [
+    (dict(embed_dim=10, num_heads=3), r"embed_dim \(10\) must be a positive multiple of num_heads \(3\)"),
+    (dict(embed_dim=8, num_heads=2, max_relative_position=-2), r"max_relative_position must be >= 0"),
+    (dict(embed_dim=8, num_heads=2, backend="cuda"), r"backend must be one of .*got 'cuda'"),
+    (dict(embed_dim=8, num_heads=2, dropout=1.5), r"dropout must be in \[0, 1\)"),
+])
+def test_constructor_errors(ctor, match):
+    with pytest.raises(ValueError, match=match):
+        RelativeMultiheadAttention(**ctor)
+
+
+def test_forward_errors():
+    mod = RelativeMultiheadAttention(8, 2, 2)
+    with pytest.raises(ValueError, match=r"query must be \(B, N, 8\); got \(3, 8\)"):
+        mod(torch.randn(3, 8))
+    with pytest.raises(ValueError, match=r"key must be \(B=1, M, 8\); got \(1, 4, 6\)"):
+        mod(torch.randn(1, 3, 8), torch.randn(1, 4, 6))
+    with pytest.raises(ValueError, match=r"key_padding_mask must be \(B, M\) = \(1, 3\); got \(1, 4\)"):
+        mod(torch.randn(1, 3, 8), key_padding_mask=torch.zeros(1, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"attn_mask 3-D must be \(B\*num_heads, N, M\)"):
+        mod(torch.randn(1, 3, 8), attn_mask=torch.zeros(3, 3, 3, dtype=torch.bool))

@@ -1,0 +1,70 @@
+"""Bad input gets a clear error naming the argument and what was received."""
+
+import pytest
+import torch
+
+from relattn import relative_attention
+
+
+def base(**over):
+    t = dict(q=torch.randn(2, 3, 5, 4), k=torch.randn(2, 3, 6, 4), v=torch.randn(2, 3, 6, 7),
+             rel_k=torch.randn(5, 4), rel_v=torch.randn(5, 7))
+    t.update(over)
+    return t
+
+
+CASES = [
+    (dict(q=torch.randn(3, 5, 4)), ValueError, r"q must be 4-D .* got 3 dims \(3, 5, 4\)"),
+    (dict(k=torch.randn(2, 3, 6, 5)), ValueError, r"k must be \(B, H, M, D\) = \(2, 3, M, 4\).*got \(2, 3, 6, 5\)"),
+    (dict(k=torch.randn(2, 2, 6, 4)), ValueError, r"k must be .*got \(2, 2, 6, 4\)"),
+    (dict(v=torch.randn(2, 3, 5, 7)), ValueError, r"v must be \(B, H, M, Dv\) = \(2, 3, 6, Dv\).*got \(2, 3, 5, 7\)"),
+    (dict(rel_k=torch.randn(7, 4)), ValueError, r"rel_k must be \(5, 4\) or \(3, 5, 4\).*got \(7, 4\)"),
+    (dict(rel_k=torch.randn(5, 3)), ValueError, r"rel_k must be \(5, 4\).*got \(5, 3\)"),
+    (dict(rel_k=torch.randn(2, 5, 4)), ValueError, r"rel_k .*H=3.*got \(2, 5, 4\)"),
+    (dict(rel_v=torch.randn(5, 4)), ValueError, r"rel_v must be \(5, 7\).*got \(5, 4\)"),
+    (dict(rel_v=torch.randn(1, 1, 5, 7)), ValueError, r"rel_v must be .*got 4 dims"),
+    (dict(k=torch.randn(2, 3, 6, 4, dtype=torch.float64)), TypeError, r"k has dtype torch.float64 but q has dtype"),
+    (dict(rel_v=torch.randn(5, 7, dtype=torch.float16)), TypeError, r"rel_v has dtype torch.float16"),
+    (dict(v=torch.randn(2, 3, 6, 7, device="meta")), ValueError, r"v is on meta but q is on cpu"),
+    (dict(q=torch.ones(2, 3, 5, 4, dtype=torch.long)), TypeError, r"q must be floating point"),
+    (dict(q=[1, 2]), TypeError, r"q must be a Tensor, got list"),
+]
+
+
+@pytest.mark.parametrize(("over", "exc", "match"), CASES)
+def test_bad_tensors(over, exc, match):
+    t = base(**over)
+    with pytest.raises(exc, match=match):
+        relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], max_relative_position=2)
+
+
+KW_CASES = [
+    (dict(max_relative_position=-1), ValueError, r"max_relative_position must be >= 0, got -1"),
+    (dict(max_relative_position=2.0), TypeError, r"max_relative_position must be an int"),
+    (dict(attn_mask=torch.ones(5, 6, dtype=torch.int32)), TypeError, r"attn_mask must be bool .*got torch.int32"),
+    (dict(attn_mask=torch.ones(6, 6, dtype=torch.bool)), ValueError,
+     r"attn_mask of shape \(6, 6\) does not broadcast to \(B, H, N, M\) = \(2, 3, 5, 6\)"),
+    (dict(attn_mask=torch.ones(2, 2, 5, 6)), ValueError, r"attn_mask of shape \(2, 2, 5, 6\) does not broadcast"),
+    (dict(attn_mask=torch.ones(1, 2, 3, 5, 6)), ValueError, r"attn_mask of shape \(1, 2, 3, 5, 6\)"),
+    (dict(attn_mask=[[True]]), TypeError, r"attn_mask must be a Tensor"),
+    (dict(backend="fast"), ValueError, r"backend must be one of 'auto', 'dense'.*got 'fast'"),
+    (dict(dropout_p=1.0), ValueError, r"dropout_p must be a float in \[0, 1\), got 1.0"),
+    (dict(is_causal=1), TypeError, r"is_causal must be a bool"),
+    (dict(query_offset=1.0), TypeError, r"query_offset must be an int"),
+    (dict(scale="x"), TypeError, r"scale must be a float"),
+]
+
+
+@pytest.mark.parametrize(("kw", "exc", "match"), KW_CASES)
+def test_bad_arguments(kw, exc, match):
+    t = base()
+    kw = {"max_relative_position": 2, **kw}
+    with pytest.raises(exc, match=match):
+        relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], **kw)
+
+
+def test_mask_of_other_float_dtype_is_cast_not_refused():
+    t = base()
+    mask = torch.zeros(5, 6, dtype=torch.float64)
+    out = relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], max_relative_position=2, attn_mask=mask)
+    assert out.dtype == torch.float32
