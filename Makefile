@@ -1,22 +1,8 @@
-# Two entry points for a fresh machine with only python3: `make demo` and `make test`.
-VENV ?= .venv
-PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# Shortcuts for the README's two set-up commands (which need only python3).
+.PHONY: demo test
 
-.PHONY: demo test lint bench
+demo:
+	python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e '.[dev]' && .venv/bin/relattn demo
 
-$(STAMP): pyproject.toml constraints.txt
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
-	touch $(STAMP)
-
-demo: $(STAMP)
-	$(VENV)/bin/relattn demo
-
-test: $(STAMP)
-	$(PY) -m ruff check src tests benchmarks
-	$(PY) -m pytest -q
-
-bench: $(STAMP)
-	$(VENV)/bin/relattn bench --quick
+test:
+	python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e '.[dev]' && .venv/bin/python -m pytest -q

@@ -1,0 +1,13 @@
+"""ruff is part of the test suite, so CI enforces it."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ruff_clean():
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", "src", "tests",
+                        "benchmarks"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
