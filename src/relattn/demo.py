@@ -86,8 +86,10 @@ def _heatmap(matrix, title, xlabel, ylabel, path, *, yticks=None, annotate=False
         ax.set_yticks(range(len(yticks)), yticks)
     if annotate:
         for (i, j), val in np.ndenumerate(matrix):
+            r, g, b, _ = im.cmap(im.norm(val))
+            ink = "white" if 0.299 * r + 0.587 * g + 0.114 * b < 0.5 else "black"  # readable on any cell
             ax.text(j, i, f"{val:g}" if float(val).is_integer() else f"{val:.2f}", ha="center", va="center",
-                    fontsize=7)
+                    fontsize=7, color=ink)
     return save_figure(fig, path)
 
 
