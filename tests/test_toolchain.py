@@ -15,10 +15,10 @@ import copy
 
 import pytest
 import torch
-from _plain_attention import plain_shaw_forward
 from torch import nn
 
 import relattn
+from _plain_attention import plain_shaw_forward
 from relattn import RelativeMultiheadAttention, relative_attention
 from relattn.functional import validate
 
@@ -192,7 +192,8 @@ def _autocast_errors(fn, mod, x, g, causal):
         out = fn(mod, xx, causal)
     assert out.dtype == torch.bfloat16
     out.backward(g)
-    errors = {"out": (out.double() - ref).abs().max().item(), "d_input": (xx.grad.double() - x64.grad).abs().max().item()}
+    errors = {"out": (out.double() - ref).abs().max().item(),
+              "d_input": (xx.grad.double() - x64.grad).abs().max().item()}
     grads64 = dict(mod64.named_parameters())
     for pname, p in mod.named_parameters():
         errors[pname] = (p.grad.double() - grads64[pname].grad).abs().max().item()
@@ -265,7 +266,8 @@ def test_softmax_statistics_kept_in_float32(name, is_causal):
 
 @pytest.fixture
 def deterministic_algorithms():
-    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         yield
