@@ -79,17 +79,25 @@ class _EveryBackend(nn.Module):
         return outs
 
 
-def _run(model: nn.Module, xs: torch.Tensor, cotangents: list[torch.Tensor]):
+def _run(model: nn.Module, xs: torch.Tensor, cotangents: list[torch.Tensor]) -> dict:
+    """Per backend name: the (non-causal, causal) outputs, the input gradient and the module's gradients."""
     model.zero_grad(set_to_none=True)
     xs = xs.detach().clone().requires_grad_()
     outs = model(xs)
     sum((o * g).sum() for o, g in zip(outs, cotangents, strict=True)).backward()
-    grads = {n.removeprefix("_orig_mod."): p.grad.detach().clone() for n, p in model.named_parameters()}
-    return [o.detach() for o in outs], xs.grad.detach(), grads
+    inner = getattr(model, "_orig_mod", model)
+    return {name: ((outs[2 * i].detach(), outs[2 * i + 1].detach()), xs.grad[i],
+                   {n: p.grad.clone() for n, p in inner.mods[i].named_parameters()})
+            for i, name in enumerate(inner.names)}
 
 
 @pytest.fixture(scope="module")
 def compiled_vs_eager():
+    """Eager and compiled results for every backend, from one compiled graph (one C++ build for all).
+
+    If that graph fails to compile, each backend is compiled on its own, so the failure is reported against
+    the backend that causes it and the others are still checked.
+    """
     probe_mod = RelativeMultiheadAttention(E, HEADS, K, share_heads=False)
     probe_x = torch.zeros(BATCH, N, E)
     refused = {}
@@ -99,31 +107,42 @@ def compiled_vs_eager():
             if reason is not None:
                 refused[name] = reason
     names = [n for n in NAMES if n not in refused]
-    model = _EveryBackend(names)
     gen = torch.Generator().manual_seed(1)
     xs = torch.randn(len(names), BATCH, N, E, generator=gen)
     cotangents = [torch.randn(BATCH, N, E, generator=gen) for _ in range(2 * len(names))]
+    model = _EveryBackend(names)
     eager = _run(model, xs, cotangents)
+    compiled, failures = {}, {}
     torch._dynamo.reset()
-    compiled = _run(torch.compile(model, fullgraph=True), xs, cotangents)
-    return names, refused, eager, compiled
+    try:
+        compiled = _run(torch.compile(model, fullgraph=True), xs, cotangents)
+    except Exception:
+        for i, name in enumerate(names):
+            torch._dynamo.reset()
+            try:
+                compiled.update(_run(torch.compile(_EveryBackend([name]), fullgraph=True), xs[i:i + 1],
+                                     cotangents[2 * i:2 * i + 2]))
+            except Exception as exc:  # reported by that backend's test
+                failures[name] = exc
+    return refused, eager, compiled, failures
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_compile_fullgraph_matches_eager(compiled_vs_eager, name):
-    names, refused, (out_e, dx_e, grads_e), (out_c, dx_c, grads_c) = compiled_vs_eager
+    refused, eager, compiled, failures = compiled_vs_eager
     if name in refused:
         pytest.skip(f"backend {name!r} cannot serve this CPU input: {refused[name]}")
-    i = names.index(name)
-    for j, causal in ((2 * i, False), (2 * i + 1, True)):
-        assert out_e[j].abs().max() > 0.1  # a real signal, not zeros
-        torch.testing.assert_close(out_c[j], out_e[j], **F32_TOL, msg=lambda m, c=causal: f"causal={c}: {m}")
-    torch.testing.assert_close(dx_c[i], dx_e[i], **F32_TOL)
-    own = [k for k in grads_e if k.startswith(f"mods.{i}.")]
-    assert {k.split(".", 2)[2] for k in own} >= {"rel_k", "rel_v", "q_proj.weight", "out_proj.bias"}
-    for key in own:
-        assert grads_e[key].abs().max() > 0
-        torch.testing.assert_close(grads_c[key], grads_e[key], **F32_TOL, msg=lambda m, k=key: f"{k}: {m}")
+    if name in failures:
+        raise AssertionError(f"torch.compile(fullgraph=True) failed for backend {name!r}") from failures[name]
+    (outs_e, dx_e, grads_e), (outs_c, dx_c, grads_c) = eager[name], compiled[name]
+    for causal, out_e, out_c in zip((False, True), outs_e, outs_c, strict=True):
+        assert out_e.abs().max() > 0.1  # a real signal, not zeros
+        torch.testing.assert_close(out_c, out_e, **F32_TOL, msg=lambda m, c=causal: f"causal={c}: {m}")
+    torch.testing.assert_close(dx_c, dx_e, **F32_TOL)
+    assert set(grads_e) >= {"rel_k", "rel_v", "q_proj.weight", "out_proj.bias"}
+    for key, g in grads_e.items():
+        assert g.abs().max() > 0
+        torch.testing.assert_close(grads_c[key], g, **F32_TOL, msg=lambda m, k=key: f"{k}: {m}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -162,8 +181,11 @@ def test_export_save_load_round_trip(tmp_path):
     loaded = torch.export.load(path)
     for n in (7, 33):
         x = torch.randn(2, n, E)
-        want = mod(x, is_causal=True)[0]
-        torch.testing.assert_close(loaded.module()(x, is_causal=True)[0], want, rtol=0, atol=0)
+        got = loaded.module()(x, is_causal=True)[0]
+        # the same program as before saving, bit for bit; and eager (where "auto" may choose differently
+        # at a concrete length than it did for a symbolic one) within float tolerance
+        torch.testing.assert_close(got, ep.module()(x, is_causal=True)[0], rtol=0, atol=0)
+        torch.testing.assert_close(got, mod(x, is_causal=True)[0], **F32_TOL)
     # the loaded program carries the trained tables, not fresh ones
     state = loaded.state_dict
     torch.testing.assert_close(state["rel_k"], mod.rel_k.detach(), rtol=0, atol=0)
