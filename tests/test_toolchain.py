@@ -242,6 +242,12 @@ def test_autocast_bf16_error_within_twice_plain_pytorch(name, is_causal):
             # least error possible. The materialised yardstick gathers from the float32 parameter instead and
             # sums its (N, N, D) gradient in float32, below that floor; allow the floor, twice.
             bound = max(bound, 2 * (BF16_EPS / 2) * grads64[key].abs().max().item())
+        if key == "k_proj.bias":
+            # Exactly zero in exact arithmetic (softmax ignores a constant added to a row of scores), so its
+            # error is pure cancellation noise, where plain PyTorch disagrees with itself: measured here,
+            # F.scaled_dot_product_attention's bf16 error is 1.5-2.2x the materialised path's. Allow 4x.
+            assert grads64[key].abs().max() < 1e-12
+            bound = 4 * plain[key]
         assert err <= bound, f"{key}: bf16 error {err:.3g} > {bound:.3g} (plain PyTorch attention: {plain[key]:.3g})"
     assert ours["out"] > 0  # bf16 really ran
 
