@@ -6,7 +6,7 @@ skipped with its own reason (e.g. a GPU-only kernel), never silently passed.
 
 torch.compile on the CPU runs a C++ compiler (many seconds per graph), so all backends share one compiled
 graph: a module-scoped fixture compiles a wrapper holding one ``RelativeMultiheadAttention`` per backend,
-and the parametrized tests check its results backend by backend.
+and the parametrized tests check its results backend by backend (see ``COMPILERS`` for which compiler).
 """
 
 from __future__ import annotations
@@ -58,13 +58,13 @@ E, HEADS, K, N, BATCH = 24, 3, 3, 11, 2  # head dim 8; N > 2K+1, so every offset
 
 
 class _EveryBackend(nn.Module):
-    """One attention module per backend name, each fed its own slice of a stacked input, causal and not."""
+    """One attention module per backend name (same weights), each fed its own slice of a stacked input."""
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: list[str], *, is_causal: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
         base = RelativeMultiheadAttention(E, HEADS, K, share_heads=False)
-        self.names = names
+        self.names, self.is_causal = names, is_causal
         self.mods = nn.ModuleList()
         for name in names:
             mod = copy.deepcopy(base)
@@ -72,30 +72,31 @@ class _EveryBackend(nn.Module):
             self.mods.append(mod)
 
     def forward(self, xs: torch.Tensor) -> list[torch.Tensor]:
-        outs = []
-        for i, mod in enumerate(self.mods):
-            outs.append(mod(xs[i])[0])
-            outs.append(mod(xs[i], is_causal=True)[0])
-        return outs
+        return [mod(xs[i], is_causal=self.is_causal)[0] for i, mod in enumerate(self.mods)]
 
 
-def _run(model: nn.Module, xs: torch.Tensor, cotangents: list[torch.Tensor]) -> dict:
-    """Per backend name: the (non-causal, causal) outputs, the input gradient and the module's gradients."""
+def _run(model: nn.Module, xs: torch.Tensor, cotangents: torch.Tensor) -> dict:
+    """Per backend name: the output, the input gradient and the module's gradients."""
     model.zero_grad(set_to_none=True)
     xs = xs.detach().clone().requires_grad_()
     outs = model(xs)
     sum((o * g).sum() for o, g in zip(outs, cotangents, strict=True)).backward()
     inner = getattr(model, "_orig_mod", model)
-    return {name: ((outs[2 * i].detach(), outs[2 * i + 1].detach()), xs.grad[i],
-                   {n: p.grad.clone() for n, p in inner.mods[i].named_parameters()})
+    return {name: (outs[i].detach(), xs.grad[i], {n: p.grad.clone() for n, p in inner.mods[i].named_parameters()})
             for i, name in enumerate(inner.names)}
+
+
+# Inductor (the default compiler, C++ code generation: the costly part) for the full-attention graph;
+# "aot_eager" for the causal one: the same dynamo capture (fullgraph, graph breaks) and AOTAutograd trace
+# (fake kernels, registered autograd) without a second C++ build.
+COMPILERS = {False: "inductor", True: "aot_eager"}
 
 
 @pytest.fixture(scope="module")
 def compiled_vs_eager():
-    """Eager and compiled results for every backend, from one compiled graph (one C++ build for all).
+    """Eager and compiled results for every backend, causal and not, from one compiled graph per mode.
 
-    If that graph fails to compile, each backend is compiled on its own, so the failure is reported against
+    If a graph fails to compile, each backend is compiled on its own, so the failure is reported against
     the backend that causes it and the others are still checked.
     """
     probe_mod = RelativeMultiheadAttention(E, HEADS, K, share_heads=False)
@@ -107,37 +108,39 @@ def compiled_vs_eager():
             if reason is not None:
                 refused[name] = reason
     names = [n for n in NAMES if n not in refused]
-    gen = torch.Generator().manual_seed(1)
-    xs = torch.randn(len(names), BATCH, N, E, generator=gen)
-    cotangents = [torch.randn(BATCH, N, E, generator=gen) for _ in range(2 * len(names))]
-    model = _EveryBackend(names)
-    eager = _run(model, xs, cotangents)
-    compiled, failures = {}, {}
-    torch._dynamo.reset()
-    try:
-        compiled = _run(torch.compile(model, fullgraph=True), xs, cotangents)
-    except Exception:
-        for i, name in enumerate(names):
-            torch._dynamo.reset()
-            try:
-                compiled.update(_run(torch.compile(_EveryBackend([name]), fullgraph=True), xs[i:i + 1],
-                                     cotangents[2 * i:2 * i + 2]))
-            except Exception as exc:  # reported by that backend's test
-                failures[name] = exc
+    eager, compiled, failures = {}, {}, {}
+    for causal, compiler in COMPILERS.items():
+        gen = torch.Generator().manual_seed(1 + causal)
+        xs, cotangents = torch.randn(2, len(names), BATCH, N, E, generator=gen)
+        model = _EveryBackend(names, is_causal=causal)
+        eager.update({(n, causal): r for n, r in _run(model, xs, cotangents).items()})
+        torch._dynamo.reset()
+        try:
+            got = _run(torch.compile(model, fullgraph=True, backend=compiler), xs, cotangents)
+            compiled.update({(n, causal): r for n, r in got.items()})
+        except Exception:
+            for i, name in enumerate(names):
+                torch._dynamo.reset()
+                single = torch.compile(_EveryBackend([name], is_causal=causal), fullgraph=True, backend=compiler)
+                try:
+                    compiled[name, causal] = _run(single, xs[i:i + 1], cotangents[i:i + 1])[name]
+                except Exception as exc:  # reported by that backend's test
+                    failures[name, causal] = exc
     return refused, eager, compiled, failures
 
 
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("name", NAMES)
-def test_compile_fullgraph_matches_eager(compiled_vs_eager, name):
+def test_compile_fullgraph_matches_eager(compiled_vs_eager, name, is_causal):
     refused, eager, compiled, failures = compiled_vs_eager
     if name in refused:
         pytest.skip(f"backend {name!r} cannot serve this CPU input: {refused[name]}")
-    if name in failures:
-        raise AssertionError(f"torch.compile(fullgraph=True) failed for backend {name!r}") from failures[name]
-    (outs_e, dx_e, grads_e), (outs_c, dx_c, grads_c) = eager[name], compiled[name]
-    for causal, out_e, out_c in zip((False, True), outs_e, outs_c, strict=True):
-        assert out_e.abs().max() > 0.1  # a real signal, not zeros
-        torch.testing.assert_close(out_c, out_e, **F32_TOL, msg=lambda m, c=causal: f"causal={c}: {m}")
+    if (name, is_causal) in failures:
+        raise AssertionError(f"torch.compile(fullgraph=True, backend={COMPILERS[is_causal]!r}) failed for "
+                             f"backend {name!r}") from failures[name, is_causal]
+    (out_e, dx_e, grads_e), (out_c, dx_c, grads_c) = eager[name, is_causal], compiled[name, is_causal]
+    assert out_e.abs().max() > 0.1  # a real signal, not zeros
+    torch.testing.assert_close(out_c, out_e, **F32_TOL)
     torch.testing.assert_close(dx_c, dx_e, **F32_TOL)
     assert set(grads_e) >= {"rel_k", "rel_v", "q_proj.weight", "out_proj.bias"}
     for key, g in grads_e.items():
