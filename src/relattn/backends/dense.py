@@ -54,7 +54,7 @@ def dense_attention(q, k, v, rel_k, rel_v, *, max_relative_position, mask, is_ca
         p = F.dropout(p, dropout_p, training=True)
     out = p.to(v.dtype) @ v
     if rel_v is not None:
-        # Bucket sums from the float32 (or float64) weights: summing ~M bf16 weights in bf16 stalls.
+        # Bucket sums from the float32 (or float64) weights: a bf16 accumulator over ~M weights loses them.
         buckets = p.new_zeros(*p.shape[:-1], 2 * max_relative_position + 1)
         buckets = buckets.scatter_add(-1, idx.expand_as(p), p)
         out = out + buckets.to(rel_v.dtype) @ rel_v
