@@ -23,8 +23,8 @@ def clip_and_shift(offsets: torch.Tensor, max_relative_position: int) -> torch.T
 
 
 def relative_position_index(
-    query_len: int,
-    key_len: int,
+    query_len: int | torch.SymInt,
+    key_len: int | torch.SymInt,
     max_relative_position: int,
     *,
     query_offset: int = 0,
@@ -37,6 +37,8 @@ def relative_position_index(
     Rows index a table of ``2K + 1`` relative embeddings (offset ``-K`` at row 0, ``0`` at row ``K``).
     """
     for name, value in (("query_len", query_len), ("key_len", key_len)):
+        if isinstance(value, torch.SymInt):
+            continue  # a symbolic tensor size under torch.compile / torch.export: never negative
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     if isinstance(query_offset, bool) or not isinstance(query_offset, int):

@@ -31,13 +31,15 @@ def dense_weights(q, k, rel_k, *, max_relative_position, mask, is_causal, scale,
     """Attention weights (B, H, N, M) before dropout, and the (N, M) relative index."""
     n, m = q.shape[-2], k.shape[-2]
     idx = relative_position_index(n, m, max_relative_position, query_offset=query_offset, device=q.device)
-    scores = q @ k.transpose(-1, -2)
+    # Softmax statistics in at least float32: bf16/fp16 (or autocast) scores are upcast once, here.
+    stats = torch.promote_types(q.dtype, torch.float32)
+    scores = (q @ k.transpose(-1, -2)).to(stats)
     if rel_k is not None:
-        rel = q @ rel_k.transpose(-1, -2)  # (B, H, N, 2K+1); rel_k is (Hr, 2K+1, D), Hr in {1, H}
+        rel = (q @ rel_k.transpose(-1, -2)).to(stats)  # (B, H, N, 2K+1); rel_k is (Hr, 2K+1, D), Hr in {1, H}
         scores = scores + torch.gather(rel, -1, idx.expand(*rel.shape[:-1], m))
     scores = scores * scale
     if mask is not None:
-        scores = scores + mask
+        scores = scores + mask.to(stats)
     if is_causal:
         scores = scores.masked_fill(~causal_allowed(n, m, query_offset, q.device), float("-inf"))
     return masked_softmax(scores), idx
@@ -50,9 +52,10 @@ def dense_attention(q, k, v, rel_k, rel_v, *, max_relative_position, mask, is_ca
                            is_causal=is_causal, scale=scale, query_offset=query_offset)
     if dropout_p > 0.0:
         p = F.dropout(p, dropout_p, training=True)
-    out = p @ v
+    out = p.to(v.dtype) @ v
     if rel_v is not None:
+        # Bucket sums from the float32 (or float64) weights: a bf16 accumulator over ~M weights loses them.
         buckets = p.new_zeros(*p.shape[:-1], 2 * max_relative_position + 1)
         buckets = buckets.scatter_add(-1, idx.expand_as(p), p)
-        out = out + buckets @ rel_v
-    return (out, p) if need_weights else out
+        out = out + buckets.to(rel_v.dtype) @ rel_v
+    return (out, p.to(q.dtype)) if need_weights else out

@@ -1,0 +1,55 @@
+"""The README and docs/*.md run: every ```python block is executed, so the documentation cannot drift.
+
+Blocks of one file run in order in one shared namespace (a later block may use names an earlier one
+defined), in a fresh temporary working directory; any exception fails the test for that file. Files without
+python blocks are not collected. Global switches a block might flip (deterministic algorithms, grad mode,
+default dtype) are put back afterwards so the rest of the suite is unaffected.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
+
+
+def python_blocks(path: Path) -> list[tuple[int, str]]:
+    """``(first line number, code)`` of every ```python block in ``path``."""
+    text = path.read_text(encoding="utf-8")
+    return [(text.count("\n", 0, m.start(1)) + 1, m.group(1)) for m in FENCE.finditer(text)]
+
+
+DOCS = [p for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))] if p.exists() and python_blocks(p)]
+
+
+def test_fence_extraction():
+    text = "intro\n```python\nx = 1\n```\n```bash\nls\n```\n```python\ny = x + 1\n\nz = y\n```\n"
+    assert FENCE.findall(text) == ["x = 1\n", "y = x + 1\n\nz = y\n"]
+
+
+def test_documentation_has_python_blocks():
+    assert DOCS, "no ```python block found in README.md or docs/*.md"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
+def test_markdown_code_blocks_run(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": f"docs_{path.stem}"}
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
+    try:
+        for line, code in python_blocks(path):
+            try:
+                exec(compile(code, f"{path.relative_to(ROOT)}:{line}", "exec"), namespace)
+            except Exception as exc:
+                raise AssertionError(f"the python block at {path.name} line {line} raised {exc!r}") from exc
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.set_default_dtype(dtype)
+        torch.set_grad_enabled(grad)
