@@ -40,7 +40,7 @@ from .peers import HFBertRelativeKey, materialised_attention, transformers_versi
 
 FULL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
 QUICK_LENGTHS = (128, 256, 512)
-MEMORY_CHECK_LENGTHS = (16384,)
+MEMORY_CHECK_LENGTHS = (4096, 8192, 16384)
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -433,13 +433,24 @@ def _skip_reason(impl: Impl, inp: Inputs, history: list[Row], config: BenchConfi
     return None
 
 
+class _NoBar:
+    def update(self, *_args) -> None:
+        pass
+
+    set_postfix_str = close = update
+
+
 def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
     """Measure every implementation at every length; returns what ``bench.json`` holds.
 
     Returns a dict with ``machine``, ``config``, ``memory_method``, ``timing_method`` and ``rows`` (one per
     implementation and length, fields of :class:`Row`; ratios against ``sdpa`` at the same length).
     """
-    from tqdm.auto import tqdm
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # a declared dependency, but a bare GPU box may lack it: measure without a bar
+        def tqdm(*_args, **_kwargs):
+            return _NoBar()
 
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -546,19 +557,24 @@ def plot(result: dict, path: str | os.PathLike) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.5), layout="constrained")
     names = list(dict.fromkeys(r["implementation"] for r in result["rows"]))
-    for ax, key, label in ((axes[0], "forward_ms", "forward, median ms"),
-                           (axes[1], "fwdbwd_ms", "forward + backward, median ms"),
-                           (axes[2], "peak_fwdbwd_bytes", "peak extra memory, forward + backward, bytes")):
+    lengths = sorted({r["n"] for r in result["rows"]})
+    for ax, key, scale, label in ((axes[0], "forward_ms", 1.0, "forward: median ms"),
+                                  (axes[1], "fwdbwd_ms", 1.0, "forward + backward: median ms"),
+                                  (axes[2], "peak_fwdbwd_bytes", 1e-6, "forward + backward: peak extra MB")):
         for name in names:
-            pts = [(r["n"], r[key]) for r in result["rows"] if r["implementation"] == name and r["status"] == "ok"]
+            pts = [(r["n"], r[key] * scale) for r in result["rows"]
+                   if r["implementation"] == name and r["status"] == "ok"]
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=name,
                         linewidth=2.5 if name == "sdpa" else 1.5, linestyle="--" if name == "sdpa" else "-")
-        ax.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel=label)
-        ax.set_xscale("log", base=2)
+        ax.set(xscale="log", yscale="log", xlabel="sequence length N", title=label)
+        ax.xaxis.set_major_locator(FixedLocator(lengths))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
     cfg, m = result["config"], result["machine"]
