@@ -179,8 +179,14 @@ def test_cli_bench_writes_json_and_png(tmp_path, capsys, causal):
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
 
 
+def _broken(*args, **kwargs):
+    raise RuntimeError("boom\nsecond line")
+
+
 def test_refused_inputs_and_memory_limit_are_skipped_with_reasons(monkeypatch, tmp_path):
     monkeypatch.setitem(BACKENDS, "refuser", Backend("refuser", dense_attention, lambda call: "refuses all", "t"))
+    monkeypatch.setitem(BACKENDS, "broken", Backend("broken", _broken, lambda call: None, "raises"))
+    threads = torch.get_num_threads()
     config = BenchConfig(lengths=(16, 32), heads=2, head_dim=8, max_relative_position=4, threads=1, repeats=1,
                          warmup=0, peers=("materialised",), memory_limit_bytes=40_000)
     result = run_bench(config, progress=False)
@@ -188,6 +194,9 @@ def test_refused_inputs_and_memory_limit_are_skipped_with_reasons(monkeypatch, t
     assert by[(16, "relattn:refuser")]["status"] == "skipped"
     assert by[(16, "relattn:refuser")]["reason"] == "refuses all"
     assert by[(16, "sdpa")]["status"] == "ok"
+    assert by[(16, "relattn:broken")]["status"] == "failed"
+    assert by[(16, "relattn:broken")]["reason"] == "RuntimeError: boom"
+    assert torch.get_num_threads() == threads  # run_bench's thread count does not leak out
     # the materialised form needs 4 (N, M, D) tensors: 4 * 16 * 16 * 8 * 4 B = 32 kB + scores > 40 kB at N=32
     assert by[(32, "materialised")]["status"] == "skipped"
     assert by[(32, "materialised")]["reason"].startswith("predicted peak")

@@ -426,7 +426,9 @@ def _skip_reason(impl: Impl, inp: Inputs, history: list[Row], config: BenchConfi
                                                      lo=1.0, hi=2.0, single=1.0) or 0.0)
     if mem > limit:
         return f"predicted peak {_fmt_bytes(mem)} > limit {_fmt_bytes(limit)}"
-    call_s = (_extrapolate([(r.n, r.fwdbwd_ms) for r in done], inp.n, lo=1.0, hi=2.0, single=2.0) or 0.0) / 1e3
+    # from the fastest call, not the median: one stall at a short length must not skip the longer ones
+    fastest = [(r.n, min(r.fwdbwd_all_ms)) for r in done]
+    call_s = (_extrapolate(fastest, inp.n, lo=1.0, hi=2.0, single=2.0) or 0.0) / 1e3
     secs = call_s * _calls(config)
     if secs > config.time_limit_s:
         return f"predicted {secs:.0f} s ({call_s:.1f} s per forward+backward) > limit {config.time_limit_s:g} s"
@@ -456,6 +458,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' asked for but torch.cuda.is_available() is False")
     dtype = DTYPES[config.dtype]
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(config.threads)
     limit = config.memory_limit_bytes or 0.5 * _available_bytes(device)
     impls = implementations(config)
@@ -482,7 +485,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
                     row.detail = made.detail
                     try:
                         first = _measure(made, inp, config, device, row)
-                    except (RuntimeError, MemoryError) as err:  # e.g. out of memory: note it, go on
+                    except Exception as err:  # e.g. out of memory: a bench reports a failure and goes on
                         row.status, row.reason = "failed", f"{type(err).__name__}: {str(err).splitlines()[0]}"
                     else:
                         ref_name = next((r for r in ("materialised", "relattn:dense") if r in outputs), None)
@@ -506,6 +509,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
     finally:
         gc.unfreeze()
         bar.close()
+        torch.set_num_threads(threads_before)
     return {
         "machine": machine_info(device, config.threads),
         "config": {**asdict(config), "memory_limit_bytes": limit},
@@ -650,7 +654,7 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str] | None = None
         lengths, repeats, time_limit = MEMORY_CHECK_LENGTHS, 1, 600.0
         backends, peers = ("auto",), ("materialised",)
     elif args.quick:
-        lengths, repeats, time_limit = QUICK_LENGTHS, 3, 20.0
+        lengths, repeats, time_limit = QUICK_LENGTHS, 3, 120.0
         backends, peers = None, ("materialised", "hf")
     else:
         lengths, repeats, time_limit = FULL_LENGTHS, 5, 180.0
@@ -720,7 +724,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="skip what is predicted to need more (default: half the free memory)")
     p.add_argument("--time-limit", type=_positive_float, metavar="S",
                    help="skip a measurement (one implementation at one length) predicted to take longer, "
-                        "from the times at shorter lengths (default 180; quick 20)")
+                        "from the times at shorter lengths (default 180; quick 120)")
     p.add_argument("--seed", type=int, default=0, help="(default %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", metavar="DIR",
