@@ -486,7 +486,10 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
                     try:
                         first = _measure(made, inp, config, device, row)
                     except Exception as err:  # e.g. out of memory: a bench reports a failure and goes on
-                        row.status, row.reason = "failed", f"{type(err).__name__}: {str(err).splitlines()[0]}"
+                        first_line = (str(err).splitlines() or [""])[0]
+                        row.status, row.reason = "failed", f"{type(err).__name__}: {first_line}"
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
                     else:
                         ref_name = next((r for r in ("materialised", "relattn:dense") if r in outputs), None)
                         if impl.kind == "relattn" and ref_name is not None and ref_name != impl.name:
