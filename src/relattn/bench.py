@@ -418,9 +418,7 @@ def _calls(config: BenchConfig) -> int:
 
 
 def _skip_reason(impl: Impl, inp: Inputs, history: list[Row], config: BenchConfig, limit: float) -> str | None:
-    for prev in history:
-        if prev.status == "skipped" and prev.reason.startswith(("predicted", "as at")):
-            return prev.reason if prev.reason.startswith("as at") else f"as at N={prev.n}: {prev.reason}"
+    # predictions only grow with N, so what is skipped at one length is skipped at every longer one
     done = [r for r in history if r.status == "ok"]
     mem = max(impl.estimate_bytes(inp), _extrapolate([(r.n, r.peak_fwdbwd_bytes) for r in done], inp.n,
                                                      lo=1.0, hi=2.0, single=1.0) or 0.0)
@@ -666,7 +664,8 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str] | None = None
         lengths=tuple(args.lengths or lengths), causal=args.causal, batch=args.batch, heads=args.heads,
         head_dim=args.head_dim, max_relative_position=args.max_relative_position,
         per_head_tables=args.per_head_tables, dtype=args.dtype, device=args.device, threads=args.threads,
-        repeats=args.repeats or repeats, warmup=args.warmup,
+        repeats=args.repeats or repeats,
+        warmup=(0 if args.memory_check else 1) if args.warmup is None else args.warmup,
         backends=tuple(args.backends) if args.backends else backends,
         peers=tuple(args.peers) if args.peers is not None else peers,
         memory_limit_bytes=args.memory_limit * 1e9 if args.memory_limit else None,
@@ -705,7 +704,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     mode.add_argument("--quick", action="store_true", help=f"lengths {QUICK_LENGTHS}, 3 repeats: under a minute")
     mode.add_argument("--memory-check", action="store_true",
                       help=f"N={MEMORY_CHECK_LENGTHS}: SDPA vs relattn auto (and the materialised form's need), "
-                           "1 repeat")
+                           "1 repeat, no warm-up")
     p.add_argument("--causal", action="store_true", help="causal attention (is_causal=True everywhere)")
     p.add_argument("--lengths", nargs="+", type=_positive_int, metavar="N",
                    help=f"sequence lengths (default {FULL_LENGTHS})")
@@ -722,7 +721,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default %(default)s)")
     p.add_argument("--threads", type=_positive_int, default=2, help="torch threads (default %(default)s)")
     p.add_argument("--repeats", type=_positive_int, help="timed calls per measurement (default 5; quick 3)")
-    p.add_argument("--warmup", type=_non_negative_int, default=1, help="untimed calls first (default %(default)s)")
+    p.add_argument("--warmup", type=_non_negative_int, help="untimed calls first (default 1; --memory-check 0)")
     p.add_argument("--memory-limit", type=_positive_float, metavar="GB",
                    help="skip what is predicted to need more (default: half the free memory)")
     p.add_argument("--time-limit", type=_positive_float, metavar="S",
