@@ -698,7 +698,9 @@ def _one_line_error(prog: str) -> Callable[[str], None]:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="time and memory of relattn's backends against SDPA and the peers",
-                       description=__doc__.split("\n\n")[0])
+                       description="Time and peak memory of relattn's backends against PyTorch's SDPA (no "
+                                   "positions) and the peers' formulations, side by side in one process, "
+                                   "on the same q, k, v. Writes bench.json and bench.png to --out.")
     p.error = _one_line_error("relattn bench")  # one line, not the usage block
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help=f"lengths {QUICK_LENGTHS}, 3 repeats: under a minute")
@@ -720,7 +722,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="(default %(default)s)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default %(default)s)")
     p.add_argument("--threads", type=_positive_int, default=2, help="torch threads (default %(default)s)")
-    p.add_argument("--repeats", type=_positive_int, help="timed calls per measurement (default 5; quick 3)")
+    p.add_argument("--repeats", type=_positive_int,
+                   help="timed calls per measurement (default 5; quick 3; --memory-check 1)")
     p.add_argument("--warmup", type=_non_negative_int, help="untimed calls first (default 1; --memory-check 0)")
     p.add_argument("--memory-limit", type=_positive_float, metavar="GB",
                    help="skip what is predicted to need more (default: half the free memory)")
