@@ -1,0 +1,225 @@
+"""``relattn bench`` and the peers it measures: peers against the numpy reference, the bench's output files."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from relattn import BACKENDS, relative_attention
+from relattn import reference as ref
+from relattn.backends import Backend
+from relattn.backends.dense import dense_attention
+from relattn.bench import BenchConfig, _extrapolate, format_table, peak_extra_bytes, run_bench, write_results
+from relattn.cli import main
+from relattn.peers import HFBertRelativeKey, materialised_attention, transformers_version
+
+F64 = torch.float64
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+HF_MISSING = "transformers>=4.40,<5 is not installed (optional `peers` extra): no Hugging Face peer to test"
+
+
+def _inputs(b, h, n, m, d, kk, *, table_heads, seed=0, dtype=F64):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, length, d, generator=g, dtype=dtype) for length in (n, m, m))
+    shape = (2 * kk + 1, d) if table_heads == 0 else (table_heads, 2 * kk + 1, d)
+    rel_k, rel_v = torch.randn(*shape, generator=g, dtype=dtype), torch.randn(*shape, generator=g, dtype=dtype)
+    return q, k, v, rel_k, rel_v
+
+
+def _reference_grads(fn_np, arrays, grad_out, eps=1e-6):
+    """d sum(fn(arrays) * grad_out) / d arrays by central differences on the float64 numpy reference."""
+    grads = []
+    for i, a in enumerate(arrays):
+        g = np.zeros_like(a)
+        for idx in np.ndindex(a.shape):
+            plus = [x.copy() for x in arrays]
+            minus = [x.copy() for x in arrays]
+            plus[i][idx] += eps
+            minus[i][idx] -= eps
+            g[idx] = ((fn_np(*plus) - fn_np(*minus)) * grad_out).sum() / (2 * eps)
+        grads.append(g)
+    return grads
+
+
+@pytest.mark.parametrize(("n", "m", "kk", "table_heads", "causal"), [
+    (5, 5, 2, 0, False),   # one table shared by all heads, as tensor2tensor
+    (5, 5, 2, 2, True),    # per-head tables, causal
+    (4, 6, 7, 0, False),   # K >= N and M != N
+])
+def test_materialised_matches_reference_outputs_and_gradients(n, m, kk, table_heads, causal):
+    q, k, v, rel_k, rel_v = _inputs(1, 2, n, m, 3, kk, table_heads=table_heads)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, rel_k, rel_v)]
+    out = materialised_attention(*leaves, max_relative_position=kk, is_causal=causal)
+
+    def reference(qq, kk_, vv, rk, rv):
+        return ref.relative_attention(qq, kk_, vv, rk, rv, max_relative_position=kk, is_causal=causal)
+
+    arrays = [t.numpy() for t in (q, k, v, rel_k, rel_v)]
+    np.testing.assert_allclose(out.detach().numpy(), reference(*arrays), rtol=0, atol=1e-12)
+
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    got = torch.autograd.grad(out, leaves, grad_out)
+    expected = _reference_grads(reference, arrays, grad_out.numpy())
+    for name, g, e in zip(("q", "k", "v", "rel_k", "rel_v"), got, expected, strict=True):
+        np.testing.assert_allclose(g.numpy(), e, rtol=0, atol=1e-7, err_msg=f"gradient of {name}")
+
+
+def test_materialised_awkward_sizes_match_reference():
+    q, k, v, rel_k, rel_v = _inputs(2, 3, 97, 97, 59, 16, table_heads=0, seed=3)
+    out = materialised_attention(q, k, v, rel_k, rel_v, max_relative_position=16, is_causal=True)
+    expected = ref.relative_attention(q.numpy(), k.numpy(), v.numpy(), rel_k.numpy(), rel_v.numpy(),
+                                      max_relative_position=16, is_causal=True)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=1e-12)
+
+
+def test_materialised_float32_within_dtype_tolerance():
+    q, k, v, rel_k, rel_v = _inputs(1, 2, 33, 33, 16, 8, table_heads=0, seed=4, dtype=torch.float32)
+    out = materialised_attention(q, k, v, rel_k, rel_v, max_relative_position=8)
+    expected = ref.relative_attention(q.double().numpy(), k.double().numpy(), v.double().numpy(),
+                                      rel_k.double().numpy(), rel_v.double().numpy(), max_relative_position=8)
+    eps = torch.finfo(torch.float32).eps
+    np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=100 * eps * np.abs(expected).max())
+
+
+@pytest.mark.skipif(transformers_version() is None, reason=HF_MISSING)
+def test_hf_peer_is_shaw_key_term_with_reversed_unclipped_table():
+    b, h, n, d, p = 1, 2, 6, 4, 8
+    q, k, v, _, _ = _inputs(b, h, n, n, d, 1, table_heads=0, seed=5)
+    peer = HFBertRelativeKey(h, d, p, dtype=F64)
+    with torch.no_grad():
+        peer.table.copy_(torch.randn(peer.table.shape, generator=torch.Generator().manual_seed(6), dtype=F64))
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = peer(*leaves)
+    table = peer.table.detach().numpy()[::-1].copy()  # row r of HF's table is offset j - i = P - 1 - r
+    expected = ref.relative_attention(q.numpy(), k.numpy(), v.numpy(), table, None, max_relative_position=p - 1)
+    np.testing.assert_allclose(out.detach().numpy(), expected, rtol=0, atol=1e-12)
+
+    # gradients agree with relattn's dense path on the same (reversed) table, table gradient included
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=F64)
+    got = torch.autograd.grad(out, [*leaves, peer.table], grad_out)
+    dense_leaves = [t.clone().requires_grad_(True) for t in (q, k, v, torch.from_numpy(table))]
+    dense_out = relative_attention(*dense_leaves[:3], dense_leaves[3], None, max_relative_position=p - 1,
+                                   backend="dense")
+    want = torch.autograd.grad(dense_out, dense_leaves, grad_out)
+    for g, w in zip(got[:3], want[:3], strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got[3], want[3].flip(0), rtol=0, atol=1e-12)
+
+
+def test_peak_extra_bytes_counts_live_allocations():
+    cpu = torch.device("cpu")
+
+    def two_then_one():
+        a = torch.empty(250_000)  # 1 MB
+        b = torch.empty(250_000)
+        del a
+        c = torch.empty(125_000)  # 0.5 MB: live peak stays at 2 MB
+        return b, c
+
+    assert peak_extra_bytes(lambda: torch.empty(1_000_000), cpu) == 4_000_000
+    assert peak_extra_bytes(two_then_one, cpu) == 2_000_000
+
+
+def test_extrapolate_power_law():
+    assert _extrapolate([(100, 1.0), (200, 4.0)], 400, lo=1, hi=2, single=1) == pytest.approx(16.0)
+    assert _extrapolate([(100, 1.0), (200, 16.0)], 400, lo=1, hi=2, single=1) == pytest.approx(64.0)  # clamped
+    assert _extrapolate([(100, 3.0)], 300, lo=1, hi=2, single=2) == pytest.approx(27.0)
+    assert _extrapolate([], 300, lo=1, hi=2, single=2) is None
+
+
+ROW_FIELDS = {"n", "implementation", "kind", "status", "reason", "note", "detail", "forward_ms", "fwdbwd_ms",
+              "forward_ratio", "fwdbwd_ratio", "peak_forward_bytes", "peak_fwdbwd_bytes", "memory_ratio",
+              "max_abs_diff", "diff_vs", "forward_all_ms", "fwdbwd_all_ms"}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cli_bench_writes_json_and_png(tmp_path, capsys, causal):
+    args = ["bench", "--lengths", "32", "64", "--repeats", "2", "--heads", "2", "--head-dim", "16",
+            "--max-relative-position", "8", "--threads", "1", "--no-progress", "--out", str(tmp_path)]
+    assert main(args + (["--causal"] if causal else [])) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((tmp_path / "bench.json").read_text())
+
+    assert {"cpu", "torch", "torch_threads", "date_utc", "python"} <= set(result["machine"])
+    assert result["machine"]["torch_threads"] == 1
+    assert result["config"]["causal"] is causal and result["config"]["lengths"] == [32, 64]
+    assert "profiler" in result["memory_method"]
+    rows = result["rows"]
+    names = ["sdpa", "materialised", "hf-bert", *(f"relattn:{b}" for b in BACKENDS), "relattn:auto"]
+    assert [(r["n"], r["implementation"]) for r in rows] == [(n, name) for n in (32, 64) for name in names]
+    for r in rows:
+        assert set(r) == ROW_FIELDS
+        assert r["implementation"] in printed
+        if r["implementation"] == "hf-bert" and transformers_version() is None:
+            assert r["status"] == "skipped" and "transformers" in r["reason"]
+            continue
+        assert r["status"] == "ok", r
+        assert len(r["forward_all_ms"]) == len(r["fwdbwd_all_ms"]) == 2
+        assert r["forward_ms"] == pytest.approx(float(np.median(r["forward_all_ms"])), rel=1e-12)
+        sdpa = next(s for s in rows if s["n"] == r["n"] and s["implementation"] == "sdpa")
+        assert r["forward_ratio"] == pytest.approx(r["forward_ms"] / sdpa["forward_ms"], rel=1e-12)
+        assert r["fwdbwd_ratio"] == pytest.approx(r["fwdbwd_ms"] / sdpa["fwdbwd_ms"], rel=1e-12)
+        assert r["memory_ratio"] == pytest.approx(r["peak_fwdbwd_bytes"] / sdpa["peak_fwdbwd_bytes"], rel=1e-12)
+        assert r["peak_fwdbwd_bytes"] > 0
+        if r["kind"] == "relattn":  # every backend gives the peers' answer (float32)
+            assert r["diff_vs"] == "materialised" and r["max_abs_diff"] < 1e-4
+    # the materialised form holds two (N, M, D) tables: more memory than SDPA's O(N)
+    mat = next(r for r in rows if r["n"] == 64 and r["implementation"] == "materialised")
+    assert mat["peak_fwdbwd_bytes"] > 2 * 64 * 64 * 16 * 4 > next(
+        r for r in rows if r["n"] == 64 and r["implementation"] == "sdpa")["peak_fwdbwd_bytes"]
+
+    png = (tmp_path / "bench.png").read_bytes()
+    assert png.startswith(PNG_SIGNATURE)
+    import matplotlib.image
+
+    assert matplotlib.image.imread(tmp_path / "bench.png").ndim == 3
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+def _broken(*args, **kwargs):
+    raise RuntimeError("boom\nsecond line")
+
+
+def test_refused_inputs_and_memory_limit_are_skipped_with_reasons(monkeypatch, tmp_path):
+    monkeypatch.setitem(BACKENDS, "refuser", Backend("refuser", dense_attention, lambda call: "refuses all", "t"))
+    monkeypatch.setitem(BACKENDS, "broken", Backend("broken", _broken, lambda call: None, "raises"))
+    threads = torch.get_num_threads()
+    config = BenchConfig(lengths=(16, 32), heads=2, head_dim=8, max_relative_position=4, threads=1, repeats=1,
+                         warmup=0, peers=("materialised",), memory_limit_bytes=40_000)
+    result = run_bench(config, progress=False)
+    by = {(r["n"], r["implementation"]): r for r in result["rows"]}
+    assert by[(16, "relattn:refuser")]["status"] == "skipped"
+    assert by[(16, "relattn:refuser")]["reason"] == "refuses all"
+    assert by[(16, "sdpa")]["status"] == "ok"
+    assert by[(16, "relattn:broken")]["status"] == "failed"
+    assert by[(16, "relattn:broken")]["reason"] == "RuntimeError: boom"
+    assert torch.get_num_threads() == threads  # run_bench's thread count does not leak out
+    # the materialised form needs 4 (N, M, D) tensors: 4 * 16 * 16 * 8 * 4 B = 32 kB + scores > 40 kB at N=32
+    assert by[(32, "materialised")]["status"] == "skipped"
+    assert by[(32, "materialised")]["reason"].startswith("predicted peak")
+    table = format_table(result)
+    assert "refuses all" in table and "predicted peak" in table
+    json_path, png_path = write_results(result, tmp_path)
+    assert json.loads(json_path.read_text())["rows"] == result["rows"]
+    assert png_path.read_bytes().startswith(PNG_SIGNATURE)
+
+
+@pytest.mark.parametrize("bad", [
+    ["--lengths", "0"],
+    ["--lengths", "abc"],
+    ["--backends", "nope"],
+    ["--repeats", "-1"],
+    ["--device", "tpu"],
+    ["--memory-limit", "0"],
+    ["--quick", "--memory-check"],
+])
+def test_bad_arguments_one_line_error_exit_2(capsys, bad):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *bad])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("relattn bench: error:")
