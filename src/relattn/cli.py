@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMAND_MODULES = ("relattn.demo",)
+COMMAND_MODULES = ("relattn.demo", "relattn.train", "relattn.compare")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -120,7 +120,8 @@ class Block(nn.Module):
             share_heads=config.share_heads, backend=config.backend,
         )
         self.ln2 = nn.LayerNorm(config.d_model)
-        self.ff = nn.Sequential(nn.Linear(config.d_model, config.d_ff), nn.GELU(), nn.Linear(config.d_ff, config.d_model))
+        self.ff = nn.Sequential(nn.Linear(config.d_model, config.d_ff), nn.GELU(),
+                                nn.Linear(config.d_ff, config.d_model))
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x, *, key_padding_mask=None, is_causal=False, kv_cache: KVCache | None = None):
