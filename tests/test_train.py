@@ -133,7 +133,12 @@ def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path, one_thread, c
     assert len(err) == 1 and "step-00000004.json" in err[0]
 
     # --resume without a path: warn about the damaged newest one and continue from step 2.
-    assert cli.main(["train", "--out", str(tmp_path), "--resume", "--steps", "4", *TINY_ARGS]) == 0
+    # (settings come from the newest readable record, step 2's: the run's sizes are not the defaults)
+    (ckpts / ".step-00000006.safetensors.abc123.safetensors").write_bytes(b"half")  # a killed writer's leftovers
+    (ckpts / "step-00000006.safetensors").write_bytes(b"no record")
+    assert cli.main(["train", "--out", str(tmp_path), "--resume", "--no-progress", "--no-plots"]) == 0
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000002.json", "step-00000002.safetensors",
+                                                       "step-00000004.json", "step-00000004.safetensors"]
     captured = capsys.readouterr()
     assert "refusing" in captured.err and "step-00000004" in captured.err
     assert "continuing from" in captured.out and "step-00000002.json (step 2)" in captured.out
@@ -302,7 +307,7 @@ def test_key_table_stats_detects_sharper_rows_near_zero():
     s = key_table_stats(trained, initial, k)
     assert s["prediction_holds"] and s["trained"]["ratio"] > 2 * s["initial"]["ratio"]
     assert s["future_rows_max_change"] == 0.0
-    assert not key_table_stats(initial, initial, k)["prediction_holds"] or s["initial"]["ratio"] > 1
+    assert not key_table_stats(initial, initial, k)["prediction_holds"]  # untrained: nothing to see
 
 
 def test_compare_runs_three_models_and_tabulates(tmp_path, one_thread, capsys):

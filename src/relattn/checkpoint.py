@@ -201,6 +201,9 @@ def prune(directory: str | Path, keep: int) -> None:
         path.with_suffix(".safetensors").unlink(missing_ok=True)
     for tmp in directory.glob(".step-*"):
         tmp.unlink(missing_ok=True)
+    for orphan in directory.glob("step-*.safetensors"):  # killed between writing the tensors and the record
+        if not orphan.with_suffix(".json").exists():
+            orphan.unlink(missing_ok=True)
 
 
 __all__ = ["Checkpoint", "CheckpointError", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "prune",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from ._io import atomic_write_text, save_figure
 from .model import POSITIONS, TransformerConfig
 from .train import TrainOptions, add_model_arguments, add_train_arguments, configs_from_args, run_command, train
 
-COMPARE_STEPS = 600
+COMPARE_STEPS = 700
 
 
 def compare(config: TransformerConfig, options: TrainOptions, positions=POSITIONS) -> dict:
@@ -102,7 +103,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.positions is not None:
-        print("relattn compare: error: --positions is what compare varies; leave it out", flush=True)
+        print("relattn compare: error: --positions is what compare varies; leave it out", file=sys.stderr)
         return 2
     if args.steps is None:
         args.steps = COMPARE_STEPS

@@ -232,7 +232,8 @@ def key_table_stats(trained: torch.Tensor, initial: torch.Tensor, k: int, band: 
                      "near_zero": near, "near_minus_k": far, "ratio": near / far if far > 0 else float("inf")}
     future = (trained.float() - initial.float())[..., k + 1:, :]
     out["future_rows_max_change"] = future.abs().max().item() if future.numel() else 0.0
-    out["prediction_holds"] = out["trained"]["ratio"] > max(1.0, out["initial"]["ratio"])
+    # "holds" needs a margin: i.i.d. rows give ratios around 1 that wander by ~10-20% at small K.
+    out["prediction_holds"] = out["trained"]["ratio"] > 1.25 * max(1.0, out["initial"]["ratio"])
     return out
 
 
@@ -525,8 +526,9 @@ def plot_run(metrics: dict, model: TransformerLM, config: TransformerConfig, ini
         for ax, t, title in ((axes[0], i_show, "at initialisation"), (axes[1], t_show, "after training")):
             im = ax.imshow(t.float().numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto")
             ax.set_yticks(range(0, 2 * k + 1, every), labels[::every])
-            ax.set(title=f"key table a^K, layer 1{head}: {title}", xlabel="dimension", ylabel="relative offset j - i")
-        fig.colorbar(im, ax=axes[:2], shrink=0.8)
+            ax.set(title=f"key table a^K, layer 1{head}: {title}", xlabel="dimension")
+        axes[0].set_ylabel("relative offset j - i")
+        fig.colorbar(im, ax=axes[1], shrink=0.8)
         stats = metrics.get("key_table") or key_table_stats(trained, initial_table, k)
         offs = list(range(-k + 1, 1))
         for name, style in (("initial", "o--"), ("trained", "o-")):
@@ -598,7 +600,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-checkpoints", type=int, default=None, help=f"default: {TrainOptions.keep_checkpoints}")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                    help="continue from the newest valid checkpoint in OUT/checkpoints (or from CHECKPOINT, a "
-                        "step-*.json file); the run's settings come from the checkpoint")
+                        "step-*.json file); the run's settings come from the checkpoint. A larger --steps trains "
+                        "further (the learning-rate schedule then stretches to the new total)")
     p.add_argument("--sample-bytes", type=int, default=None, help=f"default: {TrainOptions.sample_bytes}")
     p.add_argument("--prompt", default=None, help=f"sample prompt (default: {TrainOptions.prompt!r})")
     p.add_argument("--temperature", type=float, default=None, help=f"default: {TrainOptions.temperature}")
@@ -615,18 +618,17 @@ def configs_from_args(args: argparse.Namespace) -> tuple[TransformerConfig, Trai
     base_model, base_opts = {}, {}
     resume = given_opts.get("resume")
     if resume is not None:
-        path = resume if resume != "latest" else None
-        if path is None:
-            paths = list_checkpoints(Path(given_opts.get("out", TrainOptions.out)) / "checkpoints")
-            path = paths[0] if paths else None
-        if path is not None:
+        paths = [Path(resume)] if resume != "latest" else \
+            list_checkpoints(Path(given_opts.get("out", TrainOptions.out)) / "checkpoints")
+        for path in paths:  # the newest readable record; train() verifies the checkpoint itself
             try:
-                meta = json.loads(Path(path).read_text(encoding="utf-8"))
+                meta = json.loads(path.read_text(encoding="utf-8"))
                 base_model = dict(meta["config"])
                 base_opts = {k: v for k, v in meta["options"].items() if k in _OPTION_ARGS and k not in
                              ("out", "resume", "progress", "plots")}
-            except (OSError, ValueError, KeyError, TypeError):
-                pass  # train() verifies the checkpoint and reports what is wrong with it
+                break
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                continue
     try:
         config = TransformerConfig(**{**base_model, **given_model})
     except (TypeError, ValueError) as e:
