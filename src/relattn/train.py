@@ -455,8 +455,8 @@ def _report(model, config, options, metrics, initial_table, out: Path, device) -
         print(f"key-side table a^K, layer 1: mean distance between adjacent offsets near 0 (offsets {-b}..0) "
               f"{tr['near_zero']:.3f} vs at -K ({-k}..{-k + b}) {tr['near_minus_k']:.3f}: ratio {tr['ratio']:.2f} "
               f"(at initialisation {ini['ratio']:.2f}); spec's prediction of sharper structure near offset 0: "
-              f"{'holds' if stats['prediction_holds'] else 'not seen (yet)'}. Rows +1..+{k} (future, masked) changed by "
-              f"at most {stats['future_rows_max_change']:.1e}.")
+              f"{'holds' if stats['prediction_holds'] else 'not seen (yet)'}. Rows +1..+{k} (future, masked) "
+              f"changed by at most {stats['future_rows_max_change']:.1e}.")
     sample = None
     if options.sample_bytes:
         prompt = torch.tensor(list(options.prompt.encode("utf-8")) or [10], dtype=torch.long, device=device)
