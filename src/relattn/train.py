@@ -447,7 +447,7 @@ def _report(model, config, options, metrics, initial_table, out: Path, device) -
           + ", ".join(f"{n}: {v:.4f}" for n, v in metrics["val_loss_by_context"].items()))
     if metrics["contexts_skipped_val_too_short"]:
         print(f"  (skipped, validation split too short: {metrics['contexts_skipped_val_too_short']})")
-    if config.positions == "relative" and initial_table is not None:
+    if config.positions == "relative" and initial_table is not None and config.max_relative_position >= 2:
         stats = key_table_stats(_first_key_table(model), initial_table, config.max_relative_position)
         metrics["key_table"] = stats
         b, k = stats["band"], config.max_relative_position
@@ -514,7 +514,7 @@ def plot_run(metrics: dict, model: TransformerLM, config: TransformerConfig, ini
     paths.append(save_figure(fig, out / "val_loss_vs_context.png"))
 
     trained = _first_key_table(model)
-    if trained is not None:
+    if trained is not None and config.max_relative_position >= 2:  # the row-to-row comparison needs K >= 2
         k = config.max_relative_position
         head = "" if trained.dim() == 2 else f" (head 1 of {trained.shape[0]})"
         t_show = trained if trained.dim() == 2 else trained[0]
