@@ -14,10 +14,8 @@ import torch
 from torch import nn
 
 import relattn
+import relattn.model as model_lib
 from _plain_attention import plain_shaw_forward
-
-# TEMPORARY: relattn.model (issue 4) is built on another branch. Remove this skip when it is merged.
-model_lib = pytest.importorskip("relattn.model", reason="relattn.model not merged yet (TEMPORARY skip)")
 
 NAMES = ["auto", *relattn.BACKENDS]
 F32_TOL = {"rtol": 64 * torch.finfo(torch.float32).eps, "atol": 64 * torch.finfo(torch.float32).eps}

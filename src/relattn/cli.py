@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMAND_MODULES = ("relattn.demo", "relattn.bench")
+COMMAND_MODULES = ("relattn.demo", "relattn.bench", "relattn.train", "relattn.compare")
 
 
 def build_parser() -> argparse.ArgumentParser:

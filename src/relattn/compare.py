@@ -1,0 +1,116 @@
+"""``relattn compare``: relative vs absolute (sinusoidal) vs no positions, same budget and seed.
+
+Each variant is an ordinary ``relattn train`` run in ``OUT/<positions>`` (resumable: rerunning the
+command continues unfinished runs and reuses finished ones); then one table and one plot of
+validation loss per evaluation context (1x, 2x, 4x, 8x the training context). Clipping makes the
+relative model's attention at 8x the context use only table rows it trained on; sinusoidal
+positions beyond the training length were never seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from ._io import atomic_write_text, save_figure
+from .model import POSITIONS, TransformerConfig
+from .train import TrainOptions, add_model_arguments, add_train_arguments, configs_from_args, run_command, train
+
+COMPARE_STEPS = 700
+
+
+def compare(config: TransformerConfig, options: TrainOptions, positions=POSITIONS) -> dict:
+    """Train one model per ``positions`` value (otherwise identical) and return the comparison."""
+    out = Path(options.out)
+    results = {}
+    for pos in positions:
+        print(f"\n=== positions={pos} ===")
+        run = train(replace(config, positions=pos), replace(options, out=str(out / pos), resume="latest"))
+        m = run.metrics
+        results[pos] = {"val_loss_by_context": m["val_loss_by_context"], "parameters": m["parameters"],
+                        "final_train_loss_mean_last_50": m["final_train_loss_mean_last_50"],
+                        "tokens_per_s": m["tokens_per_s"], "train_seconds": m["train_seconds"]}
+    summary = {"config": config.to_dict(), "steps": options.steps, "batch_size": options.batch_size,
+               "seed": options.seed, "data": options.data or "pydoc_data.topics", "machine": machine(),
+               "results": results}
+    table = markdown_table(summary)
+    print("\nValidation loss (nats/byte) by evaluation context:\n")
+    print(table)
+    atomic_write_text(out / "compare.json", json.dumps(summary, indent=1) + "\n")
+    atomic_write_text(out / "compare.md", table + "\n")
+    print(f"\nsaved {out / 'compare.json'}\nsaved {out / 'compare.md'}\nsaved {plot(summary, out / 'compare.png')}")
+    return summary
+
+
+def machine() -> str:
+    import torch
+
+    return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
+            f"torch {torch.__version__}, Python {platform.python_version()}")
+
+
+def markdown_table(summary: dict) -> str:
+    ctx = summary["config"]["context"]
+    lengths = list(next(iter(summary["results"].values()))["val_loss_by_context"])
+    head = "| positions | params | train loss | " + " | ".join(
+        f"val @ {n} ({int(n) // ctx}x)" for n in lengths) + " |"
+    rows = [head, "|" + "---|" * (3 + len(lengths))]
+    best = {n: min(r["val_loss_by_context"][n] for r in summary["results"].values()) for n in lengths}
+    for pos, r in summary["results"].items():
+        cells = []
+        for n in lengths:
+            v = r["val_loss_by_context"][n]
+            cells.append(f"**{v:.4f}**" if v == best[n] else f"{v:.4f}")
+        rows.append(f"| {pos} | {r['parameters']:,} | {r['final_train_loss_mean_last_50']:.4f} | "
+                    + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def plot(summary: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for pos, r in summary["results"].items():
+        n = [int(c) for c in r["val_loss_by_context"]]
+        ax.plot(n, list(r["val_loss_by_context"].values()), "o-", label=pos)
+    ctx = summary["config"]["context"]
+    ax.axvline(ctx, color="gray", ls="--", lw=1, label="training context")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(n, [str(c) for c in n])
+    ax.set(xlabel="evaluation context (bytes)", ylabel="validation loss (nats/byte)",
+           title=f"Length generalisation, {summary['steps']} steps, seed {summary['seed']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return save_figure(fig, path)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="relative vs absolute vs no positions: validation loss per context length",
+                       description="Train the same model with relative, absolute (sinusoidal) and no positions, "
+                                   "same budget and seed; tabulate and plot validation loss at 1x, 2x, 4x, 8x the "
+                                   "training context. Rerunning continues unfinished runs.")
+    add_train_arguments(p, out_default="relattn-runs/compare")
+    add_model_arguments(p)
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.positions is not None:
+        print("relattn compare: error: --positions is what compare varies; leave it out", file=sys.stderr)
+        return 2
+    if args.steps is None:
+        args.steps = COMPARE_STEPS
+    args.resume = None
+
+    def body():
+        config, options = configs_from_args(args)
+        compare(config, replace(options, sample_bytes=120, checkpoint_every=options.steps))
+
+    return run_command(args, body)

@@ -1,0 +1,160 @@
+"""TransformerLM / TransformerEncoder: cached decoding equals the full forward pass, generation, config."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from relattn.model import TransformerConfig, TransformerEncoder, TransformerLM, sinusoidal_positions
+
+
+def tiny(positions, **kw):
+    cfg = dict(d_model=24, n_heads=3, n_layers=2, d_ff=40, max_relative_position=3, positions=positions)
+    cfg.update(kw)
+    return TransformerConfig(**cfg)
+
+
+def _model(config, dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    model = TransformerLM(config).to(dtype).eval()
+    # Make every parameter matter: random biases and LayerNorm gains instead of zeros/ones.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".ln" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+CASES = [("relative", {}), ("relative", {"share_heads": False}), ("relative", {"relative_values": False}),
+         ("absolute", {}), ("none", {})]
+
+
+@pytest.mark.parametrize("positions,extra", CASES)
+def test_cached_decoding_equals_full_forward_float64(positions, extra):
+    # Prompt of 5, then 9 single steps: the sequence (14) is longer than 2K+1 = 7, so clipping is exercised.
+    model = _model(tiny(positions, **extra))
+    tokens = torch.randint(0, 256, (2, 14), generator=torch.Generator().manual_seed(1))
+    full = model(tokens)
+    caches = model.new_caches()
+    parts = [model(tokens[:, :5], kv_caches=caches)]
+    for i in range(5, 14):
+        parts.append(model(tokens[:, i:i + 1], kv_caches=caches))
+    assert all(len(c) == 14 for c in caches)
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("positions", ["relative", "absolute", "none"])
+def test_cached_decoding_in_uneven_chunks_float32(positions):
+    model = _model(tiny(positions), dtype=torch.float32)
+    tokens = torch.randint(0, 256, (3, 23), generator=torch.Generator().manual_seed(2))
+    full = model(tokens)
+    caches = model.new_caches()
+    parts = [model(tokens[:, a:b], kv_caches=caches) for a, b in ((0, 7), (7, 8), (8, 11), (11, 12), (12, 23))]
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=100 * eps, atol=100 * eps * full.abs().max().item())
+
+
+def test_cache_positions_matter():
+    # Guard against a test that passes because positions are ignored: with relative or absolute positions,
+    # decoding the last token with a cache that pretends it sits at position 0 gives different logits.
+    for positions in ("relative", "absolute"):
+        model = _model(tiny(positions))
+        tokens = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(3))
+        full = model(tokens)[:, -1]
+        alone = model(tokens[:, -1:])[:, -1]
+        assert (full - alone).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("positions", ["relative", "absolute", "none"])
+def test_greedy_generate_matches_recomputing_everything(positions):
+    model = _model(tiny(positions))
+    prompt = torch.tensor([72, 101, 108, 108, 111])
+    out = model.generate(prompt, 12, temperature=0)
+    seq = prompt[None]
+    for _ in range(12):
+        nxt = model(seq)[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], 1)
+    assert out.shape == (17,)
+    assert torch.equal(out, seq[0])
+    assert torch.equal(model.generate(prompt, 12, top_k=1), out)  # top-1 sampling is greedy
+
+
+def test_generate_sampling_is_reproducible_and_batched():
+    model = _model(tiny("relative"))
+    prompt = torch.randint(0, 256, (3, 4), generator=torch.Generator().manual_seed(4))
+    a = model.generate(prompt, 10, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(7))
+    b = model.generate(prompt, 10, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(7))
+    assert a.shape == (3, 14) and torch.equal(a, b) and torch.equal(a[:, :4], prompt)
+    model.train()
+    model.generate(prompt, 1)
+    assert model.training  # mode restored
+    assert model.generate(prompt, 0).shape == (3, 4)
+
+
+def test_generate_rejects_bad_arguments():
+    model = _model(tiny("none"))
+    with pytest.raises(ValueError, match="prompt"):
+        model.generate(torch.tensor([], dtype=torch.long), 3)
+    with pytest.raises(ValueError, match="prompt ids"):
+        model.generate(torch.tensor([256]), 3)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(torch.tensor([1]), 3, temperature=-1)
+    with pytest.raises(ValueError, match="top_k"):
+        model.generate(torch.tensor([1]), 3, top_k=0)
+
+
+def test_encoder_padding_is_ignored_and_none_is_permutation_equivariant():
+    cfg = tiny("relative")
+    torch.manual_seed(0)
+    enc = TransformerEncoder(cfg).double().eval()
+    x = torch.randn(2, 7, 24, dtype=torch.float64)
+    pad = torch.randn(2, 3, 24, dtype=torch.float64)
+    mask = torch.zeros(2, 10, dtype=torch.bool)
+    mask[:, 7:] = True
+    padded = enc(torch.cat([x, pad], 1), key_padding_mask=mask)[:, :7]
+    torch.testing.assert_close(padded, enc(x), rtol=0, atol=1e-12)
+
+    torch.manual_seed(0)
+    enc = TransformerEncoder(tiny("none")).double().eval()
+    perm = torch.randperm(7)
+    torch.testing.assert_close(enc(x)[:, perm], enc(x[:, perm]), rtol=0, atol=1e-12)
+    torch.manual_seed(0)
+    enc = TransformerEncoder(tiny("relative")).double().eval()
+    assert (enc(x)[:, perm] - enc(x[:, perm])).abs().max() > 1e-3  # relative positions break the symmetry
+
+
+def test_sinusoidal_positions_formula_and_offset():
+    pe = sinusoidal_positions(12, 7, dtype=torch.float64).numpy()
+    for p, i in ((0, 0), (5, 2), (11, 4), (3, 6)):
+        angle = p / 10000 ** (2 * (i // 2) / 7)
+        assert pe[p, i] == pytest.approx(math.sin(angle) if i % 2 == 0 else math.cos(angle), abs=1e-12)
+    np.testing.assert_array_equal(sinusoidal_positions(4, 7, offset=8, dtype=torch.float64).numpy(), pe[8:12])
+
+
+def test_config_validation_and_round_trip():
+    with pytest.raises(ValueError, match="d_model .* divisible by n_heads"):
+        TransformerConfig(d_model=10, n_heads=3)
+    with pytest.raises(ValueError, match="context"):
+        TransformerConfig(context=0)
+    with pytest.raises(ValueError, match="positions"):
+        TransformerConfig(positions="rotary")
+    with pytest.raises(ValueError, match="backend"):
+        TransformerConfig(backend="nope")
+    cfg = TransformerConfig(positions="absolute", d_model=48, n_heads=6)
+    assert TransformerConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown"):
+        TransformerConfig.from_dict({"width": 3})
+
+
+def test_tables_and_tying_follow_the_config():
+    lm = TransformerLM(tiny("relative", share_heads=False))
+    assert lm.encoder.blocks[0].attn.rel_k.shape == (3, 7, 8)
+    assert lm.head.weight is lm.embed.weight
+    lm = TransformerLM(tiny("absolute", tie_embeddings=False))
+    assert lm.encoder.blocks[0].attn.rel_k is None and lm.encoder.blocks[0].attn.rel_v is None
+    assert lm.head.weight is not lm.embed.weight
+    lm = TransformerLM(tiny("relative", relative_values=False))
+    assert lm.encoder.blocks[0].attn.rel_k is not None and lm.encoder.blocks[0].attn.rel_v is None

@@ -1,0 +1,323 @@
+"""relattn train / compare: resume determinism, checkpoints that survive SIGKILL, DDP, bad inputs, outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from relattn import cli
+from relattn.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
+from relattn.data import ByteData, DataError, eval_windows, get_batch, load_corpus
+from relattn.model import TransformerConfig
+from relattn.train import TrainOptions, eval_plan, key_table_stats, lr_at, train
+
+PY = sys.executable
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TINY = TransformerConfig(d_model=16, n_heads=2, n_layers=2, d_ff=32, max_relative_position=4, context=16)
+TINY_ARGS = ["--d-model", "16", "--heads", "2", "--layers", "2", "--d-ff", "32", "--max-relative-position", "4",
+             "--context", "16", "--batch-size", "8", "--eval-tokens", "512", "--eval-every", "5",
+             "--sample-bytes", "20", "--no-plots", "--no-progress"]
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the machine is shared: one thread is faster and is what the subprocesses use
+    yield
+    torch.set_num_threads(before)
+
+
+def opts(out, **kw):
+    base = dict(out=str(out), steps=12, batch_size=8, eval_tokens=512, eval_every=5, checkpoint_every=100,
+                sample_bytes=0, plots=False, progress=False)
+    base.update(kw)
+    return TrainOptions(**base)
+
+
+def env1():
+    return {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------ resume
+
+
+def test_resume_replays_the_uninterrupted_run_exactly(tmp_path, one_thread, capsys):
+    cfg = replace(TINY, dropout=0.1)  # dropout exercises the RNG handling too
+    full = train(cfg, opts(tmp_path / "full", sample_bytes=30, plots=True))
+    assert [s for s, _ in full.train_loss] == list(range(1, 13))
+
+    part = train(cfg, opts(tmp_path / "part", checkpoint_every=4, keep_checkpoints=10))
+    ckpts = tmp_path / "part" / "checkpoints"
+    assert [p.name for p in list_checkpoints(ckpts)] == ["step-00000012.json", "step-00000008.json",
+                                                         "step-00000004.json"]
+    for p in list_checkpoints(ckpts)[:2]:  # as if killed right after step 4's checkpoint
+        p.unlink()
+        p.with_suffix(".safetensors").unlink()
+    capsys.readouterr()
+    resumed = train(cfg, opts(tmp_path / "part", checkpoint_every=4, resume="latest"))
+    said = capsys.readouterr().out
+    assert "continuing from" in said and "step-00000004.json (step 4)" in said
+    assert resumed.metrics["resumed_from"].endswith("step-00000004.json")
+    assert resumed.train_loss == full.train_loss == part.train_loss  # bitwise, every step
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+    # The outputs of a finished run.
+    out = tmp_path / "full"
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["steps"] == 12 and m["train_loss"] == [[s, v] for s, v in full.train_loss]
+    assert list(m["val_loss_by_context"]) == ["16", "32", "64", "128"]
+    assert all(2.0 < v < 7.0 for v in m["val_loss_by_context"].values())
+    assert m["tokens_per_s"] > 0 and m["val_eval_bytes"] == 512
+    assert set(m["key_table"]) >= {"trained", "initial", "prediction_holds"}
+    assert m["key_table"]["future_rows_max_change"] == 0.0  # a causal LM never touches offsets > 0
+    for png in ("loss_curve.png", "val_loss_vs_context.png", "key_table.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len((out / "sample.txt").read_text(encoding="utf-8")) >= 30
+
+
+def test_resume_refuses_a_different_model_or_run(tmp_path, one_thread):
+    train(TINY, opts(tmp_path, steps=2))
+    with pytest.raises(CheckpointError, match="d_model=16"):
+        train(replace(TINY, d_model=32), opts(tmp_path, steps=4, resume="latest"))
+    with pytest.raises(CheckpointError, match="seed"):
+        train(TINY, opts(tmp_path, steps=4, resume="latest", seed=3))
+    rc = cli.main(["train", "--out", str(tmp_path), "--steps", "2", *TINY_ARGS])  # no --resume: refuse to mix runs
+    assert rc == 2
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+
+def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path, one_thread, capsys):
+    train(TINY, opts(tmp_path, steps=4, checkpoint_every=2))
+    ckpts = tmp_path / "checkpoints"
+    newest = ckpts / "step-00000004.json"
+    assert load_checkpoint(newest).step == 4
+
+    tensors = newest.with_suffix(".safetensors")
+    raw = tensors.read_bytes()
+    tensors.write_bytes(raw[: len(raw) // 2])  # truncated
+    with pytest.raises(CheckpointError, match=r"step-00000004\.safetensors.*truncated"):
+        load_checkpoint(newest)
+    tensors.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))  # one bit flipped
+    with pytest.raises(CheckpointError, match=r"step-00000004\.safetensors.*corrupt"):
+        load_checkpoint(newest)
+    ckpt, refused = latest_checkpoint(ckpts)
+    assert ckpt.step == 2 and len(refused) == 1 and "step-00000004" in refused[0]
+
+    text = newest.read_text()
+    newest.write_text(text[: len(text) // 3])
+    with pytest.raises(CheckpointError, match=r"step-00000004\.json.*JSON"):
+        load_checkpoint(newest)
+
+    capsys.readouterr()
+    assert cli.main(["train", "--out", str(tmp_path), "--resume", str(newest), *TINY_ARGS]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "step-00000004.json" in err[0]
+
+    # --resume without a path: warn about the damaged newest one and continue from step 2.
+    # (settings come from the newest readable record, step 2's: the run's sizes are not the defaults)
+    (ckpts / ".step-00000006.safetensors.abc123.safetensors").write_bytes(b"half")  # a killed writer's leftovers
+    (ckpts / "step-00000006.safetensors").write_bytes(b"no record")
+    assert cli.main(["train", "--out", str(tmp_path), "--resume", "--no-progress", "--no-plots"]) == 0
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000002.json", "step-00000002.safetensors",
+                                                       "step-00000004.json", "step-00000004.safetensors"]
+    captured = capsys.readouterr()
+    assert "refusing" in captured.err and "step-00000004" in captured.err
+    assert "continuing from" in captured.out and "step-00000002.json (step 2)" in captured.out
+    assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 4
+
+
+def test_sigkill_after_the_first_checkpoint_then_resume(tmp_path, one_thread):
+    out = tmp_path / "run"
+    cmd = [PY, "-m", "relattn", "train", "--steps", "60", "--checkpoint-every", "10", "--out", str(out), *TINY_ARGS]
+    proc = subprocess.Popen(cmd, env=env1(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 90
+    while not list_checkpoints(out / "checkpoints"):
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "metrics.json").exists(), "the run finished before it could be killed"
+    killed_at = load_checkpoint(list_checkpoints(out / "checkpoints")[0]).step
+    assert 10 <= killed_at < 60
+
+    res = subprocess.run([*cmd, "--resume"], env=env1(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert f"(step {killed_at})" in res.stdout
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["steps"] == 60 and [s for s, _ in m["train_loss"]] == list(range(1, 61))
+
+    # ... and the losses are those of a run that was never interrupted.
+    ref = train(TINY, opts(tmp_path / "ref", steps=60, checkpoint_every=10, eval_every=5))
+    assert m["train_loss"] == [[s, v] for s, v in ref.train_loss]
+
+
+# ------------------------------------------------------------------------------------------------ DDP
+
+
+def _ddp_worker(rank: int, world: int, port: int, out: str, result_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    result = train(TINY, opts(out, steps=6, checkpoint_every=3, eval_every=3, device="cpu"))
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in result.model.state_dict().items() if k != "head.weight"},
+              f"{result_dir}/rank{rank}.safetensors")
+    Path(f"{result_dir}/rank{rank}.json").write_text(json.dumps(result.metrics["train_loss"]))
+
+
+def test_ddp_two_processes_match_a_single_process_run(tmp_path, one_thread):
+    from safetensors.torch import load_file
+
+    torch.multiprocessing.spawn(_ddp_worker, args=(2, free_port(), str(tmp_path / "ddp"), str(tmp_path)), nprocs=2)
+    r0, r1 = (load_file(tmp_path / f"rank{r}.safetensors") for r in (0, 1))
+    for name in r0:
+        assert torch.equal(r0[name], r1[name]), name  # replicas never drift apart
+    single = train(TINY, opts(tmp_path / "single", steps=6, checkpoint_every=3, eval_every=3))
+    ddp_loss = json.loads((tmp_path / "rank0.json").read_text())
+    assert ddp_loss == json.loads((tmp_path / "rank1.json").read_text())
+    torch.testing.assert_close(torch.tensor(ddp_loss, dtype=torch.float64),
+                               torch.tensor(single.train_loss, dtype=torch.float64),
+                               rtol=1e-5, atol=1e-6)
+    # Parameters agree to rounding, except the key-projection biases: softmax ignores a score shift that is
+    # constant along a row, so their exact gradient is 0 and Adam turns rounding noise into lr-sized steps.
+    for name, p in single.model.state_dict().items():
+        if name != "head.weight" and not name.endswith("k_proj.bias"):
+            assert (r0[name] - p).norm() <= 1e-6 * p.norm() + 1e-7, name
+    # only rank 0 wrote: one set of checkpoints and metrics
+    assert [p.name for p in list_checkpoints(tmp_path / "ddp" / "checkpoints")] == ["step-00000006.json",
+                                                                                  "step-00000003.json"]
+    assert json.loads((tmp_path / "ddp" / "metrics.json").read_text())["world_size"] == 2
+
+
+def test_torchrun_two_processes(tmp_path):
+    out = tmp_path / "tr"
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "relattn", "train",
+           "--steps", "10", "--checkpoint-every", "5", "--out", str(out), "--device", "cpu", *TINY_ARGS]
+    res = subprocess.run(cmd, env=env1(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["steps"] == 10 and m["world_size"] == 2
+    assert res.stdout.count("saved") >= 1 and res.stdout.count("relattn train:") == 1  # rank 0 speaks alone
+
+
+# ------------------------------------------------------------------------------------------------ bad inputs
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "not-utf8", "directory", "short", "heads", "context", "lr"])
+def test_bad_input_is_one_line_and_exit_status_2(tmp_path, case, capsys):
+    data = tmp_path / "data.txt"
+    args = ["train", "--out", str(tmp_path / "o"), "--steps", "2"]
+    expect = {"missing": "no such file", "empty": "empty", "not-utf8": "not UTF-8", "directory": "directory",
+              "short": "too short", "heads": "divisible", "context": "--context", "lr": "--lr"}[case]
+    if case == "empty":
+        data.write_bytes(b"")
+    elif case == "not-utf8":
+        data.write_bytes("caf\u00e9 ".encode("latin-1") * 100)
+    elif case == "directory":
+        data = tmp_path
+    elif case == "short":
+        data.write_text("hello world " * 10)  # 120 bytes: validation split of 12 < context + 1
+    if case in ("missing", "empty", "not-utf8", "directory", "short"):
+        args += ["--data", str(data)]
+    args += {"heads": ["--d-model", "30", "--heads", "4"], "context": ["--context", "0"], "lr": ["--lr", "-1"]}.get(
+        case, [])
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("relattn train: error:") and expect in err[0], err
+
+
+def test_bad_input_from_the_shell_has_no_traceback(tmp_path):
+    res = subprocess.run([PY, "-m", "relattn", "train", "--data", str(tmp_path / "nope.txt")], env=env1(),
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip() == f"relattn train: error: --data {tmp_path / 'nope.txt'}: no such file"
+
+
+# ------------------------------------------------------------------------------------------------ pieces
+
+
+def test_default_corpus_and_split():
+    raw, name = load_corpus(None)
+    assert name == "pydoc_data.topics" and 400_000 < len(raw) < 600_000
+    raw.decode("utf-8")
+    data = ByteData.from_bytes(raw, context=64)
+    assert len(data.val) == len(raw) // 10 and bytes(data.train.tolist()[:50]) == raw[:50]
+    with pytest.raises(DataError, match="too short"):
+        ByteData.from_bytes(b"x" * 100, context=64)
+
+
+def test_batches_are_a_function_of_the_step_and_shard_by_rank():
+    train_bytes = torch.arange(1000) % 251
+    x, y = get_batch(train_bytes.to(torch.uint8), step=3, seed=1, batch_size=6, context=10)
+    assert x.shape == y.shape == (6, 10) and torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(y, (x + 1) % 251)  # targets are the next byte
+    shards = [get_batch(train_bytes.to(torch.uint8), step=3, seed=1, batch_size=6, context=10, rank=r,
+                        world_size=3)[0] for r in range(3)]
+    assert torch.equal(torch.cat(shards), x)
+    other = get_batch(train_bytes.to(torch.uint8), step=4, seed=1, batch_size=6, context=10)[0]
+    assert not torch.equal(other, x)
+
+
+def test_evaluation_scores_the_same_bytes_at_every_length():
+    val = torch.arange(200, dtype=torch.uint8)
+    total, lengths, skipped = eval_plan(len(val), 8, 10_000)
+    assert lengths == [8, 16, 32, 64] and skipped == [] and total == 192
+    for n in lengths:
+        x, y = eval_windows(val, n, total)
+        assert x.shape == (total // n, n) and torch.equal(y.flatten(), val[1:total + 1].long())
+    total, lengths, skipped = eval_plan(40, 8, 10_000)
+    assert lengths == [8, 16, 32] and skipped == [64] and total == 32
+
+
+def test_learning_rate_schedule():
+    o = TrainOptions(steps=1000, lr=1.0)
+    assert lr_at(0, o) == pytest.approx(0.01) and lr_at(99, o) == pytest.approx(1.0)
+    assert lr_at(999, o) == pytest.approx(0.1, abs=1e-4) and lr_at(550, o) == pytest.approx(0.55)
+
+
+def test_key_table_stats_detects_sharper_rows_near_zero():
+    k, d = 8, 4
+    g = torch.Generator().manual_seed(0)
+    initial = torch.randn(2 * k + 1, d, generator=g)
+    trained = initial.clone()
+    trained[k - 3: k + 1] += 5 * torch.randn(4, d, generator=g)  # offsets -3..0 move a lot
+    s = key_table_stats(trained, initial, k)
+    assert s["prediction_holds"] and s["trained"]["ratio"] > 2 * s["initial"]["ratio"]
+    assert s["future_rows_max_change"] == 0.0
+    assert not key_table_stats(initial, initial, k)["prediction_holds"]  # untrained: nothing to see
+
+
+def test_compare_runs_three_models_and_tabulates(tmp_path, one_thread, capsys):
+    args = ["compare", "--out", str(tmp_path), "--steps", "3", *[a for a in TINY_ARGS if a != "--sample-bytes"
+                                                                 and a != "20"]]
+    assert cli.main(args) == 0
+    summary = json.loads((tmp_path / "compare.json").read_text())
+    assert list(summary["results"]) == ["relative", "absolute", "none"]
+    table = (tmp_path / "compare.md").read_text().splitlines()
+    assert len(table) == 5 and table[0].count("val @") == 4
+    assert summary["results"]["relative"]["parameters"] > summary["results"]["none"]["parameters"]
+    assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    assert cli.main(args) == 0  # rerunning reuses the finished runs
