@@ -36,3 +36,15 @@ def test_cli_demo(tmp_path):
 def test_cli_unknown_command_exits_2():
     r = subprocess.run([sys.executable, "-m", "relattn", "nope"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_saved_files_get_ordinary_permissions(tmp_path):
+    import os
+    import stat
+
+    from relattn._io import atomic_write_text
+
+    atomic_write_text(tmp_path / "a.txt", "x")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE((tmp_path / "a.txt").stat().st_mode) == 0o666 & ~mask
