@@ -45,14 +45,36 @@ def _always(call: AttentionCall) -> str | None:
     return None
 
 
+from .ops import blocked_attention, blocked_supports, fused_attention, fused_supports  # noqa: E402
+
 BACKENDS: dict[str, Backend] = {
     "dense": Backend("dense", dense_attention, _always,
                      "(B,H,N,M) scores, key term gathered from q@rel_k.T, value term by bucket sums"),
+    "blocked": Backend("blocked", blocked_attention, blocked_supports,
+                       "flash algorithm in plain torch: online softmax over key blocks, O(N(D+K)) memory, "
+                       "any mask, dropout"),
+    "fused": Backend("fused", fused_attention, fused_supports,
+                     "PyTorch's fused attention for |j-i| >= K (edge rows folded into k, v), a 2K-1 band per "
+                     "row, merged by log-sum-exp; no mask, no dropout"),
 }
+
+# Crossover measured by benchmarks/crossover.py (fwd+bwd, float32, H=8, D=64, K=16..64, 2 threads):
+# below about this many scores per head (N*M) the dense (B,H,N,M) path beats "fused"; "blocked" never
+# beats "dense" at these sizes. At N >= 2048 "auto" never builds an (N, M) tensor per head.
+DENSE_MAX_SCORES = 512 * 512
 
 
 def choose(call: AttentionCall) -> Backend:
-    """The backend "auto" uses for these inputs: the fastest one that supports them."""
+    """The backend "auto" uses for these inputs: the fastest one that supports them.
+
+    Small problems go to "dense"; otherwise "fused" when it can serve the inputs (no mask, no
+    dropout), else "blocked" (O(N) memory, anything but a mask that requires grad), else "dense".
+    """
+    n, m = call.q.shape[-2], call.k.shape[-2]
+    order = ("dense", "fused", "blocked") if n * m <= DENSE_MAX_SCORES else ("fused", "blocked", "dense")
+    for name in order:
+        if BACKENDS[name].supports(call) is None:
+            return BACKENDS[name]
     return BACKENDS["dense"]
 
 
