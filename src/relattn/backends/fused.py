@@ -327,7 +327,7 @@ def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relat
     """Gradients (dq, dk, dv, d_rel_k | None, d_rel_v | None) from the forward's ``out``, ``lse``, band weights."""
     kk = max_relative_position
     b, h, n, d = q.shape
-    m, dv = k.shape[2], v.shape[3]
+    m = k.shape[2]
     sdt = stats_dtype(q.dtype)
     grad_out = grad_out.contiguous()
     lse = lse.contiguous()

@@ -38,8 +38,9 @@ def _table_grads_fake(q: Tensor, rel_k: Tensor | None, rel_v: Tensor | None) -> 
 def blocked_fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None, mask: Tensor | None,
                 seed: Tensor, max_relative_position: int, is_causal: bool, dropout_p: float, scale: float,
                 query_offset: int) -> tuple[Tensor, Tensor]:
-    return blocked_forward(q, k, v, rel_k, rel_v, mask, seed, max_relative_position=max_relative_position,
-                           is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset)
+    out = blocked_forward(q, k, v, rel_k, rel_v, mask, seed, max_relative_position=max_relative_position,
+                          is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset)
+    return tuple(t.contiguous() for t in out)  # the fake kernels promise contiguous outputs
 
 
 @blocked_fwd.register_fake
@@ -56,7 +57,7 @@ def blocked_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor
     dq, dk, dv, drk, drv = blocked_backward(
         grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, max_relative_position=max_relative_position,
         is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset)
-    return dq, dk, dv, _or_empty(drk, q), _or_empty(drv, q)
+    return tuple(t.contiguous() for t in (dq, dk, dv, _or_empty(drk, q), _or_empty(drv, q)))
 
 
 @blocked_bwd.register_fake
@@ -89,8 +90,9 @@ blocked_fwd.register_autograd(_blocked_backward, setup_context=_blocked_setup)
 def fused_fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
               max_relative_position: int, is_causal: bool, scale: float,
               query_offset: int) -> tuple[Tensor, Tensor, Tensor]:
-    return fused_forward(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, is_causal=is_causal,
-                         scale=scale, query_offset=query_offset)
+    out = fused_forward(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, is_causal=is_causal,
+                        scale=scale, query_offset=query_offset)
+    return tuple(t.contiguous() for t in out)
 
 
 @fused_fwd.register_fake
@@ -109,7 +111,7 @@ def fused_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor |
     dq, dk, dv, drk, drv = fused_backward(
         grad_out, q, k, v, rel_k, rel_v, out, lse, band, max_relative_position=max_relative_position,
         is_causal=is_causal, scale=scale, query_offset=query_offset)
-    return dq, dk, dv, _or_empty(drk, q), _or_empty(drv, q)
+    return tuple(t.contiguous() for t in (dq, dk, dv, _or_empty(drk, q), _or_empty(drv, q)))
 
 
 @fused_bwd.register_fake
