@@ -58,10 +58,15 @@ BACKENDS: dict[str, Backend] = {
                      "row, merged by log-sum-exp; no mask, no dropout"),
 }
 
-# Crossover measured by benchmarks/crossover.py (fwd+bwd, float32, H=8, D=64, K=16..64, 2 threads):
-# below about this many scores per head (N*M) the dense (B,H,N,M) path beats "fused"; "blocked" never
-# beats "dense" at these sizes. At N >= 2048 "auto" never builds an (N, M) tensor per head.
-DENSE_MAX_SCORES = 512 * 512
+# Crossover measured by benchmarks/crossover.py (fwd+bwd, float32, B=1, H=8, D=64, both tables; on the
+# shared 2-core dev machine, 1 thread): dense was fastest up to N = M = 256 at K = 16 and up to 384 at K = 64,
+# "fused" from 384 (K = 16) / 512 (K = 64) on, and "blocked" beat "dense" from about the same N. So dense
+# serves problems with N*M <= (256 + 3K)^2 scores per head; at N >= 2048 "auto" never builds an (N, M) tensor.
+
+
+def dense_max_scores(max_relative_position: int) -> int:
+    """Largest N*M per head for which "auto" picks "dense" (see the crossover note above)."""
+    return (256 + 3 * max_relative_position) ** 2
 
 
 def choose(call: AttentionCall) -> Backend:
@@ -71,7 +76,8 @@ def choose(call: AttentionCall) -> Backend:
     dropout), else "blocked" (O(N) memory, anything but a mask that requires grad), else "dense".
     """
     n, m = call.q.shape[-2], call.k.shape[-2]
-    order = ("dense", "fused", "blocked") if n * m <= DENSE_MAX_SCORES else ("fused", "blocked", "dense")
+    small = n * m <= dense_max_scores(call.max_relative_position)
+    order = ("dense", "fused", "blocked") if small else ("fused", "blocked", "dense")
     for name in order:
         if BACKENDS[name].supports(call) is None:
             return BACKENDS[name]
