@@ -9,8 +9,6 @@ import subprocess
 import sys
 import time
 
-import torch
-
 
 def time_interleaved(fns: dict, reps: int, warmup: int = 1) -> dict[str, list[float]]:
     """Run every fn ``warmup`` times, then ``reps`` rounds of each in turn; seconds per call, per name."""

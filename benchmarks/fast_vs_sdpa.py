@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     for n in args.lengths:
         for causal in (False, True):
             inputs = make_inputs(n, heads=args.heads, dim=args.dim, kk=args.k)
-            fns = {m: (lambda m=m: step(m, inputs, kk=args.k, causal=causal, backend=args.backend))
+            fns = {m: (lambda m=m, x=inputs, c=causal: step(m, x, kk=args.k, causal=c, backend=args.backend))
                    for m in ("sdpa", "relattn")}
             times = time_interleaved(fns, args.reps)
             a, b = median_ms(times["sdpa"]), median_ms(times["relattn"])
