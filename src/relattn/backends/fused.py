@@ -32,7 +32,14 @@ import torch.nn.functional as F
 
 from ..positions import clip_and_shift
 
-DEFAULT_TILE = 32  # W/wb = (T + 2K - 2)/(2K - 1): 1.25 at K = 64; smaller tiles make slow GEMMs
+DEFAULT_TILE = None  # chosen from the band width by default_tile()
+
+
+def default_tile(band: int) -> int:
+    """Queries per band tile. Wasted work is (T - 1)/wb of the band; small tiles make slow batched GEMMs and
+    more overlap-adds in the backward (ceil(W/T) of them). Single-thread timings of the six band GEMMs at
+    N = 2048, D = 64 (wb = 127: T = 32 and 64 tie, T = 64 needs fewer adds; wb = 64: T = 32 best)."""
+    return 64 if band >= 96 else 32
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -141,7 +148,7 @@ class _Band:
         self.b, self.h, self.n, self.m = b, h, n, m
         self.r_lo, r_hi = -(kk - 1), (0 if is_causal else kk - 1)
         self.wb = r_hi - self.r_lo + 1
-        self.tile = t = max(1, min(tile, n))
+        self.tile = t = max(1, min(tile or default_tile(self.wb), n))
         self.nt = -(-n // t)
         self.ntp = self.nt + -(-(self.wb - 1) // t)
         self.w = t + self.wb - 1
@@ -237,7 +244,7 @@ def _regions(n, m, kk, query_offset, is_causal):
 
 
 def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causal: bool, scale: float,
-                  query_offset: int, tile: int = DEFAULT_TILE):
+                  query_offset: int, tile: int | None = DEFAULT_TILE):
     """Forward. Returns ``out`` (B, H, N, Dv), ``lse`` (B, H, N) and the band weights (B, H, N, wb).
 
     ``wb = band_width(K, is_causal)``. ``lse`` and the band weights are float32 for 16-bit inputs.
@@ -323,7 +330,7 @@ def band_width(max_relative_position: int, is_causal: bool) -> int:
 
 
 def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relative_position: int,
-                   is_causal: bool, scale: float, query_offset: int, tile: int = DEFAULT_TILE):
+                   is_causal: bool, scale: float, query_offset: int, tile: int | None = DEFAULT_TILE):
     """Gradients (dq, dk, dv, d_rel_k | None, d_rel_v | None) from the forward's ``out``, ``lse``, band weights."""
     kk = max_relative_position
     b, h, n, d = q.shape
