@@ -178,9 +178,11 @@ class _Band:
         return self.skew(tiles).reshape(self.b, self.h, self.lh, self.wb)
 
     def tiles_of(self, band: torch.Tensor) -> torch.Tensor:
-        """(B, H, N, wb) band -> (G, T, W) tiles, zero off the band."""
+        """(B, H, N or ntp*T, wb) band -> (G, T, W) tiles, zero off the band."""
         tiles = band.new_zeros(self.groups, self.tile, self.w)
-        self.skew(tiles).copy_(self.pad_rows(band).view(self.b, self.h, self.ntp, self.tile, self.wb))
+        if band.shape[2] != self.lh:
+            band = self.pad_rows(band)
+        self.skew(tiles).copy_(band.view(self.b, self.h, self.ntp, self.tile, self.wb))
         return tiles
 
     def pad_rows(self, t: torch.Tensor, scale: float = 1.0, dtype=None) -> torch.Tensor:
@@ -214,21 +216,23 @@ class _Band:
         d = flat.shape[-1]
         return flat.as_strided((self.groups, self.w, d), (self.tile * d, d, 1), flat.storage_offset())
 
-    def fold_into(self, xw: torch.Tensor, dest: torch.Tensor) -> None:
+    def fold_into(self, xw: torch.Tensor, dest: torch.Tensor, alpha: float = 1.0) -> None:
         """Adjoint of :meth:`windows`: overlap-add (G, W, d) window gradients onto ``dest`` (B, H, M, d).
 
         Windows start every T rows and span ``ceil(W / T)`` blocks of T, so it is that many shifted adds.
         """
         g, t, d = self.groups, self.tile, xw.shape[-1]
         nb = -(-self.w // t)
-        out = xw.new_zeros(g + nb - 1, t, d)
-        for u in range(nb):
+        out = xw.new_empty(g + nb - 1, t, d)
+        out[:g].copy_(xw[:, :t])
+        out[g:].zero_()
+        for u in range(1, nb):
             width = min(t, self.w - u * t)
             out[u : u + g, :width] += xw[:, u * t : u * t + width]
         a, z = self.j_lo - self.x0, self.j_hi - self.x0
         if a < z:
             heads = out.view(-1, d)[: self.b * self.h * self.lh].view(self.b, self.h, self.lh, d)
-            dest[:, :, self.j_lo : self.j_hi] += heads[:, :, a:z].to(dest.dtype)
+            dest[:, :, self.j_lo : self.j_hi].add_(heads[:, :, a:z].to(dest.dtype), alpha=alpha)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -245,7 +249,9 @@ def _regions(n, m, kk, query_offset, is_causal):
 
 def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causal: bool, scale: float,
                   query_offset: int, tile: int | None = DEFAULT_TILE):
-    """Forward. Returns ``out`` (B, H, N, Dv), ``lse`` (B, H, N) and the band weights (B, H, N, wb).
+    """Forward. Returns ``out`` (B, H, N, Dv), ``lse`` (B, H, N) and the band weights (B, H, rows, wb).
+
+    ``(rows, wb) = band_shape(N, M, K, is_causal)`` (rows >= N: whole tiles, the extra rows zero).
 
     ``wb = band_width(K, is_causal)``. ``lse`` and the band weights are float32 for 16-bit inputs.
     Rows with no key give zeros and lse -inf.
@@ -293,7 +299,6 @@ def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causa
     lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
 
     out = None
-    out_flipped = None  # far-right parts are summed in reversed row order, then flipped once
     for part_lse, o, i0, side in parts:
         alpha = torch.exp(part_lse - lse_safe)[..., None]
         if side == 0:
@@ -304,23 +309,30 @@ def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causa
                 out = q.new_zeros(b, h, n, dv, dtype=sdt)
             out[:, :, i0:] += alpha[:, :, i0:] * o
         else:
-            if out_flipped is None:
-                out_flipped = q.new_zeros(b, h, n, dv, dtype=sdt)
-            out_flipped[:, :, i0:] += alpha.flip(2)[:, :, i0:] * o
+            if out is None:
+                out = q.new_zeros(b, h, n, dv, dtype=sdt)
+            out[:, :, : n - i0] += (alpha.flip(2)[:, :, i0:] * o).flip(2)
     if out is None:
         out = q.new_zeros(b, h, n, dv, dtype=sdt)
-    if out_flipped is not None:
-        out += out_flipped.flip(2)
     if g is not None:
         factor = torch.exp(peak[:, :, :n] - lse_safe)
         s.view(b, h, g.lh, g.w)[:, :, :n].mul_(factor[..., None])  # s is now the band's share of the weights
         out += torch.bmm(s, g.windows(g.pad_keys(v, sdt))).view(b, h, g.lh, dv)[:, :, :n]
-        band = g.compact(s)[:, :, :n]
+        band = g.compact(s)  # (B, H, ntp*T, wb): kept padded, the backward rebuilds its tiles from it
         if rel_v is not None:
-            out += band @ rel_v[:, g.rows].to(sdt)
+            out += band[:, :, :n] @ rel_v[:, g.rows].to(sdt)
     else:
-        band = q.new_zeros(b, h, n, band_width(kk, is_causal) if m > 0 and n > 0 else 0, dtype=sdt)
+        band = q.new_zeros(b, h, *band_shape(n, m, kk, is_causal), dtype=sdt)
     return out.to(q.dtype), lse, band
+
+
+def band_shape(n: int, m: int, max_relative_position: int, is_causal: bool) -> tuple[int, int]:
+    """(rows, wb) of the band weights ``fused_forward`` returns: rows padded to whole tiles."""
+    if max_relative_position == 0 or m == 0 or n == 0:
+        return n, 0
+    wb = band_width(max_relative_position, is_causal)
+    t = max(1, min(default_tile(wb), n))
+    return (-(-n // t) + -(-(wb - 1) // t)) * t, wb
 
 
 def band_width(max_relative_position: int, is_causal: bool) -> int:
@@ -378,16 +390,16 @@ def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relat
                             .view(b, h, g.ntp, g.tile, g.wb))
         dg = F.pad((grad_out.to(sdt) * out.to(sdt)).sum(-1), (0, g.lh - n))
         p = g.tiles_of(band)
-        ds = dp.sub_(dg.view(g.groups, g.tile, 1)).mul_(p).mul_(scale)  # dL/d(score before scale) * scale
-        dq += torch.bmm(ds, g.windows(g.pad_keys(k, sdt))).view(b, h, g.lh, d)[:, :, :n]
+        ds = dp.sub_(dg.view(g.groups, g.tile, 1)).mul_(p)  # dL/d(scaled score); `scale` goes into the adds
+        dq.add_(torch.bmm(ds, g.windows(g.pad_keys(k, sdt))).view(b, h, g.lh, d)[:, :, :n], alpha=scale)
         qrows = g.pad_rows(q, 1.0, sdt)
         if rel_k is not None:
             ds_band = g.compact(ds)
-            dq += (ds_band @ rel_k[:, g.rows].to(sdt))[:, :, :n]
-            drk[:, g.rows] += _sum_table_grad(ds_band.transpose(-1, -2) @ qrows, drk.shape[0])
-        g.fold_into(torch.bmm(ds.transpose(1, 2), g.row_tiles(qrows)), dk)
+            dq.add_((ds_band @ rel_k[:, g.rows].to(sdt))[:, :, :n], alpha=scale)
+            drk[:, g.rows] += _sum_table_grad(ds_band.transpose(-1, -2) @ qrows, drk.shape[0]) * scale
+        g.fold_into(torch.bmm(ds.transpose(1, 2), g.row_tiles(qrows)), dk, scale)
         g.fold_into(torch.bmm(p.transpose(1, 2), g.row_tiles(do_rows)), dvv)
         if rel_v is not None:
-            drv[:, g.rows] += _sum_table_grad(band.transpose(-1, -2) @ grad_out.to(sdt), drv.shape[0])
+            drv[:, g.rows] += _sum_table_grad(band[:, :, :n].transpose(-1, -2) @ grad_out.to(sdt), drv.shape[0])
 
     return tuple(t.to(q.dtype) if t is not None else None for t in (dq, dk, dvv, drk, drv))

@@ -5,7 +5,8 @@
 * ``relattn::blocked_fwd(q, k, v, rel_k?, rel_v?, mask?, seed, K, is_causal, dropout_p, scale, query_offset)``
   -> ``(out (B,H,N,Dv), lse (B,H,N))``; ``relattn::blocked_bwd`` -> ``(dq, dk, dv, d_rel_k, d_rel_v)``.
 * ``relattn::fused_fwd(q, k, v, rel_k?, rel_v?, K, is_causal, scale, query_offset)``
-  -> ``(out, lse, band (B,H,N,wb))``; ``relattn::fused_bwd`` -> ``(dq, dk, dv, d_rel_k, d_rel_v)``.
+  -> ``(out, lse, band (B,H,rows,wb))`` (``fused.band_shape``);
+  ``relattn::fused_bwd`` -> ``(dq, dk, dv, d_rel_k, d_rel_v)``.
 
 A table gradient is an empty tensor when the table is None (ops cannot return None). ``lse`` and the
 band weights are float32 for 16-bit inputs; they are outputs only so that the backward can use them
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .blocked import blocked_backward, blocked_forward
-from .fused import band_width, fused_backward, fused_forward, stats_dtype
+from .fused import band_shape, fused_backward, fused_forward, stats_dtype
 
 
 def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
@@ -99,9 +100,9 @@ def fused_fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tens
 def _(q, k, v, rel_k, rel_v, max_relative_position, is_causal, scale, query_offset):
     b, h, n, _ = q.shape
     sdt = stats_dtype(q.dtype)
-    wb = band_width(max_relative_position, is_causal)
-    wb = wb if k.shape[2] > 0 and n > 0 else 0
-    return q.new_empty(b, h, n, v.shape[-1]), q.new_empty(b, h, n, dtype=sdt), q.new_empty(b, h, n, wb, dtype=sdt)
+    rows, wb = band_shape(n, k.shape[2], max_relative_position, is_causal)
+    return (q.new_empty(b, h, n, v.shape[-1]), q.new_empty(b, h, n, dtype=sdt),
+            q.new_empty(b, h, rows, wb, dtype=sdt))
 
 
 @torch.library.custom_op("relattn::fused_bwd", mutates_args=())
