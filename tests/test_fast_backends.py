@@ -345,3 +345,14 @@ def test_compile_fullgraph_smoke(backend):
     g1 = torch.autograd.grad(got.sum(), (q, k, v, rk, rv))
     g2 = torch.autograd.grad(want.sum(), (q, k, v, rk, rv))
     assert all(torch.equal(a, b) for a, b in zip(g1, g2, strict=True))
+
+
+@pytest.mark.parametrize("backend", FAST)
+def test_autocast_does_not_retype_the_kernels(backend):
+    """Inside the ops autocast is off: float32 inputs are computed in float32, bfloat16 inputs keep float32
+    statistics (see test_softmax_statistics_are_float32_for_bfloat16)."""
+    inputs = make(1, 2, 40, 40, 8, 8, 4, dtype=torch.float32)
+    plain = fn.relative_attention(*inputs, max_relative_position=4, backend=backend)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = fn.relative_attention(*inputs, max_relative_position=4, backend=backend)
+    assert under.dtype == torch.float32 and torch.equal(under, plain)

@@ -16,11 +16,34 @@ backend functions below (the signature of ``dense_attention``) -> ``relattn.rela
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
-from .blocked import blocked_backward, blocked_forward
-from .fused import band_shape, fused_backward, fused_forward, stats_dtype
+from .blocked import blocked_backward as _blocked_backward_kernel
+from .blocked import blocked_forward as _blocked_forward_kernel
+from .fused import band_shape, stats_dtype
+from .fused import fused_backward as _fused_backward_kernel
+from .fused import fused_forward as _fused_forward_kernel
+
+
+def _no_autocast(fn):
+    """Run a kernel with autocast off: it computes in its inputs' dtype (16-bit inputs keep float32 softmax
+    statistics), instead of autocast re-typing its inner matmuls to bfloat16 behind its back."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+blocked_forward_kernel = _no_autocast(_blocked_forward_kernel)
+blocked_backward_kernel = _no_autocast(_blocked_backward_kernel)
+fused_forward_kernel = _no_autocast(_fused_forward_kernel)
+fused_backward_kernel = _no_autocast(_fused_backward_kernel)
 
 
 def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
@@ -39,7 +62,7 @@ def _table_grads_fake(q: Tensor, rel_k: Tensor | None, rel_v: Tensor | None) -> 
 def blocked_fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None, mask: Tensor | None,
                 seed: Tensor, max_relative_position: int, is_causal: bool, dropout_p: float, scale: float,
                 query_offset: int) -> tuple[Tensor, Tensor]:
-    out = blocked_forward(q, k, v, rel_k, rel_v, mask, seed, max_relative_position=max_relative_position,
+    out = blocked_forward_kernel(q, k, v, rel_k, rel_v, mask, seed, max_relative_position=max_relative_position,
                           is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset)
     return tuple(t.contiguous() for t in out)  # the fake kernels promise contiguous outputs
 
@@ -55,7 +78,7 @@ def blocked_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor
                 mask: Tensor | None, seed: Tensor, out: Tensor, lse: Tensor, max_relative_position: int,
                 is_causal: bool, dropout_p: float, scale: float,
                 query_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    dq, dk, dv, drk, drv = blocked_backward(
+    dq, dk, dv, drk, drv = blocked_backward_kernel(
         grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, max_relative_position=max_relative_position,
         is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset)
     return tuple(t.contiguous() for t in (dq, dk, dv, _or_empty(drk, q), _or_empty(drv, q)))
@@ -91,7 +114,7 @@ blocked_fwd.register_autograd(_blocked_backward, setup_context=_blocked_setup)
 def fused_fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
               max_relative_position: int, is_causal: bool, scale: float,
               query_offset: int) -> tuple[Tensor, Tensor, Tensor]:
-    out = fused_forward(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, is_causal=is_causal,
+    out = fused_forward_kernel(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, is_causal=is_causal,
                         scale=scale, query_offset=query_offset)
     return tuple(t.contiguous() for t in out)
 
@@ -109,7 +132,7 @@ def _(q, k, v, rel_k, rel_v, max_relative_position, is_causal, scale, query_offs
 def fused_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
               out: Tensor, lse: Tensor, band: Tensor, max_relative_position: int, is_causal: bool, scale: float,
               query_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    dq, dk, dv, drk, drv = fused_backward(
+    dq, dk, dv, drk, drv = fused_backward_kernel(
         grad_out, q, k, v, rel_k, rel_v, out, lse, band, max_relative_position=max_relative_position,
         is_causal=is_causal, scale=scale, query_offset=query_offset)
     return tuple(t.contiguous() for t in (dq, dk, dv, _or_empty(drk, q), _or_empty(drv, q)))
