@@ -161,7 +161,8 @@ class _Band:
         valid = (j >= 0) & (j < m) & (torch.arange(self.lh, device=device)[:, None] < n)
         mask = torch.ones(self.ntp, t, self.w, dtype=torch.bool, device=device)
         self._skew(mask).copy_(~valid.view(self.ntp, t, self.wb))
-        self.mask = mask  # (ntp, T, W): True off the band, outside the keys, or on an empty row
+        # (ntp, T, W) additive: -inf off the band, outside the keys, or on an empty row
+        self.bias = torch.zeros(mask.shape, device=device).masked_fill_(mask, float("-inf"))
         self.rows = clip_and_shift(r, kk)  # table rows of the band offsets (raw offset + K: no clipping inside)
 
     def _skew(self, tiles: torch.Tensor) -> torch.Tensor:
@@ -176,14 +177,6 @@ class _Band:
     def compact(self, tiles: torch.Tensor) -> torch.Tensor:
         """(G, T, W) tiles -> (B, H, ntp*T, wb) band (a copy)."""
         return self.skew(tiles).reshape(self.b, self.h, self.lh, self.wb)
-
-    def tiles_of(self, band: torch.Tensor) -> torch.Tensor:
-        """(B, H, N or ntp*T, wb) band -> (G, T, W) tiles, zero off the band."""
-        tiles = band.new_zeros(self.groups, self.tile, self.w)
-        if band.shape[2] != self.lh:
-            band = self.pad_rows(band)
-        self.skew(tiles).copy_(band.view(self.b, self.h, self.ntp, self.tile, self.wb))
-        return tiles
 
     def pad_rows(self, t: torch.Tensor, scale: float = 1.0, dtype=None) -> torch.Tensor:
         """(B, H, N, d) -> (B, H, ntp*T, d) zero-padded copy, times ``scale``."""
@@ -249,11 +242,10 @@ def _regions(n, m, kk, query_offset, is_causal):
 
 def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causal: bool, scale: float,
                   query_offset: int, tile: int | None = DEFAULT_TILE):
-    """Forward. Returns ``out`` (B, H, N, Dv), ``lse`` (B, H, N) and the band weights (B, H, rows, wb).
+    """Forward. Returns ``out`` (B, H, N, Dv), ``lse`` (B, H, N) and the band weight tiles (B, H, rows, W).
 
-    ``(rows, wb) = band_shape(N, M, K, is_causal)`` (rows >= N: whole tiles, the extra rows zero).
-
-    ``wb = band_width(K, is_causal)``. ``lse`` and the band weights are float32 for 16-bit inputs.
+    ``(rows, W) = band_shape(N, M, K, is_causal)``: tile ``t`` is rows ``tT .. tT + T - 1``, zero off the
+    band (see :class:`_Band`). ``lse`` and the band weights are float32 for 16-bit inputs.
     Rows with no key give zeros and lse -inf.
     """
     kk = max_relative_position
@@ -283,7 +275,7 @@ def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causa
         s = torch.bmm(g.row_tiles(qrows), g.windows(g.pad_keys(k, sdt)).transpose(1, 2))  # (G, T, W)
         if rel_k is not None:
             g.skew(s).add_((qrows @ rel_k[:, g.rows].to(sdt).transpose(-1, -2)).view(b, h, g.ntp, g.tile, g.wb))
-        s.view(b * h, g.ntp, g.tile, g.w).masked_fill_(g.mask, float("-inf"))
+        s.view(b * h, g.ntp, g.tile, g.w).add_(g.bias.to(sdt))
         peak = s.amax(-1)
         peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
         s.sub_(peak[..., None]).exp_()
@@ -302,11 +294,11 @@ def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causa
     for part_lse, o, i0, side in parts:
         alpha = torch.exp(part_lse - lse_safe)[..., None]
         if side == 0:
-            if out is None and i0 == 0:
-                out = alpha * o
+            if out is None:  # the first part writes its rows directly: no zero fill, no add
+                out = q.new_empty(b, h, n, dv, dtype=sdt)
+                out[:, :, :i0].zero_()
+                torch.mul(alpha[:, :, i0:], o, out=out[:, :, i0:])
                 continue
-            if out is None:
-                out = q.new_zeros(b, h, n, dv, dtype=sdt)
             out[:, :, i0:] += alpha[:, :, i0:] * o
         else:
             if out is None:
@@ -318,21 +310,22 @@ def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causa
         factor = torch.exp(peak[:, :, :n] - lse_safe)
         s.view(b, h, g.lh, g.w)[:, :, :n].mul_(factor[..., None])  # s is now the band's share of the weights
         out += torch.bmm(s, g.windows(g.pad_keys(v, sdt))).view(b, h, g.lh, dv)[:, :, :n]
-        band = g.compact(s)  # (B, H, ntp*T, wb): kept padded, the backward rebuilds its tiles from it
         if rel_v is not None:
-            out += band[:, :, :n] @ rel_v[:, g.rows].to(sdt)
+            out += g.compact(s)[:, :, :n] @ rel_v[:, g.rows].to(sdt)
+        band = s.view(b, h, g.lh, g.w)  # the weight tiles, zero off the band: the backward reuses them as is
     else:
         band = q.new_zeros(b, h, *band_shape(n, m, kk, is_causal), dtype=sdt)
     return out.to(q.dtype), lse, band
 
 
 def band_shape(n: int, m: int, max_relative_position: int, is_causal: bool) -> tuple[int, int]:
-    """(rows, wb) of the band weights ``fused_forward`` returns: rows padded to whole tiles."""
+    """(rows, W) of the band weight tiles ``fused_forward`` returns (default tile): ``ntp * T`` rows of the
+    ``W = T + wb - 1`` window columns; (N, 0) when there is no band."""
     if max_relative_position == 0 or m == 0 or n == 0:
         return n, 0
     wb = band_width(max_relative_position, is_causal)
     t = max(1, min(default_tile(wb), n))
-    return (-(-n // t) + -(-(wb - 1) // t)) * t, wb
+    return (-(-n // t) + -(-(wb - 1) // t)) * t, t + wb - 1
 
 
 def band_width(max_relative_position: int, is_causal: bool) -> int:
@@ -383,13 +376,15 @@ def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relat
 
     if kk >= 1 and m > 0 and n > 0:
         g = _Band(b, h, n, m, kk, query_offset, is_causal, tile, q.device)
+        if band.shape[2:] != (g.lh, g.w):
+            raise ValueError(f"band weights {tuple(band.shape)} do not match the tiling ({g.lh}, {g.w})")
         do_rows = g.pad_rows(grad_out, 1.0, sdt)
         dp = torch.bmm(g.row_tiles(do_rows), g.windows(g.pad_keys(v, sdt)).transpose(1, 2))  # (G, T, W)
         if rel_v is not None:
             g.skew(dp).add_((do_rows @ rel_v[:, g.rows].to(sdt).transpose(-1, -2))
                             .view(b, h, g.ntp, g.tile, g.wb))
         dg = F.pad((grad_out.to(sdt) * out.to(sdt)).sum(-1), (0, g.lh - n))
-        p = g.tiles_of(band)
+        p = band.view(g.groups, g.tile, g.w)
         ds = dp.sub_(dg.view(g.groups, g.tile, 1)).mul_(p)  # dL/d(scaled score); `scale` goes into the adds
         dq.add_(torch.bmm(ds, g.windows(g.pad_keys(k, sdt))).view(b, h, g.lh, d)[:, :, :n], alpha=scale)
         qrows = g.pad_rows(q, 1.0, sdt)
@@ -400,6 +395,7 @@ def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relat
         g.fold_into(torch.bmm(ds.transpose(1, 2), g.row_tiles(qrows)), dk, scale)
         g.fold_into(torch.bmm(p.transpose(1, 2), g.row_tiles(do_rows)), dvv)
         if rel_v is not None:
-            drv[:, g.rows] += _sum_table_grad(band[:, :, :n].transpose(-1, -2) @ grad_out.to(sdt), drv.shape[0])
+            p_band = g.compact(p)[:, :, :n]
+            drv[:, g.rows] += _sum_table_grad(p_band.transpose(-1, -2) @ grad_out.to(sdt), drv.shape[0])
 
     return tuple(t.to(q.dtype) if t is not None else None for t in (dq, dk, dvv, drk, drv))

@@ -5,7 +5,7 @@
 * ``relattn::blocked_fwd(q, k, v, rel_k?, rel_v?, mask?, seed, K, is_causal, dropout_p, scale, query_offset)``
   -> ``(out (B,H,N,Dv), lse (B,H,N))``; ``relattn::blocked_bwd`` -> ``(dq, dk, dv, d_rel_k, d_rel_v)``.
 * ``relattn::fused_fwd(q, k, v, rel_k?, rel_v?, K, is_causal, scale, query_offset)``
-  -> ``(out, lse, band (B,H,rows,wb))`` (``fused.band_shape``);
+  -> ``(out, lse, band tiles (B,H,rows,W))`` (``fused.band_shape``);
   ``relattn::fused_bwd`` -> ``(dq, dk, dv, d_rel_k, d_rel_v)``.
 
 A table gradient is an empty tensor when the table is None (ops cannot return None). ``lse`` and the
