@@ -45,6 +45,7 @@ def _always(call: AttentionCall) -> str | None:
     return None
 
 
+from . import fused as fused_kernels  # noqa: E402
 from .ops import blocked_attention, blocked_supports, fused_attention, fused_supports  # noqa: E402
 
 BACKENDS: dict[str, Backend] = {
@@ -78,6 +79,8 @@ def choose(call: AttentionCall) -> Backend:
     n, m = call.q.shape[-2], call.k.shape[-2]
     small = n * m <= dense_max_scores(call.max_relative_position)
     order = ("dense", "fused", "blocked") if small else ("fused", "blocked", "dense")
+    if call.q.is_cuda and not fused_kernels.CUDA_VERIFIED:
+        order = tuple(name for name in order if name != "fused")
     for name in order:
         if BACKENDS[name].supports(call) is None:
             return BACKENDS[name]
