@@ -55,6 +55,18 @@ def _table_grads_fake(q: Tensor, rel_k: Tensor | None, rel_v: Tensor | None) -> 
             q.new_empty(0) if rel_v is None else torch.empty_like(rel_v))
 
 
+def _grads_fake(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _laid_out_like(grad: Tensor, like: Tensor) -> Tensor:
+    """``grad`` with the strides of ``empty_like(like)``, as the fake kernels promise (and as the compilers
+    expect of an input's gradient): free for contiguous inputs, one copy for a strided view."""
+    if grad.stride() == like.stride():
+        return grad
+    return torch.empty_like(like).copy_(grad)
+
+
 # ---------------------------------------------------------------------------------------------- blocked
 
 
@@ -81,13 +93,15 @@ def blocked_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor
     dq, dk, dv, drk, drv = blocked_backward_kernel(
         grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, max_relative_position=max_relative_position,
         is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset)
-    return tuple(t.contiguous() for t in (dq, dk, dv, _or_empty(drk, q), _or_empty(drv, q)))
+    return (_laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v),
+            _or_empty(drk, q) if rel_k is None else _laid_out_like(drk, rel_k),
+            _or_empty(drv, q) if rel_v is None else _laid_out_like(drv, rel_v))
 
 
 @blocked_bwd.register_fake
 def _(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, max_relative_position, is_causal, dropout_p, scale,
       query_offset):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *_table_grads_fake(q, rel_k, rel_v))
+    return (*_grads_fake(q, k, v), *_table_grads_fake(q, rel_k, rel_v))
 
 
 def _blocked_setup(ctx, inputs, output):
@@ -135,12 +149,14 @@ def fused_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor |
     dq, dk, dv, drk, drv = fused_backward_kernel(
         grad_out, q, k, v, rel_k, rel_v, out, lse, band, max_relative_position=max_relative_position,
         is_causal=is_causal, scale=scale, query_offset=query_offset)
-    return tuple(t.contiguous() for t in (dq, dk, dv, _or_empty(drk, q), _or_empty(drv, q)))
+    return (_laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v),
+            _or_empty(drk, q) if rel_k is None else _laid_out_like(drk, rel_k),
+            _or_empty(drv, q) if rel_v is None else _laid_out_like(drv, rel_v))
 
 
 @fused_bwd.register_fake
 def _(grad_out, q, k, v, rel_k, rel_v, out, lse, band, max_relative_position, is_causal, scale, query_offset):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *_table_grads_fake(q, rel_k, rel_v))
+    return (*_grads_fake(q, k, v), *_table_grads_fake(q, rel_k, rel_v))
 
 
 def _fused_setup(ctx, inputs, output):
