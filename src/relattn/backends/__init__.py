@@ -77,7 +77,8 @@ def choose(call: AttentionCall) -> Backend:
     dropout), else "blocked" (O(N) memory, anything but a mask that requires grad), else "dense".
     """
     n, m = call.q.shape[-2], call.k.shape[-2]
-    small = n * m <= dense_max_scores(call.max_relative_position)
+    # symbolic sizes (torch.export with a dynamic length): no guard on N, take a size-independent backend
+    small = isinstance(n, int) and isinstance(m, int) and n * m <= dense_max_scores(call.max_relative_position)
     order = ("dense", "fused", "blocked") if small else ("fused", "blocked", "dense")
     if call.q.is_cuda and not fused_kernels.CUDA_VERIFIED:
         order = tuple(name for name in order if name != "fused")

@@ -328,8 +328,8 @@ def band_shape(n: int, m: int, max_relative_position: int, is_causal: bool) -> t
     if max_relative_position == 0 or m == 0 or n == 0:
         return n, 0
     wb = band_width(max_relative_position, is_causal)
-    t = max(1, min(default_tile(wb), n))
-    return (-(-n // t) + -(-(wb - 1) // t)) * t, t + wb - 1
+    t = torch.sym_max(1, torch.sym_min(default_tile(wb), n))  # sym_*: no guard on a symbolic N (export)
+    return ((n + t - 1) // t + (wb - 1 + t - 1) // t) * t, t + wb - 1
 
 
 def band_width(max_relative_position: int, is_causal: bool) -> int:
