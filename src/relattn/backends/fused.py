@@ -182,6 +182,12 @@ class _Band:
         """(G, T, W) tiles -> (B, H, ntp*T, wb) band (a copy)."""
         return self.skew(tiles).reshape(self.b, self.h, self.lh, self.wb)
 
+    def tiles_of(self, band: torch.Tensor) -> torch.Tensor:
+        """(B, H, N, wb) band -> (G, T, W) tiles, zero off the band."""
+        tiles = band.new_zeros(self.groups, self.tile, self.w)
+        self.skew(tiles).copy_(self.pad_rows(band).view(self.b, self.h, self.ntp, self.tile, self.wb))
+        return tiles
+
     def pad_rows(self, t: torch.Tensor, scale: float = 1.0, dtype=None) -> torch.Tensor:
         """(B, H, N, d) -> (B, H, ntp*T, d) zero-padded copy, times ``scale``."""
         out = t.new_empty(self.b, self.h, self.lh, t.shape[-1], dtype=dtype or t.dtype)
@@ -246,10 +252,10 @@ def _regions(n, m, kk, query_offset, is_causal):
 
 def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causal: bool, scale: float,
                   query_offset: int, tile: int | None = DEFAULT_TILE):
-    """Forward. Returns ``out`` (B, H, N, Dv), ``lse`` (B, H, N) and the band weight tiles (B, H, rows, W).
+    """Forward. Returns ``out`` (B, H, N, Dv), ``lse`` (B, H, N) and the band weights (B, H, N, wb).
 
-    ``(rows, W) = band_shape(N, M, K, is_causal)``: tile ``t`` is rows ``tT .. tT + T - 1``, zero off the
-    band (see :class:`_Band`). ``lse`` and the band weights are float32 for 16-bit inputs.
+    ``wb = band_width(K, is_causal)`` (0 without a band): entry (i, c) is the weight of offset
+    ``c - (K - 1)``. ``lse`` and the band weights are float32 for 16-bit inputs.
     Rows with no key give zeros and lse -inf.
     """
     kk = max_relative_position
@@ -314,22 +320,13 @@ def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causa
         factor = torch.exp(peak[:, :, :n] - lse_safe)
         s.view(b, h, g.lh, g.w)[:, :, :n].mul_(factor[..., None])  # s is now the band's share of the weights
         out += torch.bmm(s, g.windows(g.pad_keys(v, sdt))).view(b, h, g.lh, dv)[:, :, :n]
+        # (B, H, N, wb): a shape simple in N, so that export with a dynamic length needs no guard on the tiling
+        band = g.compact(s)[:, :, :n].contiguous()
         if rel_v is not None:
-            out += g.compact(s)[:, :, :n] @ rel_v[:, g.rows].to(sdt)
-        band = s.view(b, h, g.lh, g.w)  # the weight tiles, zero off the band: the backward reuses them as is
+            out += band @ rel_v[:, g.rows].to(sdt)
     else:
-        band = q.new_zeros(b, h, *band_shape(n, m, kk, is_causal), dtype=sdt)
+        band = q.new_zeros(b, h, n, band_width(kk, is_causal) if m > 0 and n > 0 else 0, dtype=sdt)
     return out.to(q.dtype), lse, band
-
-
-def band_shape(n: int, m: int, max_relative_position: int, is_causal: bool) -> tuple[int, int]:
-    """(rows, W) of the band weight tiles ``fused_forward`` returns (default tile): ``ntp * T`` rows of the
-    ``W = T + wb - 1`` window columns; (N, 0) when there is no band."""
-    if max_relative_position == 0 or m == 0 or n == 0:
-        return n, 0
-    wb = band_width(max_relative_position, is_causal)
-    t = torch.sym_max(1, torch.sym_min(default_tile(wb), n))  # sym_*: no guard on a symbolic N (export)
-    return ((n + t - 1) // t + (wb - 1 + t - 1) // t) * t, t + wb - 1
 
 
 def band_width(max_relative_position: int, is_causal: bool) -> int:
@@ -380,15 +377,13 @@ def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relat
 
     if kk >= 1 and m > 0 and n > 0:
         g = _Band(b, h, n, m, kk, query_offset, is_causal, tile, q.device)
-        if band.shape[2:] != (g.lh, g.w):
-            raise ValueError(f"band weights {tuple(band.shape)} do not match the tiling ({g.lh}, {g.w})")
         do_rows = g.pad_rows(grad_out, 1.0, sdt)
         dp = torch.bmm(g.row_tiles(do_rows), g.windows(g.pad_keys(v, sdt)).transpose(1, 2))  # (G, T, W)
         if rel_v is not None:
             g.skew(dp).add_((do_rows @ rel_v[:, g.rows].to(sdt).transpose(-1, -2))
                             .view(b, h, g.ntp, g.tile, g.wb))
         dg = F.pad((grad_out.to(sdt) * out.to(sdt)).sum(-1), (0, g.lh - n))
-        p = band.view(g.groups, g.tile, g.w)
+        p = g.tiles_of(band)
         ds = dp.sub_(dg.view(g.groups, g.tile, 1)).mul_(p)  # dL/d(scaled score); `scale` goes into the adds
         dq.add_(torch.bmm(ds, g.windows(g.pad_keys(k, sdt))).view(b, h, g.lh, d)[:, :, :n], alpha=scale)
         qrows = g.pad_rows(q, 1.0, sdt)
@@ -399,7 +394,6 @@ def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relat
         g.fold_into(torch.bmm(ds.transpose(1, 2), g.row_tiles(qrows)), dk, scale)
         g.fold_into(torch.bmm(p.transpose(1, 2), g.row_tiles(do_rows)), dvv)
         if rel_v is not None:
-            p_band = g.compact(p)[:, :, :n]
-            drv[:, g.rows] += _sum_table_grad(p_band.transpose(-1, -2) @ grad_out.to(sdt), drv.shape[0])
+            drv[:, g.rows] += _sum_table_grad(band.transpose(-1, -2) @ grad_out.to(sdt), drv.shape[0])
 
     return tuple(t.to(q.dtype) if t is not None else None for t in (dq, dk, dvv, drk, drv))

@@ -5,7 +5,7 @@
 * ``relattn::blocked_fwd(q, k, v, rel_k?, rel_v?, mask?, seed, K, is_causal, dropout_p, scale, query_offset)``
   -> ``(out (B,H,N,Dv), lse (B,H,N))``; ``relattn::blocked_bwd`` -> ``(dq, dk, dv, d_rel_k, d_rel_v)``.
 * ``relattn::fused_fwd(q, k, v, rel_k?, rel_v?, K, is_causal, scale, query_offset)``
-  -> ``(out, lse, band tiles (B,H,rows,W))`` (``fused.band_shape``);
+  -> ``(out, lse, band (B,H,N,wb))`` (``fused.band_width``);
   ``relattn::fused_bwd`` -> ``(dq, dk, dv, d_rel_k, d_rel_v)``.
 
 A table gradient is an empty tensor when the table is None (ops cannot return None). ``lse`` and the
@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .blocked import blocked_backward as _blocked_backward_kernel
 from .blocked import blocked_forward as _blocked_forward_kernel
-from .fused import band_shape, stats_dtype
+from .fused import band_width, stats_dtype
 from .fused import fused_backward as _fused_backward_kernel
 from .fused import fused_forward as _fused_forward_kernel
 
@@ -137,9 +137,8 @@ def fused_fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tens
 def _(q, k, v, rel_k, rel_v, max_relative_position, is_causal, scale, query_offset):
     b, h, n, _ = q.shape
     sdt = stats_dtype(q.dtype)
-    rows, wb = band_shape(n, k.shape[2], max_relative_position, is_causal)
-    return (q.new_empty(b, h, n, v.shape[-1]), q.new_empty(b, h, n, dtype=sdt),
-            q.new_empty(b, h, rows, wb, dtype=sdt))
+    wb = band_width(max_relative_position, is_causal) if k.shape[2] > 0 and n > 0 else 0
+    return (q.new_empty(b, h, n, v.shape[-1]), q.new_empty(b, h, n, dtype=sdt), q.new_empty(b, h, n, wb, dtype=sdt))
 
 
 @torch.library.custom_op("relattn::fused_bwd", mutates_args=())
