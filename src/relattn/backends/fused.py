@@ -13,8 +13,9 @@ the keys and values:
 The far-left region is ``j <= i + c`` with ``c = query_offset - K``: ordinary causal attention on
 shifted slices, computed by PyTorch's fused kernel, which also returns the log-sum-exp. The far-right
 region is the same on the reversed sequences. The band is computed per tile of ``T`` queries against
-its ``T + 2K - 2`` key window (one GEMM); the per-row band is read off the tile by a skewed view, so
-that entry ``(i, r)`` of the band sits next to ``q_i . a^K_r`` without any gather. The parts merge by
+its ``T + wb - 1`` key window (one GEMM; ``wb = 2K - 1`` offsets, or ``K`` when causal); the per-row
+band is read off the tile by a skewed view, so that entry ``(i, r)`` of the band sits next to
+``q_i . a^K_r`` without any gather. The parts merge by
 log-sum-exp. Memory outside the fused calls is O(N (D + K)): no (N, M) tensor is built.
 
 Backward: with the *merged* log-sum-exp, the fused backward recomputes the merged probabilities of its
@@ -44,6 +45,8 @@ def default_tile(band: int) -> int:
     more overlap-adds in the backward (ceil(W/T) of them). Single-thread timings of the six band GEMMs at
     N = 2048, D = 64 (wb = 127: T = 32 and 64 tie, T = 64 needs fewer adds; wb = 64: T = 32 best)."""
     return 64 if band >= 96 else 32
+
+
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
