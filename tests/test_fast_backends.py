@@ -356,3 +356,12 @@ def test_autocast_does_not_retype_the_kernels(backend):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         under = fn.relative_attention(*inputs, max_relative_position=4, backend=backend)
     assert under.dtype == torch.float32 and torch.equal(under, plain)
+
+
+@pytest.mark.parametrize("backend", FAST)
+def test_gradcheck_full_mode_tiny(backend):
+    """Every input element perturbed (not only random directions): per-head tables, causal, offset, N != M."""
+    q, k, v, rk, rv = make(1, 2, 5, 6, 3, 3, 2, per_head=(True, False), grad=True)
+    assert torch.autograd.gradcheck(
+        lambda *x: fn.relative_attention(*x, max_relative_position=2, is_causal=True, query_offset=1,
+                                         backend=backend), (q, k, v, rk, rv))
