@@ -1,0 +1,99 @@
+"""Shaw attention on the "fused" backend vs PyTorch SDPA without positions: forward+backward time and memory.
+
+Issue 3's target: both tables, K = 64, float32, B = 1, H = 8, D = 64, 2 threads; fwd+bwd within 1.5x of
+``F.scaled_dot_product_attention`` at N = 2048, 4096, 8192, with and without is_causal; peak extra memory
+linear in N. Times are medians of interleaved runs in one process (same q, k, v); peak extra memory is the
+peak RSS of a fresh process running one fwd+bwd, minus its RSS once the inputs exist.
+
+    PYTHONPATH=src python benchmarks/fast_vs_sdpa.py                 # N = 2048 4096 8192, causal and not
+    PYTHONPATH=src python benchmarks/fast_vs_sdpa.py --lengths 2048 --reps 5 --no-memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import median_ms, peak_extra_bytes_in_child, peak_rss_bytes, rss_bytes, time_interleaved  # noqa: E402
+
+from relattn import relative_attention  # noqa: E402
+
+
+def make_inputs(n: int, *, heads: int, dim: int, kk: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, grad = (torch.randn(1, heads, n, dim, generator=g) for _ in range(4))
+    rel_k, rel_v = (0.1 * torch.randn(2 * kk + 1, dim, generator=g) for _ in range(2))
+    for t in (q, k, v, rel_k, rel_v):
+        t.requires_grad_()
+    return q, k, v, rel_k, rel_v, grad
+
+
+def step(method: str, inputs, *, kk: int, causal: bool, backend: str):
+    """One forward + backward (gradients returned, not accumulated)."""
+    q, k, v, rel_k, rel_v, grad = inputs
+    if method == "sdpa":
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return torch.autograd.grad(out, (q, k, v), grad)
+    out = relative_attention(q, k, v, rel_k, rel_v, max_relative_position=kk, is_causal=causal, backend=backend)
+    return torch.autograd.grad(out, (q, k, v, rel_k, rel_v), grad)
+
+
+def child(args) -> None:
+    torch.set_num_threads(args.threads)
+    inputs = make_inputs(args.child_n, heads=args.heads, dim=args.dim, kk=args.k)
+    step(args.child_method, make_inputs(256, heads=args.heads, dim=args.dim, kk=args.k), kk=args.k,
+         causal=args.causal_child, backend=args.backend)  # load kernels and libraries first
+    base = max(rss_bytes(), peak_rss_bytes() if args.child_n <= 256 else 0)
+    step(args.child_method, inputs, kk=args.k, causal=args.causal_child, backend=args.backend)
+    print(peak_rss_bytes() - base)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    p.add_argument("--k", type=int, default=64, help="max relative position K")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=7, help="timed rounds per length (median reported)")
+    p.add_argument("--backend", default="fused", help="relattn backend to time (default: fused)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--child-n", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--child-method", help=argparse.SUPPRESS)
+    p.add_argument("--causal-child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child_n is not None:
+        child(args)
+        return 0
+
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads, B=1 H={args.heads} D={args.dim} K={args.k}, "
+          f"float32, both tables, backend={args.backend!r}; median of {args.reps} interleaved fwd+bwd runs")
+    print(f"{'N':>6} {'causal':>6} {'sdpa ms':>9} {args.backend + ' ms':>10} {'ratio':>6} "
+          f"{'sdpa MiB':>9} {args.backend + ' MiB':>10} {'mem ratio':>9}")
+    for n in args.lengths:
+        for causal in (False, True):
+            inputs = make_inputs(n, heads=args.heads, dim=args.dim, kk=args.k)
+            fns = {m: (lambda m=m, x=inputs, c=causal: step(m, x, kk=args.k, causal=c, backend=args.backend))
+                   for m in ("sdpa", "relattn")}
+            times = time_interleaved(fns, args.reps)
+            a, b = median_ms(times["sdpa"]), median_ms(times["relattn"])
+            mem = ""
+            if not args.no_memory:
+                base = [os.path.abspath(__file__), "--child-n", str(n), "--k", str(args.k), "--heads",
+                        str(args.heads), "--dim", str(args.dim), "--threads", str(args.threads), "--backend",
+                        args.backend] + (["--causal-child"] if causal else [])
+                ms = peak_extra_bytes_in_child([*base, "--child-method", "sdpa"]) / 2**20
+                mr = peak_extra_bytes_in_child([*base, "--child-method", "relattn"]) / 2**20
+                mem = f"{ms:9.0f} {mr:10.0f} {mr / ms:9.2f}"
+            print(f"{n:>6} {str(causal):>6} {a:9.1f} {b:10.1f} {b / a:6.2f} {mem}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

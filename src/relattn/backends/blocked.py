@@ -1,0 +1,172 @@
+"""The "blocked" kernels: the flash algorithm in plain torch (no autograd here).
+
+Notation: ``B`` batch, ``H`` heads, ``N`` queries, ``M`` keys, ``D``/``Dv`` head dims, ``K`` max relative
+position, ``p_i = i + query_offset``. This is the readable statement of the algorithm a GPU kernel mirrors:
+
+forward, for each block of ``Bk`` keys (all queries at once; memory O(N (D + K + Bk))):
+    idx   = clip(j - p_i, -K, K) + K                      (positions.clip_and_shift, per tile)
+    s     = (q k_blk^T + gather(q a^K^T, idx)) * scale + mask_blk, -inf where causal forbids
+    m'    = max(m, rowmax s);  c = exp(m - m');  e = exp(s - m')
+    l     = c l + rowsum e                                 (normaliser: before dropout)
+    e~    = e * keep / (1 - p)                             (dropout: same weights for both sums)
+    acc   = c acc + e~ v_blk;   acc_r = c acc_r + bucket(e~, idx)     (acc_r: (N, 2K+1))
+out = (acc + acc_r a^V) / l, lse = m + log l. Rows with nothing to attend to give zeros, lse -inf.
+
+backward, per key block, recomputing ``p = exp(s - lse)`` and the same dropout mask:
+    dv_blk = (p z)^T dO;  bucket(p z, idx) -> d a^V;  dp = (dO v_blk^T + gather(dO a^V^T, idx)) z
+    ds = p (dp - rowsum(dO * out)) * scale;  dq += ds k_blk;  dk_blk = ds^T q;  bucket(ds, idx) -> d(q a^K^T)
+
+The dropout mask is a counter-based hash of (seed, b, h, i, j) in integer torch ops, so the backward
+regenerates exactly the forward's mask whatever the tiling; ``seed`` is drawn from torch's default
+generator by the caller, so ``torch.manual_seed`` makes it reproducible. Softmax statistics are float32
+for 16-bit inputs. Every reduction has a fixed order (no atomics): the backward is deterministic on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..positions import clip_and_shift
+from .fused import _sum_table_grad, stats_dtype
+
+DEFAULT_BLOCK = 128
+_M32 = 0xFFFFFFFF
+_HASH_MUL = 0x45D9F3B  # < 2**27: 32-bit products stay far inside int64
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) of int64 values in [0, 2**32)."""
+    x = (((x >> 16) ^ x) * _HASH_MUL) & _M32
+    x = (((x >> 16) ^ x) * _HASH_MUL) & _M32
+    return (x >> 16) ^ x
+
+
+def dropout_keep(seed: torch.Tensor, shape: tuple[int, int, int, int], rows: torch.Tensor, cols: torch.Tensor,
+                 dropout_p: float) -> torch.Tensor:
+    """Bool (B, H, len(rows), len(cols)): True where weight (b, h, i, j) of a (B, H, N, M) problem is kept.
+
+    A function of (seed, b, h, i, j) only, so any tiling regenerates the same mask; P(keep) = 1 - p
+    up to 2**-32.
+    """
+    b, h, n, m = shape
+    dev = rows.device
+    bh = (torch.arange(b, device=dev)[:, None] * h + torch.arange(h, device=dev)[None, :])[:, :, None, None]
+    lin = (bh * n + rows[None, None, :, None]) * m + cols[None, None, None, :]
+    x = _mix32((lin & _M32) ^ _mix32(seed.to(dev) & _M32))
+    x = _mix32(x ^ ((lin >> 32) & _M32))
+    return x >= int(dropout_p * 2**32)
+
+
+class _Tile:
+    """Everything about one key block that forward and backward both recompute."""
+
+    def __init__(self, q, k, rel_scores, mask, seed, *, j0, j1, n, m, kk, is_causal, dropout_p, scale,
+                 query_offset):
+        b, h = q.shape[:2]
+        dev = q.device
+        rows = torch.arange(n, device=dev)
+        cols = torch.arange(j0, j1, device=dev)
+        self.idx = clip_and_shift(cols[None, :] - (rows[:, None] + query_offset), kk)  # (N, Bk)
+        s = q @ k[:, :, j0:j1].transpose(-1, -2)
+        if rel_scores is not None:
+            s = s + torch.gather(rel_scores, -1, self.idx.expand(b, h, n, j1 - j0))
+        s = s * scale
+        if mask is not None:
+            s = s + (mask[..., j0:j1] if mask.shape[-1] == m else mask)
+        if is_causal:
+            s = s.masked_fill(cols[None, :] > rows[:, None] + query_offset, float("-inf"))
+        self.s = s
+        self.keep = None
+        if dropout_p > 0.0:
+            self.keep = dropout_keep(seed, (b, h, n, m), rows, cols, dropout_p).to(s.dtype) / (1.0 - dropout_p)
+
+    def bucket(self, x: torch.Tensor, kk: int) -> torch.Tensor:
+        """(B, H, N, Bk) -> (B, H, N, 2K+1): sums of ``x`` over the keys sharing a table row."""
+        return x.new_zeros(*x.shape[:-1], 2 * kk + 1).scatter_add_(-1, self.idx.expand_as(x), x)
+
+
+def _prepare(q, k, v, rel_k, rel_v, mask):
+    sdt = stats_dtype(q.dtype)
+    return [t.to(sdt) if t is not None else None for t in (q, k, v, rel_k, rel_v, mask)]
+
+
+def blocked_forward(q, k, v, rel_k, rel_v, mask, seed, *, max_relative_position: int, is_causal: bool,
+                    dropout_p: float, scale: float, query_offset: int, block: int = DEFAULT_BLOCK):
+    """Returns ``out`` (B, H, N, Dv) and ``lse`` (B, H, N) (float32 for 16-bit inputs)."""
+    kk = max_relative_position
+    dtype = q.dtype
+    q, k, v, rel_k, rel_v, mask = _prepare(q, k, v, rel_k, rel_v, mask)
+    b, h, n, _ = q.shape
+    m, dv = k.shape[2], v.shape[3]
+    rel_scores = q @ rel_k.transpose(-1, -2) if rel_k is not None else None  # (B, H, N, 2K+1)
+    run_max = q.new_full((b, h, n), float("-inf"))
+    total = q.new_zeros(b, h, n)
+    acc = q.new_zeros(b, h, n, dv)
+    acc_rel = q.new_zeros(b, h, n, 2 * kk + 1) if rel_v is not None else None
+    for j0 in range(0, m, block):
+        j1 = min(m, j0 + block)
+        tile = _Tile(q, k, rel_scores, mask, seed, j0=j0, j1=j1, n=n, m=m, kk=kk, is_causal=is_causal,
+                     dropout_p=dropout_p, scale=scale, query_offset=query_offset)
+        new_max = torch.maximum(run_max, tile.s.amax(-1))
+        safe = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
+        correction = torch.exp(run_max - safe)
+        e = torch.exp(tile.s - safe[..., None])
+        total = total * correction + e.sum(-1)
+        if tile.keep is not None:
+            e = e * tile.keep
+        acc = acc * correction[..., None] + e @ v[:, :, j0:j1]
+        if acc_rel is not None:
+            acc_rel = acc_rel * correction[..., None] + tile.bucket(e, kk)
+        run_max = new_max
+    if acc_rel is not None:
+        acc = acc + acc_rel @ rel_v
+    nonempty = total > 0
+    out = acc / torch.where(nonempty, total, torch.ones_like(total))[..., None]
+    safe = torch.where(torch.isfinite(run_max), run_max, torch.zeros_like(run_max))
+    lse = torch.where(nonempty, safe + torch.log(torch.where(nonempty, total, torch.ones_like(total))),
+                      torch.full_like(total, float("-inf")))
+    return out.to(dtype), lse
+
+
+def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, max_relative_position: int,
+                     is_causal: bool, dropout_p: float, scale: float, query_offset: int,
+                     block: int = DEFAULT_BLOCK):
+    """Gradients (dq, dk, dv, d_rel_k | None, d_rel_v | None), recomputed block by block."""
+    kk = max_relative_position
+    dtype = q.dtype
+    q, k, v, rel_k, rel_v, mask = _prepare(q, k, v, rel_k, rel_v, mask)
+    grad_out, out = grad_out.to(q.dtype), out.to(q.dtype)
+    b, h, n, _ = q.shape
+    m = k.shape[2]
+    lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))  # empty rows: p = 0
+    rowdot = (grad_out * out).sum(-1, keepdim=True)
+    rel_scores = q @ rel_k.transpose(-1, -2) if rel_k is not None else None
+    grad_rel_out = grad_out @ rel_v.transpose(-1, -2) if rel_v is not None else None  # (B, H, N, 2K+1)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    d_rel_scores = torch.zeros_like(rel_scores) if rel_k is not None else None
+    p_buckets = q.new_zeros(b, h, n, 2 * kk + 1) if rel_v is not None else None
+    for j0 in range(0, m, block):
+        j1 = min(m, j0 + block)
+        tile = _Tile(q, k, rel_scores, mask, seed, j0=j0, j1=j1, n=n, m=m, kk=kk, is_causal=is_causal,
+                     dropout_p=dropout_p, scale=scale, query_offset=query_offset)
+        p = torch.exp(tile.s - lse[..., None])
+        pz = p if tile.keep is None else p * tile.keep
+        dv[:, :, j0:j1] = pz.transpose(-1, -2) @ grad_out
+        dp = grad_out @ v[:, :, j0:j1].transpose(-1, -2)
+        if grad_rel_out is not None:
+            p_buckets += tile.bucket(pz, kk)
+            dp = dp + torch.gather(grad_rel_out, -1, tile.idx.expand_as(dp))
+        if tile.keep is not None:
+            dp = dp * tile.keep
+        ds = p * (dp - rowdot) * scale
+        dq += ds @ k[:, :, j0:j1]
+        dk[:, :, j0:j1] = ds.transpose(-1, -2) @ q
+        if d_rel_scores is not None:
+            d_rel_scores += tile.bucket(ds, kk)
+    d_rel_k = d_rel_v = None
+    if rel_k is not None:
+        dq += d_rel_scores @ rel_k
+        d_rel_k = _sum_table_grad(d_rel_scores.transpose(-1, -2) @ q, rel_k.shape[0])
+    if rel_v is not None:
+        d_rel_v = _sum_table_grad(p_buckets.transpose(-1, -2) @ grad_out, rel_v.shape[0])
+    return tuple(t.to(dtype) if t is not None else None for t in (dq, dk, dv, d_rel_k, d_rel_v))

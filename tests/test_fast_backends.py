@@ -1,0 +1,367 @@
+"""The fast backends ("blocked", "fused") against the numpy reference, the dense path's autograd, gradcheck.
+
+Tolerances come from the dtype: ``TOL_EPS * eps * (1 + |ref|)`` for outputs and gradients; bfloat16 must
+stay within 2x of plain PyTorch attention's own bfloat16 error against a float64 reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from relattn import functional as fn
+from relattn import reference
+from relattn.backends import BACKENDS, choose
+from relattn.backends.blocked import dropout_keep
+from relattn.backends.fused import region_calls
+
+FAST = ("blocked", "fused")
+TOL_EPS = 512
+
+
+def tol(dtype: torch.dtype) -> float:
+    return TOL_EPS * torch.finfo(dtype).eps
+
+
+def make(b=2, h=3, n=9, m=None, d=5, dv=None, kk=3, *, tables="both", per_head=(True, False), dtype=torch.float64,
+         seed=0, grad=False):
+    """Random inputs; ``tables`` in {"both", "keys", "values", "none"}."""
+    m = n if m is None else m
+    dv = d if dv is None else dv
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_(grad)
+
+    q, k, v = rnd(b, h, n, d), rnd(b, h, m, d), rnd(b, h, m, dv)
+    rk = rnd(*((h,) if per_head[0] else ()), 2 * kk + 1, d) if tables in ("both", "keys") else None
+    rv = rnd(*((h,) if per_head[1] else ()), 2 * kk + 1, dv) if tables in ("both", "values") else None
+    return q, k, v, rk, rv
+
+
+def np_(t):
+    return None if t is None else t.detach().double().numpy()
+
+
+def ref_out(q, k, v, rk, rv, kk, **kw):
+    if "attn_mask" in kw and kw["attn_mask"] is not None:
+        kw["attn_mask"] = np_(kw["attn_mask"]) if kw["attn_mask"].dtype != torch.bool else kw["attn_mask"].numpy()
+    return torch.from_numpy(reference.relative_attention(np_(q), np_(k), np_(v), np_(rk), np_(rv),
+                                                         max_relative_position=kk, **kw))
+
+
+def assert_close(got, want, dtype, what=""):
+    got, want = got.detach().double(), want.detach().double()
+    err = (got - want).abs().max().item() if got.numel() else 0.0
+    bound = tol(dtype) * (1.0 + want.abs().max().item() if want.numel() else 1.0)
+    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
+
+
+def grads(backend, inputs, kk, go, **kw):
+    x = [t for t in inputs if t is not None]
+    out = fn.relative_attention(*inputs, max_relative_position=kk, backend=backend, **kw)
+    return out, torch.autograd.grad(out, x, go, allow_unused=True)
+
+
+# (b, h, n, m, d, dv, K, tables, per_head, is_causal, query_offset)
+CASES = [
+    (2, 3, 9, 9, 5, 5, 3, "both", (True, False), False, 0),
+    (2, 3, 9, 9, 5, 5, 3, "both", (False, True), True, 0),
+    (1, 2, 7, 12, 6, 4, 2, "both", (True, True), True, 5),  # decoding: N != M, offset M - N
+    (1, 2, 12, 7, 4, 6, 2, "keys", (True, True), False, -3),
+    (1, 2, 10, 10, 4, 4, 4, "values", (False, False), True, 0),
+    (2, 1, 8, 8, 3, 3, 2, "none", (False, False), False, 0),
+    (1, 2, 5, 5, 4, 4, 9, "both", (True, True), False, 0),  # K >= N
+    (1, 2, 6, 6, 4, 4, 0, "both", (True, False), True, 0),  # K = 0
+    (1, 1, 1, 1, 3, 3, 2, "both", (False, False), False, 0),  # N = 1
+    (1, 2, 97, 97, 59, 59, 8, "both", (True, False), False, 0),  # awkward N, D
+    (1, 2, 97, 97, 59, 59, 8, "both", (False, True), True, 0),
+    (1, 2, 7, 30, 5, 5, 3, "both", (True, True), True, 23),
+]
+IDS = [f"n{c[2]}m{c[3]}d{c[4]}K{c[6]}-{c[7]}-{'causal' if c[9] else 'full'}-off{c[10]}" for c in CASES]
+
+
+@pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_forward_matches_reference(backend, dtype, case):
+    b, h, n, m, d, dv, kk, tables, per_head, causal, off = case
+    inputs = make(b, h, n, m, d, dv, kk, tables=tables, per_head=per_head, dtype=dtype)
+    got = fn.relative_attention(*inputs, max_relative_position=kk, is_causal=causal, query_offset=off,
+                                backend=backend)
+    want = ref_out(*inputs, kk, is_causal=causal, query_offset=off)
+    assert got.dtype == dtype and got.shape == (b, h, n, dv)
+    assert_close(got, want, dtype, f"{backend} {dtype}")
+
+
+@pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_gradients_match_dense_autograd(backend, case):
+    b, h, n, m, d, dv, kk, tables, per_head, causal, off = case
+    inputs = make(b, h, n, m, d, dv, kk, tables=tables, per_head=per_head, grad=True)
+    go = torch.randn(b, h, n, dv, dtype=torch.float64)
+    want_out, want = grads("dense", inputs, kk, go, is_causal=causal, query_offset=off)
+    got_out, got = grads(backend, inputs, kk, go, is_causal=causal, query_offset=off)
+    assert_close(got_out, want_out, torch.float64, "out")
+    names = [nm for nm, t in zip(("q", "k", "v", "rel_k", "rel_v"), inputs, strict=True) if t is not None]
+    for name, a, w in zip(names, got, want, strict=True):
+        assert_close(a, w, torch.float64, f"d{name}")
+        assert torch.count_nonzero(a) > 0 or torch.count_nonzero(w) == 0
+
+
+GRADCHECK_CASES = [c for c in CASES if c[2] <= 12]
+
+
+@pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize("case", GRADCHECK_CASES, ids=[IDS[CASES.index(c)] for c in GRADCHECK_CASES])
+def test_gradcheck(backend, case):
+    b, h, n, m, d, dv, kk, tables, per_head, causal, off = case
+    inputs = make(1, min(h, 2), n, m, min(d, 4), min(dv, 4), kk, tables=tables, per_head=per_head, grad=True)
+    x = [t for t in inputs if t is not None]
+
+    def f(*x):
+        it = iter(x)
+        args = [next(it) if t is not None else None for t in inputs]
+        return fn.relative_attention(*args, max_relative_position=kk, is_causal=causal, query_offset=off,
+                                     backend=backend)
+
+    assert torch.autograd.gradcheck(f, x, fast_mode=True)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 9, 11), (1, 1, 9, 11), (2, 1, 1, 11), (1, 3, 1, 1), (9, 11), (11,)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_masks_blocked_and_auto(shape, kind):
+    inputs = make(2, 3, 9, 11, 4, 4, 3, grad=True)
+    g = torch.Generator().manual_seed(1)
+    if kind == "bool":
+        mask = torch.rand(*shape, generator=g) > 0.3
+    else:
+        mask = torch.randn(*shape, generator=g, dtype=torch.float64)
+    want = ref_out(*inputs, 3, attn_mask=mask)
+    go = torch.randn(2, 3, 9, 4, dtype=torch.float64)
+    want_out, want_g = grads("dense", inputs, 3, go, attn_mask=mask)
+    for backend in ("blocked", "auto"):
+        out, got_g = grads(backend, inputs, 3, go, attn_mask=mask)
+        assert_close(out, want, torch.float64, backend)
+        for a, w in zip(got_g, want_g, strict=True):
+            assert_close(a, w, torch.float64, f"{backend} grad")
+
+
+def test_gradcheck_blocked_with_mask():
+    q, k, v, rk, rv = make(1, 2, 6, 7, 3, 3, 2, grad=True)
+    mask = torch.randn(1, 2, 6, 7, dtype=torch.float64)
+    mask[0, 0, 2] = float("-inf")  # one fully masked row
+    assert torch.autograd.gradcheck(
+        lambda *x: fn.relative_attention(*x, max_relative_position=2, attn_mask=mask, backend="blocked"),
+        (q, k, v, rk, rv), fast_mode=True)
+
+
+@pytest.mark.parametrize("backend", FAST)
+def test_fully_masked_rows_give_zeros_and_zero_grads(backend):
+    # fused: causal with a negative offset leaves rows 0..2 with no key; blocked: a mask as well
+    q, k, v, rk, rv = make(1, 2, 8, 8, 4, 4, 2, grad=True)
+    kw = dict(is_causal=True, query_offset=-3)
+    if backend == "blocked":
+        mask = torch.ones(8, 8, dtype=torch.bool)
+        mask[5] = False
+        kw["attn_mask"] = mask
+    out = fn.relative_attention(q, k, v, rk, rv, max_relative_position=2, backend=backend, **kw)
+    empty = [0, 1, 2] + ([5] if backend == "blocked" else [])
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[:, :, empty], torch.zeros_like(out[:, :, empty]))
+    assert out[:, :, 3:5].abs().sum() > 0
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.equal(q.grad[:, :, empty], torch.zeros_like(q.grad[:, :, empty]))
+    assert_close(out, ref_out(q, k, v, rk, rv, 2, **kw), torch.float64)
+
+
+def test_region_calls_cover_exactly_the_far_left_region():
+    for n, m, c in [(5, 5, -2), (5, 9, 3), (7, 3, 0), (4, 4, 10), (4, 4, -9), (6, 11, 1)]:
+        cover = np.zeros((n, m), dtype=int)
+        for i0, j0, j1, causal in region_calls(n, m, c):
+            for i in range(i0, n):
+                for j in range(j0, j1):
+                    if not causal or j - j0 <= i - i0:
+                        cover[i, j] += 1
+        want = np.arange(m)[None, :] <= np.arange(n)[:, None] + c
+        assert np.array_equal(cover, want.astype(int)), (n, m, c)
+
+
+def test_awkward_length_1025_fused_and_blocked():
+    inputs = make(1, 1, 1025, 1025, 8, 8, 16, per_head=(False, False), dtype=torch.float32, grad=True)
+    go = torch.randn(1, 1, 1025, 8)
+    want_out, want = grads("dense", inputs, 16, go, is_causal=False)
+    for backend in FAST:
+        out, got = grads(backend, inputs, 16, go, is_causal=False)
+        assert_close(out, want_out, torch.float32, backend)
+        for a, w in zip(got, want, strict=True):
+            assert_close(a, w, torch.float32, f"{backend} grad")
+
+
+# ----------------------------------------------------------------------------------------- dropout
+
+
+def test_dropout_hash_is_tiling_independent_and_keeps_1_minus_p():
+    seed = torch.tensor(1234)
+    full = dropout_keep(seed, (2, 3, 40, 50), torch.arange(40), torch.arange(50), 0.25)
+    part = dropout_keep(seed, (2, 3, 40, 50), torch.arange(10, 20), torch.arange(30, 50), 0.25)
+    assert torch.equal(full[:, :, 10:20, 30:50], part)
+    assert abs(full.float().mean().item() - 0.75) < 0.02
+    other = dropout_keep(torch.tensor(1235), (2, 3, 40, 50), torch.arange(40), torch.arange(50), 0.25)
+    assert (full != other).float().mean() > 0.3
+
+
+def test_dropout_reproducible_from_torch_manual_seed():
+    inputs = make(1, 2, 9, 9, 4, 4, 3)
+
+    def run(s):
+        torch.manual_seed(s)
+        return fn.relative_attention(*inputs, max_relative_position=3, dropout_p=0.3, backend="blocked")
+
+    assert torch.equal(run(7), run(7))
+    assert not torch.allclose(run(7), run(8))
+
+
+def test_dropout_is_unbiased_over_seeds():
+    """E[out] over seeds equals the no-dropout output: weights are dropped before both sums and rescaled."""
+    inputs = make(1, 2, 6, 6, 4, 4, 2, tables="both")
+    clean = fn.relative_attention(*inputs, max_relative_position=2, backend="blocked")
+    torch.manual_seed(0)
+    outs = torch.stack([fn.relative_attention(*inputs, max_relative_position=2, dropout_p=0.4, backend="blocked")
+                        for _ in range(2000)])
+    stderr = outs.std(0) / math.sqrt(len(outs))
+    assert ((outs.mean(0) - clean).abs() <= 5 * stderr + 1e-12).all()
+    # the value term is dropped too: with a zero value-side content only the table term remains
+    q, k, v, rk, rv = inputs
+    zero_v = torch.zeros_like(v)
+    torch.manual_seed(1)
+    dropped = fn.relative_attention(q, k, zero_v, rk, rv, max_relative_position=2, dropout_p=0.4, backend="blocked")
+    kept = fn.relative_attention(q, k, zero_v, rk, rv, max_relative_position=2, backend="blocked")
+    assert not torch.allclose(dropped, kept)
+
+
+def test_dropout_backward_regenerates_the_mask():
+    q, k, v, rk, rv = make(1, 2, 6, 7, 3, 3, 2, per_head=(True, True), grad=True)
+    seed = torch.tensor(99)
+
+    def f(*x):
+        return torch.ops.relattn.blocked_fwd(*x, None, seed, 2, False, 0.3, 0.5, 0)[0]
+
+    assert torch.autograd.gradcheck(f, (q, k, v, rk, rv), fast_mode=True)
+
+
+# ----------------------------------------------------------------------------------------- bfloat16
+
+
+@pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize("causal", [False, True])
+def test_bfloat16_error_within_2x_of_plain_pytorch(backend, causal):
+    q, k, v, rk, rv = make(1, 4, 200, 200, 32, 32, 16, dtype=torch.float64)
+    rk, rv = rk * 0.3, rv * 0.3
+    want = ref_out(q, k, v, rk, rv, 16, is_causal=causal)
+    bf = [t.to(torch.bfloat16) for t in (q, k, v, rk, rv)]
+    got = fn.relative_attention(*bf, max_relative_position=16, is_causal=causal, backend=backend)
+    err = (got.double() - want).abs().max().item()
+    plain64 = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    plain16 = F.scaled_dot_product_attention(*bf[:3], is_causal=causal)
+    plain_err = (plain16.double() - plain64).abs().max().item()
+    assert got.dtype == torch.bfloat16
+    assert err <= 2 * plain_err, (err, plain_err)
+
+
+@pytest.mark.parametrize("backend", FAST)
+def test_softmax_statistics_are_float32_for_bfloat16(backend):
+    bf = [t.to(torch.bfloat16) for t in make(1, 2, 9, 9, 4, 4, 2, per_head=(True, True))]  # ops take (Hr, 2K+1, D)
+    if backend == "blocked":
+        out, lse = torch.ops.relattn.blocked_fwd(*bf, None, torch.tensor(0), 2, False, 0.0, 0.5, 0)
+    else:
+        out, lse, band = torch.ops.relattn.fused_fwd(*bf, 2, False, 0.5, 0)
+        assert band.dtype == torch.float32
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------------------- choose, ops
+
+
+def _call(n=9, m=None, mask=None, dropout_p=0.0, mask_grad=False, **kw):
+    q, k, v, rk, rv = make(1, 2, n, m, 4, 4, 2, dtype=torch.float32)
+    if mask is not None and mask_grad:
+        mask = mask.float().requires_grad_()
+    return fn.validate(q, k, v, rk, rv, max_relative_position=2, attn_mask=mask, is_causal=kw.get("causal", False),
+                       dropout_p=dropout_p, scale=None, query_offset=0)
+
+
+def test_choose_never_picks_a_backend_that_cannot_serve():
+    calls = [_call(), _call(mask=torch.ones(9, 9, dtype=torch.bool)), _call(dropout_p=0.2),
+             _call(mask=torch.zeros(9, 9), mask_grad=True), _call(n=600), _call(n=600, dropout_p=0.1),
+             _call(n=600, mask=torch.ones(600, 600, dtype=torch.bool)),
+             _call(n=600, mask=torch.zeros(600, 600), mask_grad=True), _call(n=2048, causal=True)]
+    for call in calls:
+        chosen = choose(call)
+        assert chosen.supports(call) is None, (chosen.name, chosen.supports(call))
+    assert choose(calls[0]).name == "dense"
+    assert choose(calls[4]).name == "fused"
+    assert choose(calls[5]).name == "blocked"
+    assert choose(calls[6]).name == "blocked"
+    assert choose(calls[7]).name == "dense"
+    assert choose(calls[8]).name == "fused"
+    assert BACKENDS["fused"].supports(calls[1]) is not None and BACKENDS["fused"].supports(calls[2]) is not None
+    with pytest.raises(ValueError, match="cannot serve"):
+        fn.relative_attention(*make(1, 1, 3, 3, 2, 2, 1), max_relative_position=1, dropout_p=0.5, backend="fused")
+
+
+@pytest.mark.parametrize("backend", FAST)
+def test_backward_is_deterministic(backend):
+    inputs = make(1, 2, 40, 40, 8, 8, 4, dtype=torch.float32, grad=True)
+    go = torch.randn(1, 2, 40, 8)
+    first = grads(backend, inputs, 4, go)[1]
+    second = grads(backend, inputs, 4, go)[1]
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_custom_ops_opcheck():
+    q, k, v, rk, rv = make(1, 2, 7, 9, 4, 4, 2, per_head=(True, False), dtype=torch.float32, grad=True)
+    rv = rv.detach()[None].requires_grad_()  # the ops take canonical (Hr, 2K+1, D) tables
+    torch.library.opcheck(torch.ops.relattn.fused_fwd.default, (q, k, v, rk, rv, 2, True, 0.5, 2))
+    torch.library.opcheck(torch.ops.relattn.blocked_fwd.default,
+                          (q, k, v, None, rv, torch.zeros(1, 1, 7, 9), torch.tensor(3), 2, False, 0.0, 0.5, 0))
+
+
+@pytest.mark.parametrize("backend", FAST)
+def test_compile_fullgraph_smoke(backend):
+    q, k, v, rk, rv = make(1, 2, 11, 11, 4, 4, 3, dtype=torch.float32, grad=True)
+
+    def f(q, k, v, rk, rv):
+        return fn.relative_attention(q, k, v, rk, rv, max_relative_position=3, is_causal=True, backend=backend)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got, want = compiled(q, k, v, rk, rv), f(q, k, v, rk, rv)
+    assert torch.equal(got, want)
+    g1 = torch.autograd.grad(got.sum(), (q, k, v, rk, rv))
+    g2 = torch.autograd.grad(want.sum(), (q, k, v, rk, rv))
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2, strict=True))
+
+
+@pytest.mark.parametrize("backend", FAST)
+def test_autocast_does_not_retype_the_kernels(backend):
+    """Inside the ops autocast is off: float32 inputs are computed in float32, bfloat16 inputs keep float32
+    statistics (see test_softmax_statistics_are_float32_for_bfloat16)."""
+    inputs = make(1, 2, 40, 40, 8, 8, 4, dtype=torch.float32)
+    plain = fn.relative_attention(*inputs, max_relative_position=4, backend=backend)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = fn.relative_attention(*inputs, max_relative_position=4, backend=backend)
+    assert under.dtype == torch.float32 and torch.equal(under, plain)
+
+
+@pytest.mark.parametrize("backend", FAST)
+def test_gradcheck_full_mode_tiny(backend):
+    """Every input element perturbed (not only random directions): per-head tables, causal, offset, N != M."""
+    q, k, v, rk, rv = make(1, 2, 5, 6, 3, 3, 2, per_head=(True, False), grad=True)
+    assert torch.autograd.gradcheck(
+        lambda *x: fn.relative_attention(*x, max_relative_position=2, is_causal=True, query_offset=1,
+                                         backend=backend), (q, k, v, rk, rv))
