@@ -53,3 +53,14 @@ def test_markdown_code_blocks_run(path, tmp_path, monkeypatch):
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
         torch.set_default_dtype(dtype)
         torch.set_grad_enabled(grad)
+
+
+def test_readme_has_the_usage_section_with_running_examples():
+    """Issue 5: the README's "Using relattn in your model" shows each toolchain feature in executed code."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Using relattn in your model", 1)[1].split("\n## ", 1)[0]
+    code = "".join(FENCE.findall(section))
+    for feature in ("RelativeMultiheadAttention(", "relative_attention(", "KVCache()", "torch.compile(",
+                    "torch.export.export(", "torch.export.save(", "torch.export.load(", "torch.autocast(",
+                    "torch.use_deterministic_algorithms(True)"):
+        assert feature in code, feature
