@@ -133,6 +133,20 @@ def _edge(t: torch.Tensor, table: torch.Tensor | None, row: int, *, flip: bool =
     return t if table is None else t + table[:, row].to(t.dtype)[None, :, None, :]
 
 
+def _accumulate(acc: torch.Tensor | None, g: torch.Tensor, lo: int, length: int, dtype) -> torch.Tensor:
+    """``acc[:, :, lo:lo+L] += g`` for g (B, H, L, d); a None ``acc`` becomes a fresh (B, H, length, d) tensor,
+    zero outside those rows (one write instead of a zero fill and an add)."""
+    hi = lo + g.shape[2]
+    if acc is None:
+        acc = g.new_empty(*g.shape[:2], length, g.shape[3], dtype=dtype)
+        acc[:, :, :lo].zero_()
+        acc[:, :, hi:].zero_()
+        acc[:, :, lo:hi].copy_(g)
+    else:
+        acc[:, :, lo:hi] += g
+    return acc
+
+
 def _sum_table_grad(g: torch.Tensor, hr: int) -> torch.Tensor:
     """(B, H, ...) -> (Hr, ...): sum over batch, and over heads when the table is shared (Hr = 1)."""
     g = g.sum(0)
@@ -184,12 +198,6 @@ class _Band:
     def compact(self, tiles: torch.Tensor) -> torch.Tensor:
         """(G, T, W) tiles -> (B, H, ntp*T, wb) band (a copy)."""
         return self.skew(tiles).reshape(self.b, self.h, self.lh, self.wb)
-
-    def tiles_of(self, band: torch.Tensor) -> torch.Tensor:
-        """(B, H, N, wb) band -> (G, T, W) tiles, zero off the band."""
-        tiles = band.new_zeros(self.groups, self.tile, self.w)
-        self.skew(tiles).copy_(self.pad_rows(band).view(self.b, self.h, self.ntp, self.tile, self.wb))
-        return tiles
 
     def pad_rows(self, t: torch.Tensor, scale: float = 1.0, dtype=None) -> torch.Tensor:
         """(B, H, N, d) -> (B, H, ntp*T, d) zero-padded copy, times ``scale``."""
@@ -347,9 +355,7 @@ def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relat
     sdt = stats_dtype(q.dtype)
     grad_out = grad_out.contiguous()
     lse = lse.contiguous()
-    dq = torch.zeros(q.shape, dtype=sdt, device=q.device)
-    dk = torch.zeros(k.shape, dtype=sdt, device=q.device)
-    dvv = torch.zeros(v.shape, dtype=sdt, device=q.device)
+    dq = dk = dvv = None  # the first region's gradients are written in place, the others added
     drk = torch.zeros(rel_k.shape, dtype=sdt, device=q.device) if rel_k is not None else None
     drv = torch.zeros(rel_v.shape, dtype=sdt, device=q.device) if rel_v is not None else None
 
@@ -370,32 +376,41 @@ def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relat
             if drv is not None:
                 drv[:, row] += _sum_table_grad(gv.sum(2), drv.shape[0])
             if side == 0:
-                dq[:, :, i0:] += gq
-                dk[:, :, j0:j1] += gk
-                dvv[:, :, j0:j1] += gv
+                dq = _accumulate(dq, gq, i0, n, sdt)
+                dk = _accumulate(dk, gk, j0, m, sdt)
+                dvv = _accumulate(dvv, gv, j0, m, sdt)
             else:
-                dq[:, :, : n - i0] += gq.flip(2)
-                dk[:, :, m - j1 : m - j0] += gk.flip(2)
-                dvv[:, :, m - j1 : m - j0] += gv.flip(2)
+                dq = _accumulate(dq, gq.flip(2), 0, n, sdt)
+                dk = _accumulate(dk, gk.flip(2), m - j1, m, sdt)
+                dvv = _accumulate(dvv, gv.flip(2), m - j1, m, sdt)
+    dq, dk, dvv = (torch.zeros(x.shape, dtype=sdt, device=x.device) if g is None else g
+                   for g, x in ((dq, q), (dk, k), (dvv, v)))
 
     if kk >= 1 and m > 0 and n > 0:
         g = _Band(b, h, n, m, kk, query_offset, is_causal, tile, q.device)
         do_rows = g.pad_rows(grad_out, 1.0, sdt)
         dp = torch.bmm(g.row_tiles(do_rows), g.windows(g.pad_keys(v, sdt)).transpose(1, 2))  # (G, T, W)
+        # Elementwise work on the band only (wb of the W tile columns): ds = p * (dp - dg) in compact form,
+        # then one zeroed tile buffer holds p, and afterwards ds, for the window GEMMs.
         if rel_v is not None:
-            g.skew(dp).add_((do_rows @ rel_v[:, g.rows].to(sdt).transpose(-1, -2))
-                            .view(b, h, g.ntp, g.tile, g.wb))
+            dp_band = (do_rows @ rel_v[:, g.rows].to(sdt).transpose(-1, -2)).view(b, h, g.ntp, g.tile, g.wb)
+            dp_band.add_(g.skew(dp))
+        else:
+            dp_band = g.skew(dp).contiguous()
         dg = F.pad((grad_out.to(sdt) * out.to(sdt)).sum(-1), (0, g.lh - n))
-        p = g.tiles_of(band)
-        ds = dp.sub_(dg.view(g.groups, g.tile, 1)).mul_(p)  # dL/d(scaled score); `scale` goes into the adds
-        dq.add_(torch.bmm(ds, g.windows(g.pad_keys(k, sdt))).view(b, h, g.lh, d)[:, :, :n], alpha=scale)
+        p_band = g.pad_rows(band).view(b, h, g.ntp, g.tile, g.wb)
+        ds_band = dp_band.sub_(dg.view(b, h, g.ntp, g.tile, 1)).mul_(p_band)  # dL/d(scaled score)
+        tiles = dp.zero_()
+        g.skew(tiles).copy_(p_band)
+        g.fold_into(torch.bmm(tiles.transpose(1, 2), g.row_tiles(do_rows)), dvv)
+        g.skew(tiles).copy_(ds_band)  # off-band entries stay zero; `scale` goes into the adds below
+        dq.add_(torch.bmm(tiles, g.windows(g.pad_keys(k, sdt))).view(b, h, g.lh, d)[:, :, :n], alpha=scale)
         qrows = g.pad_rows(q, 1.0, sdt)
+        ds_band = ds_band.view(b, h, g.lh, g.wb)
         if rel_k is not None:
-            ds_band = g.compact(ds)
             dq.add_((ds_band @ rel_k[:, g.rows].to(sdt))[:, :, :n], alpha=scale)
             drk[:, g.rows] += _sum_table_grad(ds_band.transpose(-1, -2) @ qrows, drk.shape[0]) * scale
-        g.fold_into(torch.bmm(ds.transpose(1, 2), g.row_tiles(qrows)), dk, scale)
-        g.fold_into(torch.bmm(p.transpose(1, 2), g.row_tiles(do_rows)), dvv)
+        g.fold_into(torch.bmm(tiles.transpose(1, 2), g.row_tiles(qrows)), dk, scale)
         if rel_v is not None:
             drv[:, g.rows] += _sum_table_grad(band.transpose(-1, -2) @ grad_out.to(sdt), drv.shape[0])
 
