@@ -180,10 +180,9 @@ class _Band:
         r = torch.arange(self.r_lo, r_hi + 1, device=device)
         j = torch.arange(self.lh, device=device)[:, None] + query_offset + r[None, :]
         valid = (j >= 0) & (j < m) & (torch.arange(self.lh, device=device)[:, None] < n)
-        mask = torch.ones(self.ntp, t, self.w, dtype=torch.bool, device=device)
-        self._skew(mask).copy_(~valid.view(self.ntp, t, self.wb))
-        # (ntp, T, W) additive: -inf off the band, outside the keys, or on an empty row
-        self.bias = torch.zeros(mask.shape, device=device).masked_fill_(mask, float("-inf"))
+        # (ntp, T, wb) additive, on the compact band: -inf outside the keys or on an empty row
+        self.bias = torch.zeros(self.ntp, t, self.wb, device=device).masked_fill_(
+            ~valid.view(self.ntp, t, self.wb), float("-inf"))
         self.rows = clip_and_shift(r, kk)  # table rows of the band offsets (raw offset + K: no clipping inside)
 
     def _skew(self, tiles: torch.Tensor) -> torch.Tensor:
@@ -194,10 +193,6 @@ class _Band:
     def skew(self, tiles: torch.Tensor) -> torch.Tensor:
         """(G, T, W) tiles -> (B, H, ntp, T, wb) view of the band."""
         return self._skew(tiles.view(self.b, self.h, self.ntp, self.tile, self.w))
-
-    def compact(self, tiles: torch.Tensor) -> torch.Tensor:
-        """(G, T, W) tiles -> (B, H, ntp*T, wb) band (a copy)."""
-        return self.skew(tiles).reshape(self.b, self.h, self.lh, self.wb)
 
     def pad_rows(self, t: torch.Tensor, scale: float = 1.0, dtype=None) -> torch.Tensor:
         """(B, H, N, d) -> (B, H, ntp*T, d) zero-padded copy, times ``scale``."""
@@ -294,14 +289,19 @@ def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causa
     if g is not None:
         qrows = g.pad_rows(q, scale, sdt)
         s = torch.bmm(g.row_tiles(qrows), g.windows(g.pad_keys(k, sdt)).transpose(1, 2))  # (G, T, W)
+        # The softmax runs on the compact band (B, H, ntp, T, wb): only wb of the W tile columns.
         if rel_k is not None:
-            g.skew(s).add_((qrows @ rel_k[:, g.rows].to(sdt).transpose(-1, -2)).view(b, h, g.ntp, g.tile, g.wb))
-        s.view(b * h, g.ntp, g.tile, g.w).add_(g.bias.to(sdt))
-        peak = s.amax(-1)
+            sb = (qrows @ rel_k[:, g.rows].to(sdt).transpose(-1, -2)).view(b, h, g.ntp, g.tile, g.wb)
+            sb.add_(g.skew(s))
+        else:
+            sb = g.skew(s).contiguous()
+        sb.add_(g.bias.to(sdt))
+        peak = sb.amax(-1)
         peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-        s.sub_(peak[..., None]).exp_()
+        sb.sub_(peak[..., None]).exp_()
+        sb = sb.view(b, h, g.lh, g.wb)
         peak = peak.view(b, h, g.lh)
-        lse_parts.append((peak + torch.log(s.sum(-1).view(b, h, g.lh)))[:, :, :n])
+        lse_parts.append((peak + torch.log(sb.sum(-1)))[:, :, :n])
 
     if not lse_parts:
         lse = q.new_full((b, h, n), float("-inf"), dtype=sdt)
@@ -329,10 +329,12 @@ def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causa
         out = q.new_zeros(b, h, n, dv, dtype=sdt)
     if g is not None:
         factor = torch.exp(peak[:, :, :n] - lse_safe)
-        s.view(b, h, g.lh, g.w)[:, :, :n].mul_(factor[..., None])  # s is now the band's share of the weights
-        out += torch.bmm(s, g.windows(g.pad_keys(v, sdt))).view(b, h, g.lh, dv)[:, :, :n]
+        sb[:, :, :n].mul_(factor[..., None])  # the band's share of the weights (empty rows are already 0)
+        tiles = s.zero_()
+        g.skew(tiles).copy_(sb.view(b, h, g.ntp, g.tile, g.wb))
+        out += torch.bmm(tiles, g.windows(g.pad_keys(v, sdt))).view(b, h, g.lh, dv)[:, :, :n]
         # (B, H, N, wb): a shape simple in N, so that export with a dynamic length needs no guard on the tiling
-        band = g.compact(s)[:, :, :n].contiguous()
+        band = sb[:, :, :n].contiguous()
         if rel_v is not None:
             out += band @ rel_v[:, g.rows].to(sdt)
     else:
