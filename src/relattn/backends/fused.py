@@ -205,10 +205,12 @@ class _Band:
         """(B, H, ntp*T, d) -> (G, T, d) view."""
         return rows.view(self.groups, self.tile, rows.shape[-1])
 
-    def pad_keys(self, t: torch.Tensor, dtype) -> torch.Tensor:
-        """(B, H, M, d) -> flat (B*H*Lh + W, d) zero-padded buffer."""
+    def pad_keys(self, t: torch.Tensor, dtype, reuse: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, M, d) -> flat (B*H*Lh + W, d) zero-padded buffer (written into ``reuse`` if it has that shape:
+        fresh large buffers cost page faults)."""
         d = t.shape[-1]
-        flat = t.new_empty(self.b * self.h * self.lh + self.w, d, dtype=dtype)
+        shape = (self.b * self.h * self.lh + self.w, d)
+        flat = reuse if reuse is not None and reuse.shape == shape else t.new_empty(shape, dtype=dtype)
         heads = flat[: self.b * self.h * self.lh].view(self.b, self.h, self.lh, d)
         a, z = self.j_lo - self.x0, self.j_hi - self.x0
         if a < z:
@@ -225,14 +227,17 @@ class _Band:
         d = flat.shape[-1]
         return flat.as_strided((self.groups, self.w, d), (self.tile * d, d, 1), flat.storage_offset())
 
-    def fold_into(self, xw: torch.Tensor, dest: torch.Tensor, alpha: float = 1.0) -> None:
+    def fold_into(self, xw: torch.Tensor, dest: torch.Tensor, alpha: float = 1.0,
+                  reuse: torch.Tensor | None = None) -> torch.Tensor:
         """Adjoint of :meth:`windows`: overlap-add (G, W, d) window gradients onto ``dest`` (B, H, M, d).
 
         Windows start every T rows and span ``ceil(W / T)`` blocks of T, so it is that many shifted adds.
+        Returns the work buffer (pass it back as ``reuse``).
         """
         g, t, d = self.groups, self.tile, xw.shape[-1]
         nb = -(-self.w // t)
-        out = xw.new_empty(g + nb - 1, t, d)
+        shape = (g + nb - 1, t, d)
+        out = reuse if reuse is not None and reuse.shape == shape else xw.new_empty(shape)
         out[:g].copy_(xw[:, :t])
         out[g:].zero_()
         for u in range(1, nb):
@@ -242,6 +247,7 @@ class _Band:
         if a < z:
             heads = out.view(-1, d)[: self.b * self.h * self.lh].view(self.b, self.h, self.lh, d)
             dest[:, :, self.j_lo : self.j_hi].add_(heads[:, :, a:z].to(dest.dtype), alpha=alpha)
+        return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -288,7 +294,8 @@ def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causa
     lse_parts = [p[0] for p in parts]
     if g is not None:
         qrows = g.pad_rows(q, scale, sdt)
-        s = torch.bmm(g.row_tiles(qrows), g.windows(g.pad_keys(k, sdt)).transpose(1, 2))  # (G, T, W)
+        keys = g.pad_keys(k, sdt)
+        s = torch.bmm(g.row_tiles(qrows), g.windows(keys).transpose(1, 2))  # (G, T, W)
         # The softmax runs on the compact band (B, H, ntp, T, wb): only wb of the W tile columns.
         if rel_k is not None:
             sb = (qrows @ rel_k[:, g.rows].to(sdt).transpose(-1, -2)).view(b, h, g.ntp, g.tile, g.wb)
@@ -332,7 +339,7 @@ def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causa
         sb[:, :, :n].mul_(factor[..., None])  # the band's share of the weights (empty rows are already 0)
         tiles = s.zero_()
         g.skew(tiles).copy_(sb.view(b, h, g.ntp, g.tile, g.wb))
-        out += torch.bmm(tiles, g.windows(g.pad_keys(v, sdt))).view(b, h, g.lh, dv)[:, :, :n]
+        out += torch.bmm(tiles, g.windows(g.pad_keys(v, sdt, reuse=keys))).view(b, h, g.lh, dv)[:, :, :n]
         # (B, H, N, wb): a shape simple in N, so that export with a dynamic length needs no guard on the tiling
         band = sb[:, :, :n].contiguous()
         if rel_v is not None:
@@ -391,7 +398,8 @@ def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relat
     if kk >= 1 and m > 0 and n > 0:
         g = _Band(b, h, n, m, kk, query_offset, is_causal, tile, q.device)
         do_rows = g.pad_rows(grad_out, 1.0, sdt)
-        dp = torch.bmm(g.row_tiles(do_rows), g.windows(g.pad_keys(v, sdt)).transpose(1, 2))  # (G, T, W)
+        keys = g.pad_keys(v, sdt)
+        dp = torch.bmm(g.row_tiles(do_rows), g.windows(keys).transpose(1, 2))  # (G, T, W)
         # Elementwise work on the band only (wb of the W tile columns): ds = p * (dp - dg) in compact form,
         # then one zeroed tile buffer holds p, and afterwards ds, for the window GEMMs.
         if rel_v is not None:
@@ -404,15 +412,20 @@ def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relat
         ds_band = dp_band.sub_(dg.view(b, h, g.ntp, g.tile, 1)).mul_(p_band)  # dL/d(scaled score)
         tiles = dp.zero_()
         g.skew(tiles).copy_(p_band)
-        g.fold_into(torch.bmm(tiles.transpose(1, 2), g.row_tiles(do_rows)), dvv)
+        xw = torch.bmm(tiles.transpose(1, 2), g.row_tiles(do_rows))  # (G, W, Dv)
+        work = g.fold_into(xw, dvv)
         g.skew(tiles).copy_(ds_band)  # off-band entries stay zero; `scale` goes into the adds below
-        dq.add_(torch.bmm(tiles, g.windows(g.pad_keys(k, sdt))).view(b, h, g.lh, d)[:, :, :n], alpha=scale)
+        dq.add_(torch.bmm(tiles, g.windows(g.pad_keys(k, sdt, reuse=keys))).view(b, h, g.lh, d)[:, :, :n],
+                alpha=scale)
         qrows = g.pad_rows(q, 1.0, sdt)
         ds_band = ds_band.view(b, h, g.lh, g.wb)
         if rel_k is not None:
             dq.add_((ds_band @ rel_k[:, g.rows].to(sdt))[:, :, :n], alpha=scale)
             drk[:, g.rows] += _sum_table_grad(ds_band.transpose(-1, -2) @ qrows, drk.shape[0]) * scale
-        g.fold_into(torch.bmm(tiles.transpose(1, 2), g.row_tiles(qrows)), dk, scale)
+        if xw.shape[-1] == d:
+            g.fold_into(torch.bmm(tiles.transpose(1, 2), g.row_tiles(qrows), out=xw), dk, scale, reuse=work)
+        else:
+            g.fold_into(torch.bmm(tiles.transpose(1, 2), g.row_tiles(qrows)), dk, scale)
         if rel_v is not None:
             drv[:, g.rows] += _sum_table_grad(band.transpose(-1, -2) @ grad_out.to(sdt), drv.shape[0])
 
