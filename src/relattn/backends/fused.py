@@ -38,6 +38,7 @@ from ..positions import clip_and_shift
 # (backend="fused" still runs it).
 CUDA_VERIFIED = False
 DEFAULT_TILE = None  # chosen from the band width by default_tile()
+CHUNK_ELEMENTS = 1 << 19  # (T, W) tile buffers are processed this many elements at a time (2 MiB in float32)
 
 
 def default_tile(band: int) -> int:
@@ -227,6 +228,38 @@ class _Band:
         d = flat.shape[-1]
         return flat.as_strided((self.groups, self.w, d), (self.tile * d, d, 1), flat.storage_offset())
 
+    def chunks(self) -> list[tuple[int, int]]:
+        """Tile ranges ``[g0, g1)`` for the (T, W) tile buffers: a small buffer reused chunk after chunk stays in
+        cache and costs no page faults, unlike one (G, T, W) tensor per step."""
+        step = max(1, CHUNK_ELEMENTS // (self.tile * self.w))
+        return [(g0, min(self.groups, g0 + step)) for g0 in range(0, self.groups, step)]
+
+    def add_band_scores(self, band: torch.Tensor, rows: torch.Tensor, flat: torch.Tensor) -> None:
+        """``band`` (G, T, wb) += the band of ``rows`` (G, T, d) times the key windows of ``flat``, transposed."""
+        wins = self.windows(flat)
+        buf = None
+        for g0, g1 in self.chunks():
+            if buf is None:
+                buf = band.new_empty(g1 - g0, self.tile, self.w)
+            t = buf[: g1 - g0]
+            torch.bmm(rows[g0:g1], wins[g0:g1].transpose(1, 2), out=t)
+            band[g0:g1] += self._skew(t)
+
+    def band_products(self, band: torch.Tensor, *, flat: torch.Tensor | None = None,
+                      out_rows: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                      out_windows: torch.Tensor | None = None) -> None:
+        """With ``P`` the (G, T, W) tiles of the band (G, T, wb), zero off the band: ``out_rows`` (G, T, d) =
+        ``P @ windows(flat)`` and/or ``out_windows`` (G, W, d) = ``P^T @ rows`` (rows (G, T, d))."""
+        buf = band.new_zeros(min(self.groups, self.chunks()[0][1]), self.tile, self.w)
+        wins = self.windows(flat) if flat is not None else None
+        for g0, g1 in self.chunks():
+            t = buf[: g1 - g0]
+            self._skew(t).copy_(band[g0:g1])  # the off-band entries of the buffer stay zero
+            if out_rows is not None:
+                torch.bmm(t, wins[g0:g1], out=out_rows[g0:g1])
+            if out_windows is not None:
+                torch.bmm(t.transpose(1, 2), rows[g0:g1], out=out_windows[g0:g1])
+
     def fold_into(self, xw: torch.Tensor, dest: torch.Tensor, alpha: float = 1.0,
                   reuse: torch.Tensor | None = None) -> torch.Tensor:
         """Adjoint of :meth:`windows`: overlap-add (G, W, d) window gradients onto ``dest`` (B, H, M, d).
@@ -295,13 +328,12 @@ def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causa
     if g is not None:
         qrows = g.pad_rows(q, scale, sdt)
         keys = g.pad_keys(k, sdt)
-        s = torch.bmm(g.row_tiles(qrows), g.windows(keys).transpose(1, 2))  # (G, T, W)
         # The softmax runs on the compact band (B, H, ntp, T, wb): only wb of the W tile columns.
         if rel_k is not None:
             sb = (qrows @ rel_k[:, g.rows].to(sdt).transpose(-1, -2)).view(b, h, g.ntp, g.tile, g.wb)
-            sb.add_(g.skew(s))
         else:
-            sb = g.skew(s).contiguous()
+            sb = qrows.new_zeros(b, h, g.ntp, g.tile, g.wb)
+        g.add_band_scores(sb.view(g.groups, g.tile, g.wb), g.row_tiles(qrows), keys)
         sb.add_(g.bias.to(sdt))
         peak = sb.amax(-1)
         peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
@@ -337,9 +369,9 @@ def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causa
     if g is not None:
         factor = torch.exp(peak[:, :, :n] - lse_safe)
         sb[:, :, :n].mul_(factor[..., None])  # the band's share of the weights (empty rows are already 0)
-        tiles = s.zero_()
-        g.skew(tiles).copy_(sb.view(b, h, g.ntp, g.tile, g.wb))
-        out += torch.bmm(tiles, g.windows(g.pad_keys(v, sdt, reuse=keys))).view(b, h, g.lh, dv)[:, :, :n]
+        band_out = qrows.new_empty(g.groups, g.tile, dv)
+        g.band_products(sb.view(g.groups, g.tile, g.wb), flat=g.pad_keys(v, sdt, reuse=keys), out_rows=band_out)
+        out += band_out.view(b, h, g.lh, dv)[:, :, :n]
         # (B, H, N, wb): a shape simple in N, so that export with a dynamic length needs no guard on the tiling
         band = sb[:, :, :n].contiguous()
         if rel_v is not None:
@@ -399,33 +431,31 @@ def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relat
         g = _Band(b, h, n, m, kk, query_offset, is_causal, tile, q.device)
         do_rows = g.pad_rows(grad_out, 1.0, sdt)
         keys = g.pad_keys(v, sdt)
-        dp = torch.bmm(g.row_tiles(do_rows), g.windows(keys).transpose(1, 2))  # (G, T, W)
-        # Elementwise work on the band only (wb of the W tile columns): ds = p * (dp - dg) in compact form,
-        # then one zeroed tile buffer holds p, and afterwards ds, for the window GEMMs.
+        # Elementwise work on the band only (wb of the W tile columns): ds = p * (dp - dg) in compact form.
         if rel_v is not None:
-            dp_band = (do_rows @ rel_v[:, g.rows].to(sdt).transpose(-1, -2)).view(b, h, g.ntp, g.tile, g.wb)
-            dp_band.add_(g.skew(dp))
+            dp_band = (do_rows @ rel_v[:, g.rows].to(sdt).transpose(-1, -2)).view(g.groups, g.tile, g.wb)
         else:
-            dp_band = g.skew(dp).contiguous()
+            dp_band = do_rows.new_zeros(g.groups, g.tile, g.wb)
+        do_tiles = g.row_tiles(do_rows)
+        g.add_band_scores(dp_band, do_tiles, keys)
         dg = F.pad((grad_out.to(sdt) * out.to(sdt)).sum(-1), (0, g.lh - n))
-        p_band = g.pad_rows(band).view(b, h, g.ntp, g.tile, g.wb)
-        ds_band = dp_band.sub_(dg.view(b, h, g.ntp, g.tile, 1)).mul_(p_band)  # dL/d(scaled score)
-        tiles = dp.zero_()
-        g.skew(tiles).copy_(p_band)
-        xw = torch.bmm(tiles.transpose(1, 2), g.row_tiles(do_rows))  # (G, W, Dv)
+        p_band = g.pad_rows(band).view(g.groups, g.tile, g.wb)
+        ds_band = dp_band.sub_(dg.view(g.groups, g.tile, 1)).mul_(p_band)  # dL/d(scaled score)
+        xw = do_rows.new_empty(g.groups, g.w, do_rows.shape[-1])
+        g.band_products(p_band, rows=do_tiles, out_windows=xw)
         work = g.fold_into(xw, dvv)
-        g.skew(tiles).copy_(ds_band)  # off-band entries stay zero; `scale` goes into the adds below
-        dq.add_(torch.bmm(tiles, g.windows(g.pad_keys(k, sdt, reuse=keys))).view(b, h, g.lh, d)[:, :, :n],
-                alpha=scale)
         qrows = g.pad_rows(q, 1.0, sdt)
+        if xw.shape[-1] != d:
+            xw = qrows.new_empty(g.groups, g.w, d)
+        dq_tiles = qrows.new_empty(g.groups, g.tile, d)
+        g.band_products(ds_band, flat=g.pad_keys(k, sdt, reuse=keys), out_rows=dq_tiles, rows=g.row_tiles(qrows),
+                        out_windows=xw)
+        dq.add_(dq_tiles.view(b, h, g.lh, d)[:, :, :n], alpha=scale)  # `scale` goes into the adds
+        g.fold_into(xw, dk, scale, reuse=work)
         ds_band = ds_band.view(b, h, g.lh, g.wb)
         if rel_k is not None:
             dq.add_((ds_band @ rel_k[:, g.rows].to(sdt))[:, :, :n], alpha=scale)
             drk[:, g.rows] += _sum_table_grad(ds_band.transpose(-1, -2) @ qrows, drk.shape[0]) * scale
-        if xw.shape[-1] == d:
-            g.fold_into(torch.bmm(tiles.transpose(1, 2), g.row_tiles(qrows), out=xw), dk, scale, reuse=work)
-        else:
-            g.fold_into(torch.bmm(tiles.transpose(1, 2), g.row_tiles(qrows)), dk, scale)
         if rel_v is not None:
             drv[:, g.rows] += _sum_table_grad(band.transpose(-1, -2) @ grad_out.to(sdt), drv.shape[0])
 
