@@ -13,10 +13,12 @@ the keys and values:
 The far-left region is ``j <= i + c`` with ``c = query_offset - K``: ordinary causal attention on
 shifted slices, computed by PyTorch's fused kernel, which also returns the log-sum-exp. The far-right
 region is the same on the reversed sequences. The band is computed per tile of ``T`` queries against
-its ``T + wb - 1`` key window (one GEMM; ``wb = 2K - 1`` offsets, or ``K`` when causal); the per-row
+its ``T + wb - 1`` key window (batched GEMMs; ``wb = 2K - 1`` offsets, or ``K`` when causal); the per-row
 band is read off the tile by a skewed view, so that entry ``(i, r)`` of the band sits next to
-``q_i . a^K_r`` without any gather. The parts merge by
-log-sum-exp. Memory outside the fused calls is O(N (D + K)): no (N, M) tensor is built.
+``q_i . a^K_r`` without any gather. The softmax and the backward's elementwise work run on that compact
+(N, wb) band; the (T, W) tiles exist only in a small buffer reused chunk after chunk (cache-resident, and
+no page faults of a fresh (N, W) tensor per step). The parts merge by log-sum-exp. Memory outside the
+fused calls is O(N (D + K)): no (N, M) tensor is built.
 
 Backward: with the *merged* log-sum-exp, the fused backward recomputes the merged probabilities of its
 region, and ``rowsum(dO * O)`` with the merged output ``O`` is exactly the softmax correction term, so
@@ -363,7 +365,7 @@ def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causa
         else:
             if out is None:
                 out = q.new_zeros(b, h, n, dv, dtype=sdt)
-            out[:, :, : n - i0] += (alpha.flip(2)[:, :, i0:] * o).flip(2)
+            out[:, :, : n - i0].addcmul_(alpha[:, :, : n - i0], o.flip(2))
     if out is None:
         out = q.new_zeros(b, h, n, dv, dtype=sdt)
     if g is not None:
