@@ -13,10 +13,12 @@ the keys and values:
 The far-left region is ``j <= i + c`` with ``c = query_offset - K``: ordinary causal attention on
 shifted slices, computed by PyTorch's fused kernel, which also returns the log-sum-exp. The far-right
 region is the same on the reversed sequences. The band is computed per tile of ``T`` queries against
-its ``T + wb - 1`` key window (one GEMM; ``wb = 2K - 1`` offsets, or ``K`` when causal); the per-row
+its ``T + wb - 1`` key window (batched GEMMs; ``wb = 2K - 1`` offsets, or ``K`` when causal); the per-row
 band is read off the tile by a skewed view, so that entry ``(i, r)`` of the band sits next to
-``q_i . a^K_r`` without any gather. The parts merge by
-log-sum-exp. Memory outside the fused calls is O(N (D + K)): no (N, M) tensor is built.
+``q_i . a^K_r`` without any gather. The softmax and the backward's elementwise work run on that compact
+(N, wb) band; the (T, W) tiles exist only in a small buffer reused chunk after chunk (cache-resident, and
+no page faults of a fresh (N, W) tensor per step). The parts merge by log-sum-exp. Memory outside the
+fused calls is O(N (D + K)): no (N, M) tensor is built.
 
 Backward: with the *merged* log-sum-exp, the fused backward recomputes the merged probabilities of its
 region, and ``rowsum(dO * O)`` with the merged output ``O`` is exactly the softmax correction term, so
@@ -38,6 +40,7 @@ from ..positions import clip_and_shift
 # (backend="fused" still runs it).
 CUDA_VERIFIED = False
 DEFAULT_TILE = None  # chosen from the band width by default_tile()
+CHUNK_ELEMENTS = 1 << 19  # (T, W) tile buffers are processed this many elements at a time (2 MiB in float32)
 
 
 def default_tile(band: int) -> int:
@@ -133,6 +136,20 @@ def _edge(t: torch.Tensor, table: torch.Tensor | None, row: int, *, flip: bool =
     return t if table is None else t + table[:, row].to(t.dtype)[None, :, None, :]
 
 
+def _accumulate(acc: torch.Tensor | None, g: torch.Tensor, lo: int, length: int, dtype) -> torch.Tensor:
+    """``acc[:, :, lo:lo+L] += g`` for g (B, H, L, d); a None ``acc`` becomes a fresh (B, H, length, d) tensor,
+    zero outside those rows (one write instead of a zero fill and an add)."""
+    hi = lo + g.shape[2]
+    if acc is None:
+        acc = g.new_empty(*g.shape[:2], length, g.shape[3], dtype=dtype)
+        acc[:, :, :lo].zero_()
+        acc[:, :, hi:].zero_()
+        acc[:, :, lo:hi].copy_(g)
+    else:
+        acc[:, :, lo:hi] += g
+    return acc
+
+
 def _sum_table_grad(g: torch.Tensor, hr: int) -> torch.Tensor:
     """(B, H, ...) -> (Hr, ...): sum over batch, and over heads when the table is shared (Hr = 1)."""
     g = g.sum(0)
@@ -166,10 +183,9 @@ class _Band:
         r = torch.arange(self.r_lo, r_hi + 1, device=device)
         j = torch.arange(self.lh, device=device)[:, None] + query_offset + r[None, :]
         valid = (j >= 0) & (j < m) & (torch.arange(self.lh, device=device)[:, None] < n)
-        mask = torch.ones(self.ntp, t, self.w, dtype=torch.bool, device=device)
-        self._skew(mask).copy_(~valid.view(self.ntp, t, self.wb))
-        # (ntp, T, W) additive: -inf off the band, outside the keys, or on an empty row
-        self.bias = torch.zeros(mask.shape, device=device).masked_fill_(mask, float("-inf"))
+        # (ntp, T, wb) additive, on the compact band: -inf outside the keys or on an empty row
+        self.bias = torch.zeros(self.ntp, t, self.wb, device=device).masked_fill_(
+            ~valid.view(self.ntp, t, self.wb), float("-inf"))
         self.rows = clip_and_shift(r, kk)  # table rows of the band offsets (raw offset + K: no clipping inside)
 
     def _skew(self, tiles: torch.Tensor) -> torch.Tensor:
@@ -180,16 +196,6 @@ class _Band:
     def skew(self, tiles: torch.Tensor) -> torch.Tensor:
         """(G, T, W) tiles -> (B, H, ntp, T, wb) view of the band."""
         return self._skew(tiles.view(self.b, self.h, self.ntp, self.tile, self.w))
-
-    def compact(self, tiles: torch.Tensor) -> torch.Tensor:
-        """(G, T, W) tiles -> (B, H, ntp*T, wb) band (a copy)."""
-        return self.skew(tiles).reshape(self.b, self.h, self.lh, self.wb)
-
-    def tiles_of(self, band: torch.Tensor) -> torch.Tensor:
-        """(B, H, N, wb) band -> (G, T, W) tiles, zero off the band."""
-        tiles = band.new_zeros(self.groups, self.tile, self.w)
-        self.skew(tiles).copy_(self.pad_rows(band).view(self.b, self.h, self.ntp, self.tile, self.wb))
-        return tiles
 
     def pad_rows(self, t: torch.Tensor, scale: float = 1.0, dtype=None) -> torch.Tensor:
         """(B, H, N, d) -> (B, H, ntp*T, d) zero-padded copy, times ``scale``."""
@@ -202,10 +208,12 @@ class _Band:
         """(B, H, ntp*T, d) -> (G, T, d) view."""
         return rows.view(self.groups, self.tile, rows.shape[-1])
 
-    def pad_keys(self, t: torch.Tensor, dtype) -> torch.Tensor:
-        """(B, H, M, d) -> flat (B*H*Lh + W, d) zero-padded buffer."""
+    def pad_keys(self, t: torch.Tensor, dtype, reuse: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, M, d) -> flat (B*H*Lh + W, d) zero-padded buffer (written into ``reuse`` if it has that shape:
+        fresh large buffers cost page faults)."""
         d = t.shape[-1]
-        flat = t.new_empty(self.b * self.h * self.lh + self.w, d, dtype=dtype)
+        shape = (self.b * self.h * self.lh + self.w, d)
+        flat = reuse if reuse is not None and reuse.shape == shape else t.new_empty(shape, dtype=dtype)
         heads = flat[: self.b * self.h * self.lh].view(self.b, self.h, self.lh, d)
         a, z = self.j_lo - self.x0, self.j_hi - self.x0
         if a < z:
@@ -222,14 +230,49 @@ class _Band:
         d = flat.shape[-1]
         return flat.as_strided((self.groups, self.w, d), (self.tile * d, d, 1), flat.storage_offset())
 
-    def fold_into(self, xw: torch.Tensor, dest: torch.Tensor, alpha: float = 1.0) -> None:
+    def chunks(self) -> list[tuple[int, int]]:
+        """Tile ranges ``[g0, g1)`` for the (T, W) tile buffers: a small buffer reused chunk after chunk stays in
+        cache and costs no page faults, unlike one (G, T, W) tensor per step."""
+        step = max(1, CHUNK_ELEMENTS // (self.tile * self.w))
+        return [(g0, min(self.groups, g0 + step)) for g0 in range(0, self.groups, step)]
+
+    def add_band_scores(self, band: torch.Tensor, rows: torch.Tensor, flat: torch.Tensor) -> None:
+        """``band`` (G, T, wb) += the band of ``rows`` (G, T, d) times the key windows of ``flat``, transposed."""
+        wins = self.windows(flat)
+        buf = None
+        for g0, g1 in self.chunks():
+            if buf is None:
+                buf = band.new_empty(g1 - g0, self.tile, self.w)
+            t = buf[: g1 - g0]
+            torch.bmm(rows[g0:g1], wins[g0:g1].transpose(1, 2), out=t)
+            band[g0:g1] += self._skew(t)
+
+    def band_products(self, band: torch.Tensor, *, flat: torch.Tensor | None = None,
+                      out_rows: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                      out_windows: torch.Tensor | None = None) -> None:
+        """With ``P`` the (G, T, W) tiles of the band (G, T, wb), zero off the band: ``out_rows`` (G, T, d) =
+        ``P @ windows(flat)`` and/or ``out_windows`` (G, W, d) = ``P^T @ rows`` (rows (G, T, d))."""
+        buf = band.new_zeros(min(self.groups, self.chunks()[0][1]), self.tile, self.w)
+        wins = self.windows(flat) if flat is not None else None
+        for g0, g1 in self.chunks():
+            t = buf[: g1 - g0]
+            self._skew(t).copy_(band[g0:g1])  # the off-band entries of the buffer stay zero
+            if out_rows is not None:
+                torch.bmm(t, wins[g0:g1], out=out_rows[g0:g1])
+            if out_windows is not None:
+                torch.bmm(t.transpose(1, 2), rows[g0:g1], out=out_windows[g0:g1])
+
+    def fold_into(self, xw: torch.Tensor, dest: torch.Tensor, alpha: float = 1.0,
+                  reuse: torch.Tensor | None = None) -> torch.Tensor:
         """Adjoint of :meth:`windows`: overlap-add (G, W, d) window gradients onto ``dest`` (B, H, M, d).
 
         Windows start every T rows and span ``ceil(W / T)`` blocks of T, so it is that many shifted adds.
+        Returns the work buffer (pass it back as ``reuse``).
         """
         g, t, d = self.groups, self.tile, xw.shape[-1]
         nb = -(-self.w // t)
-        out = xw.new_empty(g + nb - 1, t, d)
+        shape = (g + nb - 1, t, d)
+        out = reuse if reuse is not None and reuse.shape == shape else xw.new_empty(shape)
         out[:g].copy_(xw[:, :t])
         out[g:].zero_()
         for u in range(1, nb):
@@ -239,6 +282,7 @@ class _Band:
         if a < z:
             heads = out.view(-1, d)[: self.b * self.h * self.lh].view(self.b, self.h, self.lh, d)
             dest[:, :, self.j_lo : self.j_hi].add_(heads[:, :, a:z].to(dest.dtype), alpha=alpha)
+        return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -285,15 +329,20 @@ def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causa
     lse_parts = [p[0] for p in parts]
     if g is not None:
         qrows = g.pad_rows(q, scale, sdt)
-        s = torch.bmm(g.row_tiles(qrows), g.windows(g.pad_keys(k, sdt)).transpose(1, 2))  # (G, T, W)
+        keys = g.pad_keys(k, sdt)
+        # The softmax runs on the compact band (B, H, ntp, T, wb): only wb of the W tile columns.
         if rel_k is not None:
-            g.skew(s).add_((qrows @ rel_k[:, g.rows].to(sdt).transpose(-1, -2)).view(b, h, g.ntp, g.tile, g.wb))
-        s.view(b * h, g.ntp, g.tile, g.w).add_(g.bias.to(sdt))
-        peak = s.amax(-1)
+            sb = (qrows @ rel_k[:, g.rows].to(sdt).transpose(-1, -2)).view(b, h, g.ntp, g.tile, g.wb)
+        else:
+            sb = qrows.new_zeros(b, h, g.ntp, g.tile, g.wb)
+        g.add_band_scores(sb.view(g.groups, g.tile, g.wb), g.row_tiles(qrows), keys)
+        sb.add_(g.bias.to(sdt))
+        peak = sb.amax(-1)
         peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-        s.sub_(peak[..., None]).exp_()
+        sb.sub_(peak[..., None]).exp_()
+        sb = sb.view(b, h, g.lh, g.wb)
         peak = peak.view(b, h, g.lh)
-        lse_parts.append((peak + torch.log(s.sum(-1).view(b, h, g.lh)))[:, :, :n])
+        lse_parts.append((peak + torch.log(sb.sum(-1)))[:, :, :n])
 
     if not lse_parts:
         lse = q.new_full((b, h, n), float("-inf"), dtype=sdt)
@@ -316,15 +365,17 @@ def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causa
         else:
             if out is None:
                 out = q.new_zeros(b, h, n, dv, dtype=sdt)
-            out[:, :, : n - i0] += (alpha.flip(2)[:, :, i0:] * o).flip(2)
+            out[:, :, : n - i0].addcmul_(alpha[:, :, : n - i0], o.flip(2))
     if out is None:
         out = q.new_zeros(b, h, n, dv, dtype=sdt)
     if g is not None:
         factor = torch.exp(peak[:, :, :n] - lse_safe)
-        s.view(b, h, g.lh, g.w)[:, :, :n].mul_(factor[..., None])  # s is now the band's share of the weights
-        out += torch.bmm(s, g.windows(g.pad_keys(v, sdt))).view(b, h, g.lh, dv)[:, :, :n]
+        sb[:, :, :n].mul_(factor[..., None])  # the band's share of the weights (empty rows are already 0)
+        band_out = qrows.new_empty(g.groups, g.tile, dv)
+        g.band_products(sb.view(g.groups, g.tile, g.wb), flat=g.pad_keys(v, sdt, reuse=keys), out_rows=band_out)
+        out += band_out.view(b, h, g.lh, dv)[:, :, :n]
         # (B, H, N, wb): a shape simple in N, so that export with a dynamic length needs no guard on the tiling
-        band = g.compact(s)[:, :, :n].contiguous()
+        band = sb[:, :, :n].contiguous()
         if rel_v is not None:
             out += band @ rel_v[:, g.rows].to(sdt)
     else:
@@ -347,9 +398,7 @@ def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relat
     sdt = stats_dtype(q.dtype)
     grad_out = grad_out.contiguous()
     lse = lse.contiguous()
-    dq = torch.zeros(q.shape, dtype=sdt, device=q.device)
-    dk = torch.zeros(k.shape, dtype=sdt, device=q.device)
-    dvv = torch.zeros(v.shape, dtype=sdt, device=q.device)
+    dq = dk = dvv = None  # the first region's gradients are written in place, the others added
     drk = torch.zeros(rel_k.shape, dtype=sdt, device=q.device) if rel_k is not None else None
     drv = torch.zeros(rel_v.shape, dtype=sdt, device=q.device) if rel_v is not None else None
 
@@ -370,32 +419,45 @@ def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relat
             if drv is not None:
                 drv[:, row] += _sum_table_grad(gv.sum(2), drv.shape[0])
             if side == 0:
-                dq[:, :, i0:] += gq
-                dk[:, :, j0:j1] += gk
-                dvv[:, :, j0:j1] += gv
+                dq = _accumulate(dq, gq, i0, n, sdt)
+                dk = _accumulate(dk, gk, j0, m, sdt)
+                dvv = _accumulate(dvv, gv, j0, m, sdt)
             else:
-                dq[:, :, : n - i0] += gq.flip(2)
-                dk[:, :, m - j1 : m - j0] += gk.flip(2)
-                dvv[:, :, m - j1 : m - j0] += gv.flip(2)
+                dq = _accumulate(dq, gq.flip(2), 0, n, sdt)
+                dk = _accumulate(dk, gk.flip(2), m - j1, m, sdt)
+                dvv = _accumulate(dvv, gv.flip(2), m - j1, m, sdt)
+    dq, dk, dvv = (torch.zeros(x.shape, dtype=sdt, device=x.device) if g is None else g
+                   for g, x in ((dq, q), (dk, k), (dvv, v)))
 
     if kk >= 1 and m > 0 and n > 0:
         g = _Band(b, h, n, m, kk, query_offset, is_causal, tile, q.device)
         do_rows = g.pad_rows(grad_out, 1.0, sdt)
-        dp = torch.bmm(g.row_tiles(do_rows), g.windows(g.pad_keys(v, sdt)).transpose(1, 2))  # (G, T, W)
+        keys = g.pad_keys(v, sdt)
+        # Elementwise work on the band only (wb of the W tile columns): ds = p * (dp - dg) in compact form.
         if rel_v is not None:
-            g.skew(dp).add_((do_rows @ rel_v[:, g.rows].to(sdt).transpose(-1, -2))
-                            .view(b, h, g.ntp, g.tile, g.wb))
+            dp_band = (do_rows @ rel_v[:, g.rows].to(sdt).transpose(-1, -2)).view(g.groups, g.tile, g.wb)
+        else:
+            dp_band = do_rows.new_zeros(g.groups, g.tile, g.wb)
+        do_tiles = g.row_tiles(do_rows)
+        g.add_band_scores(dp_band, do_tiles, keys)
         dg = F.pad((grad_out.to(sdt) * out.to(sdt)).sum(-1), (0, g.lh - n))
-        p = g.tiles_of(band)
-        ds = dp.sub_(dg.view(g.groups, g.tile, 1)).mul_(p)  # dL/d(scaled score); `scale` goes into the adds
-        dq.add_(torch.bmm(ds, g.windows(g.pad_keys(k, sdt))).view(b, h, g.lh, d)[:, :, :n], alpha=scale)
+        p_band = g.pad_rows(band).view(g.groups, g.tile, g.wb)
+        ds_band = dp_band.sub_(dg.view(g.groups, g.tile, 1)).mul_(p_band)  # dL/d(scaled score)
+        xw = do_rows.new_empty(g.groups, g.w, do_rows.shape[-1])
+        g.band_products(p_band, rows=do_tiles, out_windows=xw)
+        work = g.fold_into(xw, dvv)
         qrows = g.pad_rows(q, 1.0, sdt)
+        if xw.shape[-1] != d:
+            xw = qrows.new_empty(g.groups, g.w, d)
+        dq_tiles = qrows.new_empty(g.groups, g.tile, d)
+        g.band_products(ds_band, flat=g.pad_keys(k, sdt, reuse=keys), out_rows=dq_tiles, rows=g.row_tiles(qrows),
+                        out_windows=xw)
+        dq.add_(dq_tiles.view(b, h, g.lh, d)[:, :, :n], alpha=scale)  # `scale` goes into the adds
+        g.fold_into(xw, dk, scale, reuse=work)
+        ds_band = ds_band.view(b, h, g.lh, g.wb)
         if rel_k is not None:
-            ds_band = g.compact(ds)
             dq.add_((ds_band @ rel_k[:, g.rows].to(sdt))[:, :, :n], alpha=scale)
             drk[:, g.rows] += _sum_table_grad(ds_band.transpose(-1, -2) @ qrows, drk.shape[0]) * scale
-        g.fold_into(torch.bmm(ds.transpose(1, 2), g.row_tiles(qrows)), dk, scale)
-        g.fold_into(torch.bmm(p.transpose(1, 2), g.row_tiles(do_rows)), dvv)
         if rel_v is not None:
             drv[:, g.rows] += _sum_table_grad(band.transpose(-1, -2) @ grad_out.to(sdt), drv.shape[0])
 
