@@ -58,10 +58,14 @@ def _check_mask(attn_mask, *, target, like) -> torch.Tensor | None:
         raise ValueError(
             f"attn_mask of shape {_shape(attn_mask)} does not broadcast to (B, H, N, M) = {tuple(target)}"
         )
-    mask = attn_mask.reshape((1,) * (4 - len(shape)) + shape)
+    return additive_mask(attn_mask.reshape((1,) * (4 - len(shape)) + shape), like.dtype)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A mask as scores to add: bool (True = may attend) becomes 0 / -inf, a float mask is cast to ``dtype``."""
     if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(~mask, float("-inf"))
-    return mask.to(like.dtype)
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.to(dtype)
 
 
 def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_causal, dropout_p, scale,

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from .functional import relative_attention
+from .functional import additive_mask, relative_attention
 from .positions import check_max_relative_position
 
 
@@ -61,12 +61,7 @@ def _combine(a: torch.Tensor | None, b: torch.Tensor | None, dtype) -> torch.Ten
         return a if b is None else b
     if a.dtype == torch.bool and b.dtype == torch.bool:
         return a & b
-
-    def additive(m):
-        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, float("-inf")) \
-            if m.dtype == torch.bool else m.to(dtype)
-
-    return additive(a) + additive(b)
+    return additive_mask(a, dtype) + additive_mask(b, dtype)
 
 
 class RelativeMultiheadAttention(nn.Module):
