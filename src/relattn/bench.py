@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from . import __version__
 from ._io import atomic_write_text, save_figure
 from .backends import BACKENDS, choose
-from .functional import relative_attention, validate
+from .backends.dense import causal_allowed
+from .functional import additive_mask, relative_attention, validate
 from .peers import HFBertRelativeKey, materialised_attention, transformers_version
 
 FULL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
@@ -168,8 +169,7 @@ def _hf(inp: Inputs) -> Runner | str:
     peer.layer.requires_grad_(True)
     mask = None
     if inp.causal:  # BertSelfAttention has no is_causal: an additive mask, as BERT decoders pass
-        mask = torch.zeros(n, n, dtype=inp.q.dtype, device=inp.q.device)
-        mask = mask.masked_fill(torch.ones(n, n, dtype=torch.bool, device=inp.q.device).triu(1), float("-inf"))
+        mask = additive_mask(causal_allowed(n, n, 0, inp.q.device), inp.q.dtype)
     return Runner(lambda: peer(inp.q, inp.k, inp.v, attn_mask=mask), (inp.q, inp.k, inp.v, peer.table),
                   detail=f"transformers {transformers_version()}")
 
@@ -605,34 +605,24 @@ def write_results(result: dict, out_dir: str | os.PathLike) -> tuple[Path, Path]
 # ---------------------------------------------------------------------------------------------- command line
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _bounded(convert: Callable[[str], float], what: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    """An argparse ``type``: ``convert(text)``, refused with "expected {what}" unless ``ok(value)``."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value if convert is int else repr(text)}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+_positive_int = _bounded(int, "a positive integer", lambda x: x >= 1)
+_non_negative_int = _bounded(int, "an integer >= 0", lambda x: x >= 0)
+_positive_float = _bounded(float, "a positive number", lambda x: x > 0 and math.isfinite(x))
 
 
 def _backend_name(text: str) -> str:
