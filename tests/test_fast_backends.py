@@ -191,6 +191,30 @@ def test_region_calls_cover_exactly_the_far_left_region():
         assert np.array_equal(cover, want.astype(int)), (n, m, c)
 
 
+@pytest.mark.parametrize("case", [
+    (2, 3, 70, 70, 6, 6, 5, "both", (True, True), False, 0),
+    (2, 3, 70, 64, 6, 4, 5, "both", (True, False), True, 3),
+    (1, 5, 53, 61, 4, 4, 7, "keys", (False, False), False, -4),
+    (3, 2, 40, 40, 4, 4, 6, "values", (True, True), False, 2),
+], ids=["full", "causal-offset", "keys-only-mne", "values-only"])
+def test_fused_chunks_and_head_groups(monkeypatch, case):
+    """Several band chunks per head and several head groups (groups that wrap around per-head tables)."""
+    import relattn.backends.fused as fused_kernels
+
+    b, h, n, m, d, dv, kk, tables, per_head, causal, off = case
+    inputs = make(b, h, n, m, d, dv, kk, tables=tables, per_head=per_head, grad=True, seed=3)
+    go = torch.randn(b, h, n, dv, dtype=torch.float64)
+    want_out, want = grads("dense", inputs, kk, go, is_causal=causal, query_offset=off)
+    monkeypatch.setattr(fused_kernels, "CHUNK_ELEMENTS", 1)  # one tile per chunk
+    monkeypatch.setattr(fused_kernels, "GROUP_ELEMENTS", 1)  # heads in groups of torch.get_num_threads()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert len(fused_kernels.head_groups(b * h, n, d)) == -(-(b * h) // 2)
+    got_out, got = grads("fused", inputs, kk, go, is_causal=causal, query_offset=off)
+    assert_close(got_out, want_out, torch.float64, "out")
+    for a, w in zip(got, want, strict=True):
+        assert_close(a, w, torch.float64, "grad")
+
+
 def test_awkward_length_1025_fused_and_blocked():
     inputs = make(1, 1, 1025, 1025, 8, 8, 16, per_head=(False, False), dtype=torch.float32, grad=True)
     go = torch.randn(1, 1, 1025, 8)

@@ -10,20 +10,26 @@ the keys and values:
 * far right, ``r >= K``:   ``s_ij = q_i . (k_j + a^K_{+K})``, value ``v_j + a^V_{+K}``;
 * band, ``|r| < K``:        ``s_ij = q_i . (k_j + a^K_r)``, value ``v_j + a^V_r`` (2K-1 keys per row).
 
+Subtracting one vector from every row of the key table shifts each row's scores by a constant, which the
+softmax ignores; the kernels use ``a^K_r - a^K_{-K}``, so the far-left region needs no key copy at all.
+(The log-sum-exp they return is relative to that shift: it is only for their own backward.)
+
 The far-left region is ``j <= i + c`` with ``c = query_offset - K``: ordinary causal attention on
 shifted slices, computed by PyTorch's fused kernel, which also returns the log-sum-exp. The far-right
 region is the same on the reversed sequences. The band is computed per tile of ``T`` queries against
-its ``T + wb - 1`` key window (batched GEMMs; ``wb = 2K - 1`` offsets, or ``K`` when causal); the per-row
-band is read off the tile by a skewed view, so that entry ``(i, r)`` of the band sits next to
-``q_i . a^K_r`` without any gather. The softmax and the backward's elementwise work run on that compact
-(N, wb) band; the (T, W) tiles exist only in a small buffer reused chunk after chunk (cache-resident, and
-no page faults of a fresh (N, W) tensor per step). The parts merge by log-sum-exp. Memory outside the
-fused calls is O(N (D + K)): no (N, M) tensor is built.
+its ``W = T + wb - 1`` key window (``wb = 2K - 1`` offsets, or ``K`` when causal), a few tiles at a time so
+that every intermediate stays in cache: the tile's scores come from one batched GEMM, the relative key
+term from one GEMM on the compact band (``q_i . a^K_r`` for the ``wb`` offsets), and a skewed view of the
+(T, W) tile puts entry ``(i, r)`` of the band next to it without any gather. The softmax runs on the
+compact band, already merged with the far regions' log-sum-exp (those are computed first), so each chunk
+leaves its final band weights and its share of the output. The heads are processed in groups, so that
+the temporaries of the far regions stay O(N (D + K)) per group: no (N, M) tensor is built.
 
 Backward: with the *merged* log-sum-exp, the fused backward recomputes the merged probabilities of its
 region, and ``rowsum(dO * O)`` with the merged output ``O`` is exactly the softmax correction term, so
 each region's fused backward, called with (dO, O, lse) of its rows, gives exact gradients for q and for
-the edge-shifted keys/values; the edge table rows get the sums of those key/value gradients.
+the edge-shifted keys/values; the edge table rows get the sums of those key/value gradients. The band's
+backward runs chunk by chunk like its forward, from the saved band weights.
 
 With K = 0 there is no band and the right region starts at r = 1 (both edges use table row 0).
 """
@@ -33,20 +39,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..positions import clip_and_shift
-
 # The CUDA route (memory-efficient attention with log-sum-exp, below) is written but has not run on a GPU yet;
 # until a GPU run of tests/test_fast_backends.py flips this, "auto" does not pick "fused" for CUDA tensors
 # (backend="fused" still runs it).
 CUDA_VERIFIED = False
 DEFAULT_TILE = None  # chosen from the band width by default_tile()
-CHUNK_ELEMENTS = 1 << 19  # (T, W) tile buffers are processed this many elements at a time (2 MiB in float32)
+CHUNK_ELEMENTS = 1 << 18  # band tiles are processed this many (T, W) elements at a time (1 MiB in float32)
+GROUP_ELEMENTS = 1 << 21  # heads are processed in groups of about this many (N, D) elements per tensor
 
 
 def default_tile(band: int) -> int:
-    """Queries per band tile. Wasted work is (T - 1)/wb of the band; small tiles make slow batched GEMMs and
-    more overlap-adds in the backward (ceil(W/T) of them). Single-thread timings of the six band GEMMs at
-    N = 2048, D = 64 (wb = 127: T = 32 and 64 tie, T = 64 needs fewer adds; wb = 64: T = 32 best)."""
+    """Queries per band tile. Wasted work is (T - 1)/wb of the band; small tiles make slow batched GEMMs.
+    Single-thread timings of the band GEMMs at N = 2048, D = 64 (wb = 127: T = 32 and 64 tie; wb = 64:
+    T = 32 best)."""
     return 64 if band >= 96 else 32
 
 
@@ -128,165 +133,10 @@ def region_calls(n: int, m: int, c: int) -> list[tuple[int, int, int, bool]]:
     return calls
 
 
-def _edge(t: torch.Tensor, table: torch.Tensor | None, row: int, *, flip: bool = False) -> torch.Tensor:
-    """``t + table[:, row]`` (reversed along L if ``flip``); t (B, H, L, d), table (Hr, 2K+1, d), Hr in {1, H}."""
-    if flip:
-        t = t.flip(2)
-        return t if table is None else t.add_(table[:, row].to(t.dtype)[None, :, None, :])
-    return t if table is None else t + table[:, row].to(t.dtype)[None, :, None, :]
-
-
-def _accumulate(acc: torch.Tensor | None, g: torch.Tensor, lo: int, length: int, dtype) -> torch.Tensor:
-    """``acc[:, :, lo:lo+L] += g`` for g (B, H, L, d); a None ``acc`` becomes a fresh (B, H, length, d) tensor,
-    zero outside those rows (one write instead of a zero fill and an add)."""
-    hi = lo + g.shape[2]
-    if acc is None:
-        acc = g.new_empty(*g.shape[:2], length, g.shape[3], dtype=dtype)
-        acc[:, :, :lo].zero_()
-        acc[:, :, hi:].zero_()
-        acc[:, :, lo:hi].copy_(g)
-    else:
-        acc[:, :, lo:hi] += g
-    return acc
-
-
-def _sum_table_grad(g: torch.Tensor, hr: int) -> torch.Tensor:
-    """(B, H, ...) -> (Hr, ...): sum over batch, and over heads when the table is shared (Hr = 1)."""
-    g = g.sum(0)
-    return g.sum(0, keepdim=True) if hr == 1 else g
-
-
-class _Band:
-    """Geometry of the band tiles. Band offsets are ``r_lo .. r_hi`` (``-(K-1) .. K-1``, or ``.. 0`` if causal).
-
-    Rows are cut into tiles of ``T`` queries; tile ``t`` meets a window of ``W = T + wb - 1`` consecutive
-    keys, and row ``a`` of the tile meets offset ``r`` at window column ``a + r - r_lo`` (a skewed view).
-    Keys live in one flat zero-padded buffer: head ``g`` holds ``Lh = ntp * T`` rows, padded row ``x``
-    holding key ``j = x + query_offset + r_lo``. Each head gets ``ntp = nt + ceil((wb-1)/T)`` tiles (the
-    last ones are empty rows), so that *every* window is ``flat[g*T : g*T + W]`` for one flat tile index
-    ``g``: a single strided view that ``bmm`` reads without copying.
-    """
-
-    def __init__(self, b: int, h: int, n: int, m: int, kk: int, query_offset: int, is_causal: bool, tile: int,
-                 device):
-        self.b, self.h, self.n, self.m = b, h, n, m
-        self.r_lo, r_hi = -(kk - 1), (0 if is_causal else kk - 1)
-        self.wb = r_hi - self.r_lo + 1
-        self.tile = t = max(1, min(tile or default_tile(self.wb), n))
-        self.nt = -(-n // t)
-        self.ntp = self.nt + -(-(self.wb - 1) // t)
-        self.w = t + self.wb - 1
-        self.lh = self.ntp * t
-        self.groups = b * h * self.ntp
-        self.x0 = query_offset + self.r_lo
-        self.j_lo, self.j_hi = max(0, self.x0), min(m, self.x0 + self.lh)
-        r = torch.arange(self.r_lo, r_hi + 1, device=device)
-        j = torch.arange(self.lh, device=device)[:, None] + query_offset + r[None, :]
-        valid = (j >= 0) & (j < m) & (torch.arange(self.lh, device=device)[:, None] < n)
-        # (ntp, T, wb) additive, on the compact band: -inf outside the keys or on an empty row
-        self.bias = torch.zeros(self.ntp, t, self.wb, device=device).masked_fill_(
-            ~valid.view(self.ntp, t, self.wb), float("-inf"))
-        self.rows = clip_and_shift(r, kk)  # table rows of the band offsets (raw offset + K: no clipping inside)
-
-    def _skew(self, tiles: torch.Tensor) -> torch.Tensor:
-        """View (..., T, W) contiguous tiles as (..., T, wb): entry (a, c) is tile column a + c."""
-        s = tiles.stride()
-        return tiles.as_strided((*tiles.shape[:-1], self.wb), (*s[:-2], s[-2] + 1, 1), tiles.storage_offset())
-
-    def skew(self, tiles: torch.Tensor) -> torch.Tensor:
-        """(G, T, W) tiles -> (B, H, ntp, T, wb) view of the band."""
-        return self._skew(tiles.view(self.b, self.h, self.ntp, self.tile, self.w))
-
-    def pad_rows(self, t: torch.Tensor, scale: float = 1.0, dtype=None) -> torch.Tensor:
-        """(B, H, N, d) -> (B, H, ntp*T, d) zero-padded copy, times ``scale``."""
-        out = t.new_empty(self.b, self.h, self.lh, t.shape[-1], dtype=dtype or t.dtype)
-        torch.mul(t, scale, out=out[:, :, : self.n]) if scale != 1.0 else out[:, :, : self.n].copy_(t)
-        out[:, :, self.n :].zero_()
-        return out
-
-    def row_tiles(self, rows: torch.Tensor) -> torch.Tensor:
-        """(B, H, ntp*T, d) -> (G, T, d) view."""
-        return rows.view(self.groups, self.tile, rows.shape[-1])
-
-    def pad_keys(self, t: torch.Tensor, dtype, reuse: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, H, M, d) -> flat (B*H*Lh + W, d) zero-padded buffer (written into ``reuse`` if it has that shape:
-        fresh large buffers cost page faults)."""
-        d = t.shape[-1]
-        shape = (self.b * self.h * self.lh + self.w, d)
-        flat = reuse if reuse is not None and reuse.shape == shape else t.new_empty(shape, dtype=dtype)
-        heads = flat[: self.b * self.h * self.lh].view(self.b, self.h, self.lh, d)
-        a, z = self.j_lo - self.x0, self.j_hi - self.x0
-        if a < z:
-            heads[:, :, a:z] = t[:, :, self.j_lo : self.j_hi]
-            heads[:, :, :a].zero_()
-            heads[:, :, z:].zero_()
-        else:
-            heads.zero_()
-        flat[self.b * self.h * self.lh :].zero_()
-        return flat
-
-    def windows(self, flat: torch.Tensor) -> torch.Tensor:
-        """Flat padded keys -> (G, W, d) strided view: the key window of every tile."""
-        d = flat.shape[-1]
-        return flat.as_strided((self.groups, self.w, d), (self.tile * d, d, 1), flat.storage_offset())
-
-    def chunks(self) -> list[tuple[int, int]]:
-        """Tile ranges ``[g0, g1)`` for the (T, W) tile buffers: a small buffer reused chunk after chunk stays in
-        cache and costs no page faults, unlike one (G, T, W) tensor per step."""
-        step = max(1, CHUNK_ELEMENTS // (self.tile * self.w))
-        return [(g0, min(self.groups, g0 + step)) for g0 in range(0, self.groups, step)]
-
-    def add_band_scores(self, band: torch.Tensor, rows: torch.Tensor, flat: torch.Tensor) -> None:
-        """``band`` (G, T, wb) += the band of ``rows`` (G, T, d) times the key windows of ``flat``, transposed."""
-        wins = self.windows(flat)
-        buf = None
-        for g0, g1 in self.chunks():
-            if buf is None:
-                buf = band.new_empty(g1 - g0, self.tile, self.w)
-            t = buf[: g1 - g0]
-            torch.bmm(rows[g0:g1], wins[g0:g1].transpose(1, 2), out=t)
-            band[g0:g1] += self._skew(t)
-
-    def band_products(self, band: torch.Tensor, *, flat: torch.Tensor | None = None,
-                      out_rows: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-                      out_windows: torch.Tensor | None = None) -> None:
-        """With ``P`` the (G, T, W) tiles of the band (G, T, wb), zero off the band: ``out_rows`` (G, T, d) =
-        ``P @ windows(flat)`` and/or ``out_windows`` (G, W, d) = ``P^T @ rows`` (rows (G, T, d))."""
-        buf = band.new_zeros(min(self.groups, self.chunks()[0][1]), self.tile, self.w)
-        wins = self.windows(flat) if flat is not None else None
-        for g0, g1 in self.chunks():
-            t = buf[: g1 - g0]
-            self._skew(t).copy_(band[g0:g1])  # the off-band entries of the buffer stay zero
-            if out_rows is not None:
-                torch.bmm(t, wins[g0:g1], out=out_rows[g0:g1])
-            if out_windows is not None:
-                torch.bmm(t.transpose(1, 2), rows[g0:g1], out=out_windows[g0:g1])
-
-    def fold_into(self, xw: torch.Tensor, dest: torch.Tensor, alpha: float = 1.0,
-                  reuse: torch.Tensor | None = None) -> torch.Tensor:
-        """Adjoint of :meth:`windows`: overlap-add (G, W, d) window gradients onto ``dest`` (B, H, M, d).
-
-        Windows start every T rows and span ``ceil(W / T)`` blocks of T, so it is that many shifted adds.
-        Returns the work buffer (pass it back as ``reuse``).
-        """
-        g, t, d = self.groups, self.tile, xw.shape[-1]
-        nb = -(-self.w // t)
-        shape = (g + nb - 1, t, d)
-        out = reuse if reuse is not None and reuse.shape == shape else xw.new_empty(shape)
-        out[:g].copy_(xw[:, :t])
-        out[g:].zero_()
-        for u in range(1, nb):
-            width = min(t, self.w - u * t)
-            out[u : u + g, :width] += xw[:, u * t : u * t + width]
-        a, z = self.j_lo - self.x0, self.j_hi - self.x0
-        if a < z:
-            heads = out.view(-1, d)[: self.b * self.h * self.lh].view(self.b, self.h, self.lh, d)
-            dest[:, :, self.j_lo : self.j_hi].add_(heads[:, :, a:z].to(dest.dtype), alpha=alpha)
-        return out
-
-
-# ----------------------------------------------------------------------------------------------------
-# Forward and backward.
+def band_width(max_relative_position: int, is_causal: bool) -> int:
+    """Number of band offsets per row: ``2K - 1`` (``K`` if causal); 0 when K = 0."""
+    kk = max_relative_position
+    return 0 if kk == 0 else (kk if is_causal else 2 * kk - 1)
 
 
 def _regions(n, m, kk, query_offset, is_causal):
@@ -297,96 +147,340 @@ def _regions(n, m, kk, query_offset, is_causal):
     return out
 
 
+def head_groups(bh: int, n: int, width: int) -> list[tuple[int, int]]:
+    """Ranges of the B*H flattened heads processed together: about GROUP_ELEMENTS (N, D) elements per tensor,
+    and at least as many heads as threads (PyTorch's CPU fused backward parallelises over heads)."""
+    size = max(1, GROUP_ELEMENTS // max(1, n * width))
+    size = min(bh, max(size, torch.get_num_threads()))
+    return [(f0, min(bh, f0 + size)) for f0 in range(0, bh, size)]
+
+
+def _group_rows(table: torch.Tensor | None, f0: int, f1: int, h: int, dtype) -> torch.Tensor | None:
+    """(Hr, R, d) table -> (f1 - f0, R, d): the rows of flattened heads f0..f1-1 (head = index mod H)."""
+    if table is None:
+        return None
+    table = table.to(dtype)
+    if table.shape[0] == 1:
+        return table.expand(f1 - f0, *table.shape[1:])
+    return table[torch.arange(f0, f1, device=table.device) % h]
+
+
+def _edge(t: torch.Tensor, rows: torch.Tensor | None, *, flip: bool = False) -> torch.Tensor:
+    """``t + rows`` per head (reversed along L if ``flip``); t (1, hc, L, d), rows (hc, d) or None."""
+    if flip:
+        t = t.flip(2)
+        return t if rows is None else t.add_(rows.to(t.dtype)[None, :, None, :])
+    return t if rows is None else t + rows.to(t.dtype)[None, :, None, :]
+
+
+def _sum_table_grad(g: torch.Tensor, hr: int) -> torch.Tensor:
+    """(B, H, ...) -> (Hr, ...): sum over batch, and over heads when the table is shared (Hr = 1)."""
+    g = g.sum(0)
+    return g.sum(0, keepdim=True) if hr == 1 else g
+
+
+class _Band:
+    """Geometry of the band tiles for one group of ``hc`` heads. Band offsets are ``r_lo .. r_hi``
+    (``-(K-1) .. K-1``, or ``.. 0`` if causal), table rows ``1 .. wb``.
+
+    Rows are cut into ``nt`` tiles of ``T`` queries; tile ``t`` meets a window of ``W = T + wb - 1``
+    consecutive keys, and row ``a`` of the tile meets offset ``r`` at window column ``a + r - r_lo`` (the
+    skewed view). Keys live in one flat zero-padded buffer: head ``g`` holds ``Lh = ntp * T`` rows, padded row
+    ``x`` holding key ``j = x + query_offset + r_lo``, with ``ntp = nt + ceil((wb-1)/T)`` so that every window
+    is ``flat[f*T : f*T + W]`` for the flat tile index ``f = g * ntp + t``: one strided view that ``bmm``
+    reads without copying.
+    """
+
+    def __init__(self, hc: int, n: int, m: int, kk: int, query_offset: int, is_causal: bool, tile: int | None,
+                 device):
+        self.hc, self.n, self.m = hc, n, m
+        self.r_lo, r_hi = -(kk - 1), (0 if is_causal else kk - 1)
+        self.wb = r_hi - self.r_lo + 1
+        self.tile = t = max(1, min(tile or default_tile(self.wb), n))
+        self.nt = -(-n // t)
+        self.ntp = self.nt + -(-(self.wb - 1) // t)
+        self.w = t + self.wb - 1
+        self.nb = -(-self.w // t)  # tile blocks a window spans
+        self.lh = self.ntp * t
+        self.x0 = query_offset + self.r_lo
+        self.j_lo, self.j_hi = max(0, self.x0), min(m, self.x0 + self.lh)
+        self.step = max(1, CHUNK_ELEMENTS // (t * self.w))
+        self.query_offset, self.r_hi, self.device = query_offset, r_hi, device
+        self.edges = self._edge_tiles()
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _edge_tiles(self) -> tuple[int, int]:
+        """Tiles ``[0, lead)`` meet keys before 0; tiles ``[trail, nt)`` keys past M or rows past N."""
+        t, off = self.tile, self.query_offset
+        lead = min(self.nt, max(0, -(-(-off - self.r_lo) // t)))
+        trail_m = -(-(self.m - off - self.r_hi + 1) // t) - 1
+        return lead, max(0, min(self.nt, trail_m, self.n // t))
+
+    def add_bias(self, sc: torch.Tensor, t0: int, t1: int) -> None:
+        """``sc`` (c, T, wb) scores of tiles t0..t1-1 get -inf where the key or the row does not exist."""
+        lead, trail = self.edges
+        for a, b in {(t0, min(t1, lead)), (max(t0, trail), t1)}:
+            if a < b:
+                if (a, b) not in self._masks:  # the same for every head
+                    r = torch.arange(self.r_lo, self.r_hi + 1, device=self.device)
+                    rows = torch.arange(a * self.tile, b * self.tile, device=self.device)[:, None]
+                    j = rows + self.query_offset + r[None, :]
+                    self._masks[a, b] = ((j < 0) | (j >= self.m) | (rows >= self.n)).view(b - a, self.tile, self.wb)
+                sc[a - t0 : b - t0].masked_fill_(self._masks[a, b], float("-inf"))
+
+    def chunks(self):
+        """(head, first tile, end tile, flat index of the first tile, first row, end row) of every chunk."""
+        for g in range(self.hc):
+            for t0 in range(0, self.nt, self.step):
+                t1 = min(self.nt, t0 + self.step)
+                yield g, t0, t1, g * self.ntp + t0, t0 * self.tile, min(t1 * self.tile, self.n)
+
+    def skew(self, tiles: torch.Tensor) -> torch.Tensor:
+        """View (c, T, W) contiguous tiles as (c, T, wb): entry (a, o) is tile column a + o."""
+        s = tiles.stride()
+        return tiles.as_strided((*tiles.shape[:-1], self.wb), (s[0], s[1] + 1, 1), tiles.storage_offset())
+
+    def pad_rows(self, t: torch.Tensor, dtype) -> torch.Tensor:
+        """(hc, N, d) -> (hc, tiles, T, d), zero past row N (index it [head, t0:t1]): a view when N fills whole
+        tiles and ``t`` is contiguous in ``dtype``, else a padded copy."""
+        d = t.shape[-1]
+        if self.n == self.nt * self.tile and t.dtype == dtype and t.is_contiguous():
+            return t.view(self.hc, self.nt, self.tile, d)
+        out = t.new_empty(self.hc, self.nt * self.tile, d, dtype=dtype)
+        out[:, : self.n].copy_(t)
+        out[:, self.n :].zero_()
+        return out.view(self.hc, self.nt, self.tile, d)
+
+    def pad_keys(self, t: torch.Tensor, dtype, scale: float = 1.0) -> torch.Tensor:
+        """(hc, M, d) -> flat (hc*Lh + W, d) zero-padded buffer, times ``scale``."""
+        d = t.shape[-1]
+        flat = t.new_empty(self.hc * self.lh + self.w, d, dtype=dtype)
+        heads = flat[: self.hc * self.lh].view(self.hc, self.lh, d)
+        a, z = self.j_lo - self.x0, self.j_hi - self.x0
+        if a < z:
+            src = t[:, self.j_lo : self.j_hi]
+            torch.mul(src, scale, out=heads[:, a:z]) if scale != 1.0 else heads[:, a:z].copy_(src)
+            heads[:, :a].zero_()
+            heads[:, z:].zero_()
+        else:
+            heads.zero_()
+        flat[self.hc * self.lh :].zero_()
+        return flat
+
+    def windows(self, flat: torch.Tensor) -> torch.Tensor:
+        """Flat padded keys -> (hc * ntp, W, d) strided view: the key window of every tile."""
+        d = flat.shape[-1]
+        return flat.as_strided((self.hc * self.ntp, self.w, d), (self.tile * d, d, 1), flat.storage_offset())
+
+    def fold(self, flat_grad: torch.Tensor, f0: int, xw: torch.Tensor) -> None:
+        """Adjoint of :meth:`windows` for the tiles ``f0 .. f0 + c - 1``: overlap-add their (c, W, d) window
+        gradients into a flat (hc*ntp + nb, T, d) buffer (``nb`` shifted adds of tile blocks)."""
+        c, t = xw.shape[0], self.tile
+        for u in range(self.nb):
+            width = min(t, self.w - u * t)
+            flat_grad[f0 + u : f0 + u + c, :width] += xw[:, u * t : u * t + width]
+
+    def unpad_keys(self, flat_grad: torch.Tensor, dest: torch.Tensor, alpha: float = 1.0) -> None:
+        """``dest`` (hc, M, d) += ``alpha`` times the key rows of a flat gradient buffer."""
+        a, z = self.j_lo - self.x0, self.j_hi - self.x0
+        if a < z:
+            heads = flat_grad.view(-1, dest.shape[-1])[: self.hc * self.lh].view(self.hc, self.lh, -1)
+            dest[:, self.j_lo : self.j_hi].add_(heads[:, a:z].to(dest.dtype), alpha=alpha)
+
+
+def _far_forward(q4, k4, v4, tk, tv, kk, query_offset, is_causal, scale, sdt):
+    """The far regions of one head group: [(lse (hc, N) with -inf outside the part, out rows, first row, side)]."""
+    hc, n, m = q4.shape[1], q4.shape[2], k4.shape[2]
+    parts = []
+    for side, calls in _regions(n, m, kk, query_offset, is_causal):
+        if not calls:
+            continue
+        if side == 0:  # shifted key table: row -K is zero, so the keys need no copy
+            qs, ks, vs = q4, k4, _edge(v4, None if tv is None else tv[:, 0])
+        else:
+            qs = q4.flip(2)
+            ks = _edge(k4, None if tk is None else tk[:, 2 * kk], flip=True)
+            vs = _edge(v4, None if tv is None else tv[:, 2 * kk], flip=True)
+        for i0, j0, j1, causal in calls:
+            o, lse = _attn_fwd(qs[:, :, i0:], ks[:, :, j0:j1], vs[:, :, j0:j1], causal, scale)
+            full = lse.new_full((hc, n), float("-inf"), dtype=sdt)
+            if side == 0:
+                full[:, i0:] = lse[0]
+            else:
+                full[:, : n - i0] = lse[0].flip(1)
+            parts.append((full, o[0], i0, side))
+    return parts
+
+
+def _merge_far(out, lse, parts):
+    """``out`` (hc, N, Dv) += each far part's rows weighted by its share ``exp(lse_part - lse)``."""
+    n = out.shape[1]
+    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    for part_lse, o, i0, side in parts:
+        if side == 0:
+            alpha = torch.exp(part_lse[:, i0:] - lse_safe[:, i0:])[..., None]
+            out[:, i0:].addcmul_(alpha, o)
+        else:
+            alpha = torch.exp(part_lse[:, : n - i0] - lse_safe[:, : n - i0])[..., None]
+            out[:, : n - i0].addcmul_(alpha, o.flip(1))
+
+
+def _band_forward(geo, q, k, v, tk, tv, parts, lse_far, out, lse, band, scale, sdt):
+    """Band of one head group, chunk by chunk: final band weights into ``band`` (hc, N, wb), merged log-sum-exp
+    into ``lse`` (hc, N), and the output rows into ``out`` (hc, N, Dv): the band's share plus the far parts'."""
+    t, wb, n = geo.tile, geo.wb, geo.n
+    qt = geo.pad_rows(q, sdt)
+    kwin = geo.windows(geo.pad_keys(k, sdt, scale))  # the softmax scale rides on the keys and the key table
+    vwin = geo.windows(geo.pad_keys(v, sdt))
+    rows_k = (tk[:, 1 : 1 + wb] * scale).transpose(1, 2) if tk is not None else None  # (hc, D, wb)
+    rows_v = tv[:, 1 : 1 + wb] if tv is not None else None  # (hc, wb, Dv)
+    far = F.pad(lse_far, (0, geo.nt * t - n), value=float("-inf"))
+    scores = qt.new_empty(geo.step, t, geo.w)
+    probs = qt.new_zeros(geo.step, t, geo.w)  # only its band entries are ever written: the rest stays zero
+    compact = qt.new_empty(geo.step, t, wb)
+    part = qt.new_empty(geo.step, t, out.shape[-1])
+    for g, t0, t1, f0, r0, r1 in geo.chunks():
+        c, rr = t1 - t0, r1 - r0
+        st, sc, pt, ob = scores[:c], compact[:c], probs[:c], part[:c]
+        qs = qt[g, t0:t1]
+        torch.bmm(qs, kwin[f0 : f0 + c].transpose(1, 2), out=st)
+        if rows_k is not None:
+            torch.mm(qs.reshape(c * t, -1), rows_k[g], out=sc.view(c * t, wb))
+            sc += geo.skew(st)
+        else:
+            sc.copy_(geo.skew(st))
+        geo.add_bias(sc, t0, t1)
+        peak = sc.amax(-1)
+        peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+        sc.sub_(peak[..., None]).exp_()
+        merged = torch.logaddexp(peak + torch.log(sc.sum(-1)), far[g, t0 * t : t1 * t].view(c, t))
+        safe = torch.where(torch.isfinite(merged), merged, torch.zeros_like(merged))
+        sc.mul_(torch.exp(peak - safe)[..., None])  # final band weights
+        geo.skew(pt).copy_(sc)
+        torch.bmm(pt, vwin[f0 : f0 + c], out=ob)
+        ob = ob.view(c * t, -1)
+        if rows_v is not None:
+            ob.addmm_(sc.view(c * t, wb), rows_v[g])
+        safe = safe.view(-1)
+        for part_lse, o, i0, side in parts:  # the far parts of these rows, weighted by their share
+            lo, hi = (max(r0, i0), r1) if side == 0 else (r0, min(r1, n - i0))
+            if lo >= hi:
+                continue
+            alpha = torch.exp(part_lse[g, lo:hi] - safe[lo - r0 : hi - r0])[:, None]
+            rows = o[g, lo - i0 : hi - i0] if side == 0 else o[g, n - hi - i0 : n - lo - i0].flip(0)
+            ob[lo - r0 : hi - r0].addcmul_(alpha, rows)
+        band[g, r0:r1] = sc.view(c * t, wb)[:rr]
+        lse[g, r0:r1] = merged.view(-1)[:rr]
+        out[g, r0:r1] = ob[:rr]
+
+
 def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causal: bool, scale: float,
                   query_offset: int, tile: int | None = DEFAULT_TILE):
     """Forward. Returns ``out`` (B, H, N, Dv), ``lse`` (B, H, N) and the band weights (B, H, N, wb).
 
-    ``wb = band_width(K, is_causal)`` (0 without a band): entry (i, c) is the weight of offset
-    ``c - (K - 1)``. ``lse`` and the band weights are float32 for 16-bit inputs.
-    Rows with no key give zeros and lse -inf.
+    ``wb = band_width(K, is_causal)`` (0 without a band or keys): entry (i, c) is the weight of offset
+    ``c - (K - 1)``. ``lse`` (relative to the shifted key table) and the band weights are float32 for
+    16-bit inputs. Rows with no key give zeros and lse -inf.
     """
     kk = max_relative_position
-    b, h, n, _ = q.shape
+    b, h, n, d = q.shape
     m, dv = k.shape[2], v.shape[3]
     sdt = stats_dtype(q.dtype)
-    parts = []  # (lse (B,H,N) in original row order, -inf outside the part; out rows; first row; side)
-    for side, calls in _regions(n, m, kk, query_offset, is_causal):
-        if not calls:
-            continue
-        row = 0 if side == 0 else 2 * kk
-        qs = q if side == 0 else q.flip(2)
-        ke, ve = _edge(k, rel_k, row, flip=side == 1), _edge(v, rel_v, row, flip=side == 1)
-        for i0, j0, j1, causal in calls:
-            o, lse = _attn_fwd(qs[:, :, i0:], ke[:, :, j0:j1], ve[:, :, j0:j1], causal, scale)
-            full = lse.new_full((b, h, n), float("-inf"), dtype=sdt)
-            if side == 0:
-                full[:, :, i0:] = lse
-            else:
-                full[:, :, : n - i0] = lse.flip(2)
-            parts.append((full, o, i0, side))
-
-    g = _Band(b, h, n, m, kk, query_offset, is_causal, tile, q.device) if kk >= 1 and m > 0 and n > 0 else None
-    lse_parts = [p[0] for p in parts]
-    if g is not None:
-        qrows = g.pad_rows(q, scale, sdt)
-        keys = g.pad_keys(k, sdt)
-        # The softmax runs on the compact band (B, H, ntp, T, wb): only wb of the W tile columns.
-        if rel_k is not None:
-            sb = (qrows @ rel_k[:, g.rows].to(sdt).transpose(-1, -2)).view(b, h, g.ntp, g.tile, g.wb)
+    bh = b * h
+    wb = band_width(kk, is_causal) if m > 0 and n > 0 else 0
+    out = q.new_empty(bh, n, dv)
+    lse = q.new_empty(bh, n, dtype=sdt)
+    band = q.new_empty(bh, n, wb, dtype=sdt)
+    qf, kf, vf = (t.reshape(bh, *t.shape[2:]) for t in (q, k, v))
+    shifted_k = rel_k - rel_k[:, :1] if rel_k is not None else None
+    for f0, f1 in head_groups(bh, n, max(d, dv)):
+        hc = f1 - f0
+        tk, tv = _group_rows(shifted_k, f0, f1, h, q.dtype), _group_rows(rel_v, f0, f1, h, q.dtype)
+        parts = _far_forward(qf[f0:f1][None], kf[f0:f1][None], vf[f0:f1][None], tk, tv, kk, query_offset,
+                             is_causal, scale, sdt)
+        lse_parts = [p[0] for p in parts]
+        lse_far = (torch.logsumexp(torch.stack(lse_parts), 0) if len(lse_parts) > 1 else lse_parts[0]
+                   if lse_parts else q.new_full((hc, n), float("-inf"), dtype=sdt))
+        out_g = out[f0:f1] if sdt == q.dtype else q.new_empty(hc, n, dv, dtype=sdt)
+        if wb:
+            geo = _Band(hc, n, m, kk, query_offset, is_causal, tile, q.device)
+            tk32 = tk.to(sdt) if tk is not None else None
+            tv32 = tv.to(sdt) if tv is not None else None
+            _band_forward(geo, qf[f0:f1], kf[f0:f1], vf[f0:f1], tk32, tv32, parts, lse_far, out_g, lse[f0:f1],
+                          band[f0:f1], scale, sdt)
         else:
-            sb = qrows.new_zeros(b, h, g.ntp, g.tile, g.wb)
-        g.add_band_scores(sb.view(g.groups, g.tile, g.wb), g.row_tiles(qrows), keys)
-        sb.add_(g.bias.to(sdt))
-        peak = sb.amax(-1)
-        peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-        sb.sub_(peak[..., None]).exp_()
-        sb = sb.view(b, h, g.lh, g.wb)
-        peak = peak.view(b, h, g.lh)
-        lse_parts.append((peak + torch.log(sb.sum(-1)))[:, :, :n])
+            out_g.zero_()
+            lse[f0:f1] = lse_far
+            _merge_far(out_g, lse[f0:f1], parts)
+        if sdt != q.dtype:
+            out[f0:f1] = out_g
+    return out.view(b, h, n, dv), lse.view(b, h, n), band.view(b, h, n, wb)
 
-    if not lse_parts:
-        lse = q.new_full((b, h, n), float("-inf"), dtype=sdt)
-    elif len(lse_parts) == 1:
-        lse = lse_parts[0]
-    else:
-        lse = torch.logsumexp(torch.stack(lse_parts), 0)
-    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
 
-    out = None
-    for part_lse, o, i0, side in parts:
-        alpha = torch.exp(part_lse - lse_safe)[..., None]
-        if side == 0:
-            if out is None:  # the first part writes its rows directly: no zero fill, no add
-                out = q.new_empty(b, h, n, dv, dtype=sdt)
-                out[:, :, :i0].zero_()
-                torch.mul(alpha[:, :, i0:], o, out=out[:, :, i0:])
-                continue
-            out[:, :, i0:] += alpha[:, :, i0:] * o
+def _band_backward(geo, q, k, v, do, o, tk, tv, band, dq, dk, dv, drk, drv, scale, sdt):
+    """Band gradients of one head group, chunk by chunk: into dq (hc, N, D), dk, dv (hc, M, .) and the table
+    gradients drk, drv (hc, 2K+1, .) (rows 1 .. wb)."""
+    t, wb = geo.tile, geo.wb
+    d, dvd = q.shape[-1], v.shape[-1]
+    qt = geo.pad_rows(q, sdt)
+    dot = geo.pad_rows(do, sdt)
+    kwin = geo.windows(geo.pad_keys(k, sdt, scale))  # dq = dS (scale k): the scale rides on the keys
+    vwin = geo.windows(geo.pad_keys(v, sdt))
+    dkflat = qt.new_zeros(geo.hc * geo.ntp + geo.nb, t, d)
+    dvflat = qt.new_zeros(geo.hc * geo.ntp + geo.nb, t, dvd)
+    rows_k = tk[:, 1 : 1 + wb] * scale if tk is not None else None  # (hc, wb, D)
+    rows_v = tv[:, 1 : 1 + wb] if tv is not None else None  # (hc, wb, Dv)
+    scratch = qt.new_empty(geo.step, t, geo.w)
+    tiles = qt.new_zeros(geo.step, t, geo.w)  # only its band entries are ever written: the rest stays zero
+    pc_buf, ds_buf = qt.new_zeros(geo.step, t, wb), qt.new_empty(geo.step, t, wb)
+    dsum_buf = qt.new_zeros(geo.step * t)
+    dq_buf = qt.new_empty(geo.step, t, d)
+    wk_buf, wv_buf = qt.new_empty(geo.step, geo.w, d), qt.new_empty(geo.step, geo.w, dvd)
+    for g, t0, t1, f0, r0, r1 in geo.chunks():
+        c, rr = t1 - t0, r1 - r0
+        pc, ds, pt, dqc = pc_buf[:c], ds_buf[:c], tiles[:c], dq_buf[:c]
+        pc.view(c * t, wb)[:rr] = band[g, r0:r1]  # rows past N stay zero
+        dsum = dsum_buf[: c * t]
+        torch.sum(do[g, r0:r1].to(sdt) * o[g, r0:r1].to(sdt), -1, out=dsum[:rr])  # rowsum(dO * O)
+        dots = dot[g, t0:t1]
+        torch.bmm(dots, vwin[f0 : f0 + c].transpose(1, 2), out=scratch[:c])
+        if rows_v is not None:
+            torch.mm(dots.reshape(c * t, -1), rows_v[g].T, out=ds.view(c * t, wb))
+            ds += geo.skew(scratch[:c])
+            drv[g, 1 : 1 + wb].addmm_(pc.view(c * t, wb).T, dots.reshape(c * t, -1))
         else:
-            if out is None:
-                out = q.new_zeros(b, h, n, dv, dtype=sdt)
-            out[:, :, : n - i0].addcmul_(alpha[:, :, : n - i0], o.flip(2))
-    if out is None:
-        out = q.new_zeros(b, h, n, dv, dtype=sdt)
-    if g is not None:
-        factor = torch.exp(peak[:, :, :n] - lse_safe)
-        sb[:, :, :n].mul_(factor[..., None])  # the band's share of the weights (empty rows are already 0)
-        band_out = qrows.new_empty(g.groups, g.tile, dv)
-        g.band_products(sb.view(g.groups, g.tile, g.wb), flat=g.pad_keys(v, sdt, reuse=keys), out_rows=band_out)
-        out += band_out.view(b, h, g.lh, dv)[:, :, :n]
-        # (B, H, N, wb): a shape simple in N, so that export with a dynamic length needs no guard on the tiling
-        band = sb[:, :, :n].contiguous()
-        if rel_v is not None:
-            out += band @ rel_v[:, g.rows].to(sdt)
+            ds.copy_(geo.skew(scratch[:c]))
+        ds.sub_(dsum.view(c, t, 1)).mul_(pc)  # dL/d(scaled score)
+        geo.skew(pt).copy_(pc)
+        torch.bmm(pt.transpose(1, 2), dots, out=wv_buf[:c])
+        geo.fold(dvflat, f0, wv_buf[:c])
+        geo.skew(pt).copy_(ds)
+        qs = qt[g, t0:t1]
+        torch.bmm(pt, kwin[f0 : f0 + c], out=dqc)
+        dqc = dqc.view(c * t, d)
+        if rows_k is not None:
+            dqc.addmm_(ds.view(c * t, wb), rows_k[g])
+            drk[g, 1 : 1 + wb].addmm_(ds.view(c * t, wb).T, qs.reshape(c * t, d), alpha=scale)
+        dq[g, r0:r1] += dqc[:rr]
+        torch.bmm(pt.transpose(1, 2), qs, out=wk_buf[:c])
+        geo.fold(dkflat, f0, wk_buf[:c])
+    geo.unpad_keys(dkflat, dk, scale)
+    geo.unpad_keys(dvflat, dv)
+
+
+def _put(acc: torch.Tensor, g: torch.Tensor, lo: int, *, flip: bool, first: bool) -> None:
+    """``acc[:, lo:lo+L] (+)= g`` (reversed along L if ``flip``) for g (hc, L, d); ``first``: write, and zero the
+    rows outside."""
+    hi = lo + g.shape[1]
+    if not first:
+        acc[:, lo:hi] += g.flip(1) if flip else g
+        return
+    acc[:, :lo].zero_()
+    acc[:, hi:].zero_()
+    if flip and g.dtype == acc.dtype:
+        torch.ops.aten.flip.out(g, [1], out=acc[:, lo:hi])  # one pass, no temporary
     else:
-        band = q.new_zeros(b, h, n, band_width(kk, is_causal) if m > 0 and n > 0 else 0, dtype=sdt)
-    return out.to(q.dtype), lse, band
-
-
-def band_width(max_relative_position: int, is_causal: bool) -> int:
-    """Number of band offsets per row: ``2K - 1`` (``K`` if causal); 0 when K = 0."""
-    kk = max_relative_position
-    return 0 if kk == 0 else (kk if is_causal else 2 * kk - 1)
+        acc[:, lo:hi] = g.flip(1) if flip else g
 
 
 def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relative_position: int,
@@ -394,71 +488,72 @@ def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relat
     """Gradients (dq, dk, dv, d_rel_k | None, d_rel_v | None) from the forward's ``out``, ``lse``, band weights."""
     kk = max_relative_position
     b, h, n, d = q.shape
-    m = k.shape[2]
+    m, dvd = k.shape[2], v.shape[3]
     sdt = stats_dtype(q.dtype)
-    grad_out = grad_out.contiguous()
-    lse = lse.contiguous()
-    dq = dk = dvv = None  # the first region's gradients are written in place, the others added
+    bh = b * h
+    wb = band.shape[-1]
+    qf, kf, vf, dof, of = (t.reshape(bh, *t.shape[2:]) for t in (q, k, v, grad_out, out))
+    lsef, bandf = lse.reshape(bh, n), band.reshape(bh, n, wb)
+    dq_all = q.new_empty(bh, n, d)
+    dk_all = q.new_empty(bh, m, d)
+    dv_all = q.new_empty(bh, m, dvd)
     drk = torch.zeros(rel_k.shape, dtype=sdt, device=q.device) if rel_k is not None else None
     drv = torch.zeros(rel_v.shape, dtype=sdt, device=q.device) if rel_v is not None else None
-
-    for side, calls in _regions(n, m, kk, query_offset, is_causal):
-        if not calls:
-            continue
-        row = 0 if side == 0 else 2 * kk
-        if side == 0:
-            qs, dos, outs, lses = q, grad_out, out, lse
+    shifted_k = rel_k - rel_k[:, :1] if rel_k is not None else None
+    for f0, f1 in head_groups(bh, n, max(d, dvd)):
+        hc = f1 - f0
+        tk, tv = _group_rows(shifted_k, f0, f1, h, q.dtype), _group_rows(rel_v, f0, f1, h, q.dtype)
+        q4, k4, v4, do4, o4 = (t[f0:f1][None] for t in (qf, kf, vf, dof, of))
+        l3 = lsef[f0:f1][None]
+        drk_g = torch.zeros(hc, *rel_k.shape[1:], dtype=sdt, device=q.device) if rel_k is not None else None
+        drv_g = torch.zeros(hc, *rel_v.shape[1:], dtype=sdt, device=q.device) if rel_v is not None else None
+        direct = sdt == q.dtype
+        if direct:  # accumulate straight into the results
+            dq, dk, dv = dq_all[f0:f1], dk_all[f0:f1], dv_all[f0:f1]
         else:
-            qs, dos, outs, lses = (t.flip(2) for t in (q, grad_out, out, lse))
-        ke, ve = _edge(k, rel_k, row, flip=side == 1), _edge(v, rel_v, row, flip=side == 1)
-        for i0, j0, j1, causal in calls:
-            gq, gk, gv = _attn_bwd(dos[:, :, i0:], qs[:, :, i0:], ke[:, :, j0:j1], ve[:, :, j0:j1],
-                                   outs[:, :, i0:], lses[:, :, i0:].contiguous(), causal, scale)
-            if drk is not None:
-                drk[:, row] += _sum_table_grad(gk.sum(2), drk.shape[0])
-            if drv is not None:
-                drv[:, row] += _sum_table_grad(gv.sum(2), drv.shape[0])
+            dq, dk, dv = (x.new_empty(hc, *x.shape[1:], dtype=sdt) for x in (qf, kf, vf))
+        first = True
+        # The right region first: its gradients come reversed, and a reversed copy is then the first write.
+        for side, calls in reversed(_regions(n, m, kk, query_offset, is_causal)):
+            if not calls:
+                continue
+            row = 0 if side == 0 else 2 * kk
             if side == 0:
-                dq = _accumulate(dq, gq, i0, n, sdt)
-                dk = _accumulate(dk, gk, j0, m, sdt)
-                dvv = _accumulate(dvv, gv, j0, m, sdt)
+                qs, dos, outs, lses, ks = q4, do4.contiguous(), o4, l3, k4
+                vs = _edge(v4, None if tv is None else tv[:, 0])
             else:
-                dq = _accumulate(dq, gq.flip(2), 0, n, sdt)
-                dk = _accumulate(dk, gk.flip(2), m - j1, m, sdt)
-                dvv = _accumulate(dvv, gv.flip(2), m - j1, m, sdt)
-    dq, dk, dvv = (torch.zeros(x.shape, dtype=sdt, device=x.device) if g is None else g
-                   for g, x in ((dq, q), (dk, k), (dvv, v)))
-
-    if kk >= 1 and m > 0 and n > 0:
-        g = _Band(b, h, n, m, kk, query_offset, is_causal, tile, q.device)
-        do_rows = g.pad_rows(grad_out, 1.0, sdt)
-        keys = g.pad_keys(v, sdt)
-        # Elementwise work on the band only (wb of the W tile columns): ds = p * (dp - dg) in compact form.
-        if rel_v is not None:
-            dp_band = (do_rows @ rel_v[:, g.rows].to(sdt).transpose(-1, -2)).view(g.groups, g.tile, g.wb)
-        else:
-            dp_band = do_rows.new_zeros(g.groups, g.tile, g.wb)
-        do_tiles = g.row_tiles(do_rows)
-        g.add_band_scores(dp_band, do_tiles, keys)
-        dg = F.pad((grad_out.to(sdt) * out.to(sdt)).sum(-1), (0, g.lh - n))
-        p_band = g.pad_rows(band).view(g.groups, g.tile, g.wb)
-        ds_band = dp_band.sub_(dg.view(g.groups, g.tile, 1)).mul_(p_band)  # dL/d(scaled score)
-        xw = do_rows.new_empty(g.groups, g.w, do_rows.shape[-1])
-        g.band_products(p_band, rows=do_tiles, out_windows=xw)
-        work = g.fold_into(xw, dvv)
-        qrows = g.pad_rows(q, 1.0, sdt)
-        if xw.shape[-1] != d:
-            xw = qrows.new_empty(g.groups, g.w, d)
-        dq_tiles = qrows.new_empty(g.groups, g.tile, d)
-        g.band_products(ds_band, flat=g.pad_keys(k, sdt, reuse=keys), out_rows=dq_tiles, rows=g.row_tiles(qrows),
-                        out_windows=xw)
-        dq.add_(dq_tiles.view(b, h, g.lh, d)[:, :, :n], alpha=scale)  # `scale` goes into the adds
-        g.fold_into(xw, dk, scale, reuse=work)
-        ds_band = ds_band.view(b, h, g.lh, g.wb)
-        if rel_k is not None:
-            dq.add_((ds_band @ rel_k[:, g.rows].to(sdt))[:, :, :n], alpha=scale)
-            drk[:, g.rows] += _sum_table_grad(ds_band.transpose(-1, -2) @ qrows, drk.shape[0]) * scale
-        if rel_v is not None:
-            drv[:, g.rows] += _sum_table_grad(band.transpose(-1, -2) @ grad_out.to(sdt), drv.shape[0])
-
-    return tuple(t.to(q.dtype) if t is not None else None for t in (dq, dk, dvv, drk, drv))
+                qs, dos, outs, lses = (x.flip(2) for x in (q4, do4, o4, l3))
+                ks = _edge(k4, None if tk is None else tk[:, row], flip=True)
+                vs = _edge(v4, None if tv is None else tv[:, row], flip=True)
+            for i0, j0, j1, causal in calls:
+                gq, gk, gv = (x[0] for x in _attn_bwd(dos[:, :, i0:], qs[:, :, i0:], ks[:, :, j0:j1], vs[:, :, j0:j1],
+                                                      outs[:, :, i0:], lses[:, :, i0:].contiguous(), causal, scale))
+                if drk_g is not None:
+                    drk_g[:, row] += gk.sum(1)
+                if drv_g is not None:
+                    drv_g[:, row] += gv.sum(1)
+                flip = side == 1
+                _put(dq, gq, 0 if flip else i0, flip=flip, first=first)
+                _put(dk, gk, m - j1 if flip else j0, flip=flip, first=first)
+                _put(dv, gv, m - j1 if flip else j0, flip=flip, first=first)
+                first = False
+            del qs, dos, outs, lses, ks, vs
+        if first:
+            for x in (dq, dk, dv):
+                x.zero_()
+        if wb:
+            geo = _Band(hc, n, m, kk, query_offset, is_causal, tile, q.device)
+            tk32 = tk.to(sdt) if tk is not None else None
+            tv32 = tv.to(sdt) if tv is not None else None
+            _band_backward(geo, qf[f0:f1], kf[f0:f1], vf[f0:f1], dof[f0:f1], of[f0:f1], tk32, tv32, bandf[f0:f1],
+                           dq, dk, dv, drk_g, drv_g, scale, sdt)
+        if not direct:
+            dq_all[f0:f1], dk_all[f0:f1], dv_all[f0:f1] = dq, dk, dv
+        for total, part in ((drk, drk_g), (drv, drv_g)):
+            if total is not None:
+                if total.shape[0] == 1:
+                    total[0] += part.sum(0)
+                else:
+                    total.index_add_(0, torch.arange(f0, f1, device=q.device) % h, part)
+    return (dq_all.view(b, h, n, d), dk_all.view(b, h, m, d), dv_all.view(b, h, m, dvd),
+            drk.to(q.dtype) if drk is not None else None, drv.to(q.dtype) if drv is not None else None)
