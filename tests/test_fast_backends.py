@@ -215,6 +215,27 @@ def test_fused_chunks_and_head_groups(monkeypatch, case):
         assert_close(a, w, torch.float64, "grad")
 
 
+@pytest.mark.parametrize("tile", [1, 3, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_band_bias_marks_exactly_the_missing_keys_and_rows(tile, causal):
+    """The band's -inf entries, added only to the edge tiles, are exactly the keys outside [0, M) and the rows
+    past N, for every chunking."""
+    from relattn.backends.fused import _Band
+
+    for n, m, kk, off in [(9, 9, 3, 0), (10, 7, 4, 2), (5, 12, 2, -6), (7, 7, 9, 0), (8, 3, 2, 5), (6, 6, 1, 0)]:
+        geo = _Band(1, n, m, kk, off, causal, tile, "cpu")
+        r = torch.arange(geo.r_lo, geo.r_lo + geo.wb)
+        rows = torch.arange(geo.nt * geo.tile)[:, None]
+        j = rows + off + r[None, :]
+        want = ((j < 0) | (j >= m) | (rows >= n)).view(geo.nt, geo.tile, geo.wb)
+        for step in (1, 2, geo.nt):
+            got = torch.zeros(geo.nt, geo.tile, geo.wb)
+            for t0 in range(0, geo.nt, step):
+                t1 = min(geo.nt, t0 + step)
+                geo.add_bias(got[t0:t1], t0, t1)
+            assert torch.equal(torch.isinf(got), want), (n, m, kk, off, step)
+
+
 def test_awkward_length_1025_fused_and_blocked():
     inputs = make(1, 1, 1025, 1025, 8, 8, 16, per_head=(False, False), dtype=torch.float32, grad=True)
     go = torch.randn(1, 1, 1025, 8)

@@ -160,12 +160,15 @@ def _(grad_out, q, k, v, rel_k, rel_v, out, lse, band, max_relative_position, is
 
 def _fused_setup(ctx, inputs, output):
     q, k, v, rel_k, rel_v, kk, is_causal, scale, query_offset = inputs
+    ctx.set_materialize_grads(False)  # lse and band get no gradient: no (B, H, N, wb) zeros in the backward
     ctx.save_for_backward(q, k, v, rel_k, rel_v, *output)
     ctx.args = (kk, is_causal, scale, query_offset)
     ctx.has_tables = (rel_k is not None, rel_v is not None)
 
 
 def _fused_backward(ctx, grad_out, grad_lse, grad_band):
+    if grad_out is None:  # grads are not materialised: no gradient reached the output
+        return (None,) * 9
     q, k, v, rel_k, rel_v, out, lse, band = ctx.saved_tensors
     dq, dk, dv, drk, drv = fused_bwd(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *ctx.args)
     return (dq, dk, dv, drk if ctx.has_tables[0] else None, drv if ctx.has_tables[1] else None,
