@@ -315,7 +315,7 @@ def _far_forward(q4, k4, v4, tk, tv, kk, query_offset, is_causal, scale, sdt):
 def _merge_far(out, lse, parts):
     """``out`` (hc, N, Dv) += each far part's rows weighted by its share ``exp(lse_part - lse)``."""
     n = out.shape[1]
-    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    lse_safe = lse.nan_to_num(0.0, 0.0, 0.0)
     for part_lse, o, i0, side in parts:
         if side == 0:
             alpha = torch.exp(part_lse[:, i0:] - lse_safe[:, i0:])[..., None]
@@ -351,10 +351,10 @@ def _band_forward(geo, q, k, v, tk, tv, parts, lse_far, out, lse, band, scale, s
             sc.copy_(geo.skew(st))
         geo.add_bias(sc, t0, t1)
         peak = sc.amax(-1)
-        peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+        peak = peak.nan_to_num_(0.0, 0.0, 0.0)  # a row with no key: -inf -> 0
         sc.sub_(peak[..., None]).exp_()
         merged = torch.logaddexp(peak + torch.log(sc.sum(-1)), far[g, t0 * t : t1 * t].view(c, t))
-        safe = torch.where(torch.isfinite(merged), merged, torch.zeros_like(merged))
+        safe = merged.nan_to_num(0.0, 0.0, 0.0)
         sc.mul_(torch.exp(peak - safe)[..., None])  # final band weights
         geo.skew(pt).copy_(sc)
         torch.bmm(pt, vwin[f0 : f0 + c], out=ob)
