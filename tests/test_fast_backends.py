@@ -144,11 +144,51 @@ def test_masks_blocked_and_auto(shape, kind):
     want = ref_out(*inputs, 3, attn_mask=mask)
     go = torch.randn(2, 3, 9, 4, dtype=torch.float64)
     want_out, want_g = grads("dense", inputs, 3, go, attn_mask=mask)
-    for backend in ("blocked", "auto"):
+    for backend in ("blocked", "fused", "auto"):
         out, got_g = grads(backend, inputs, 3, go, attn_mask=mask)
         assert_close(out, want, torch.float64, backend)
         for a, w in zip(got_g, want_g, strict=True):
             assert_close(a, w, torch.float64, f"{backend} grad")
+
+
+def _masks(b, h, n, m, g):
+    keypad = torch.ones(b, 1, 1, m, dtype=torch.bool)
+    keypad[1:, ..., m - m // 3 :] = False  # padding at the end: rows near the start see no far-right key
+    start = torch.ones(b, 1, 1, m, dtype=torch.bool)
+    start[..., : m // 2] = False  # no key at the start: the far-left region of the first rows is empty
+    rows = torch.rand(n, m, generator=g) > 0.4
+    rows[3] = False  # a row with nothing to attend to: zeros, zero gradients
+    per_head = torch.randn(1, h, n, m, generator=g, dtype=torch.float64)
+    per_head[0, 1, :, ::3] = float("-inf")
+    return {"keypad": keypad, "start": start, "rows": rows, "per_head": per_head}
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("kind", ["keypad", "start", "rows", "per_head"])
+@pytest.mark.parametrize("shape", [(40, 40, 4, False, 0), (40, 40, 4, True, 0), (30, 45, 5, True, 15),
+                                   (30, 45, 5, False, -6)], ids=["full", "causal", "decode", "offset"])
+def test_fused_with_masks_matches_reference_and_dense_grads(monkeypatch, chunked, kind, shape):
+    import relattn.backends.fused as fused_kernels
+
+    n, m, kk, causal, off = shape
+    b, h = 2, 3
+    inputs = make(b, h, n, m, 4, 4, kk, per_head=(True, False), grad=True, seed=5)
+    mask = _masks(b, h, n, m, torch.Generator().manual_seed(6))[kind]
+    kw = dict(attn_mask=mask, is_causal=causal, query_offset=off)
+    go = torch.randn(b, h, n, 4, dtype=torch.float64)
+    want_out, want = grads("dense", inputs, kk, go, **kw)
+    if chunked:
+        monkeypatch.setattr(fused_kernels, "CHUNK_ELEMENTS", 1)
+        monkeypatch.setattr(fused_kernels, "GROUP_ELEMENTS", 1)
+    got_out, got = grads("fused", inputs, kk, go, **kw)
+    assert torch.isfinite(got_out).all()
+    assert_close(got_out, ref_out(*inputs, kk, **kw), torch.float64, "out vs reference")
+    assert_close(got_out, want_out, torch.float64, "out")
+    for name, a, w in zip("q k v rel_k rel_v".split(), got, want, strict=True):
+        assert torch.isfinite(a).all(), name
+        assert_close(a, w, torch.float64, f"d{name}")
+    if kind == "rows":
+        assert torch.equal(got_out[:, :, 3], torch.zeros_like(got_out[:, :, 3]))
 
 
 def test_gradcheck_blocked_with_mask():
@@ -324,7 +364,7 @@ def test_softmax_statistics_are_float32_for_bfloat16(backend):
     if backend == "blocked":
         out, lse = torch.ops.relattn.blocked_fwd(*bf, None, torch.tensor(0), 2, False, 0.0, 0.5, 0)
     else:
-        out, lse, band = torch.ops.relattn.fused_fwd(*bf, 2, False, 0.5, 0)
+        out, lse, band = torch.ops.relattn.fused_fwd(*bf, None, 2, False, 0.5, 0)
         assert band.dtype == torch.float32
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
 
@@ -351,10 +391,11 @@ def test_choose_never_picks_a_backend_that_cannot_serve():
     assert choose(calls[0]).name == "dense"
     assert choose(calls[4]).name == "fused"
     assert choose(calls[5]).name == "blocked"
-    assert choose(calls[6]).name == "blocked"
+    assert choose(calls[6]).name == "fused"  # a mask (no grad) on the CPU: the fused kernels take it
     assert choose(calls[7]).name == "dense"
     assert choose(calls[8]).name == "fused"
-    assert BACKENDS["fused"].supports(calls[1]) is not None and BACKENDS["fused"].supports(calls[2]) is not None
+    assert BACKENDS["fused"].supports(calls[1]) is None and BACKENDS["fused"].supports(calls[2]) is not None
+    assert BACKENDS["fused"].supports(calls[3]) is not None  # a mask that requires grad
     with pytest.raises(ValueError, match="cannot serve"):
         fn.relative_attention(*make(1, 1, 3, 3, 2, 2, 1), max_relative_position=1, dropout_p=0.5, backend="fused")
 
@@ -371,7 +412,9 @@ def test_backward_is_deterministic(backend):
 def test_custom_ops_opcheck():
     q, k, v, rk, rv = make(1, 2, 7, 9, 4, 4, 2, per_head=(True, False), dtype=torch.float32, grad=True)
     rv = rv.detach()[None].requires_grad_()  # the ops take canonical (Hr, 2K+1, D) tables
-    torch.library.opcheck(torch.ops.relattn.fused_fwd.default, (q, k, v, rk, rv, 2, True, 0.5, 2))
+    torch.library.opcheck(torch.ops.relattn.fused_fwd.default, (q, k, v, rk, rv, None, 2, True, 0.5, 2))
+    mask = torch.zeros(1, 1, 1, 9).masked_fill_(torch.arange(9) >= 7, float("-inf"))  # key padding
+    torch.library.opcheck(torch.ops.relattn.fused_fwd.default, (q, k, v, rk, rv, mask, 2, False, 0.5, 0))
     torch.library.opcheck(torch.ops.relattn.blocked_fwd.default,
                           (q, k, v, None, rv, torch.zeros(1, 1, 7, 9), torch.tensor(3), 2, False, 0.0, 0.5, 0))
 

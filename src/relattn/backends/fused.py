@@ -77,8 +77,10 @@ def _same_head_dim(q, k, v):
     return q, k, v
 
 
-def _attn_fwd(q, k, v, causal: bool, scale: float):
-    """(B,H,n,D),(B,H,m,D),(B,H,m,Dv) -> out (B,H,n,Dv), lse (B,H,n) float32/float64. Top-left causal."""
+def _attn_fwd(q, k, v, causal: bool, scale: float, mask=None):
+    """(B,H,n,D),(B,H,m,D),(B,H,m,Dv) -> out (B,H,n,Dv), lse (B,H,n) float32/float64. Top-left causal;
+    ``mask`` (CPU only) an additive mask broadcastable to (B,H,n,m). A row whose keys are all masked gives
+    out 0 and lse 0 (not -inf): callers that merge must know which rows those are."""
     dv = v.shape[-1]
     q, k, v = _same_head_dim(q, k, v)
     if q.is_cuda:
@@ -86,11 +88,12 @@ def _attn_fwd(q, k, v, causal: bool, scale: float):
             q, k, v, None, True, 0.0, causal, scale=scale)
         lse = lse[..., : q.shape[2]]
     else:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                               scale=scale)
     return out[..., :dv], lse
 
 
-def _attn_bwd(do, q, k, v, out, lse, causal: bool, scale: float):
+def _attn_bwd(do, q, k, v, out, lse, causal: bool, scale: float, mask=None):
     """Gradients (dq, dk, dv) of the region given the *merged* lse and output of its rows."""
     d, dv = q.shape[-1], v.shape[-1]
     q, k, v = _same_head_dim(q, k, v)
@@ -104,7 +107,7 @@ def _attn_bwd(do, q, k, v, out, lse, causal: bool, scale: float):
             do, q, k, v, None, out, lse, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)
     else:
         dq, dk, dvv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, out, lse, 0.0, causal, scale=scale)
+            do, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
     return dq[..., :d], dk[..., :d], dvv[..., :dv]
 
 
@@ -133,6 +136,13 @@ def region_calls(n: int, m: int, c: int) -> list[tuple[int, int, int, bool]]:
     return calls
 
 
+def _kernel_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """PyTorch's CPU kernel reads each mask row as contiguous keys: make the last dim contiguous if it is not."""
+    if mask is None or mask.shape[-1] == 1 or mask.stride(-1) == 1:
+        return mask
+    return mask.contiguous()
+
+
 def band_width(max_relative_position: int, is_causal: bool) -> int:
     """Number of band offsets per row: ``2K - 1`` (``K`` if causal); 0 when K = 0."""
     kk = max_relative_position
@@ -147,12 +157,58 @@ def _regions(n, m, kk, query_offset, is_causal):
     return out
 
 
-def head_groups(bh: int, n: int, width: int) -> list[tuple[int, int]]:
+def head_groups(bh: int, n: int, width: int, heads: int | None = None) -> list[tuple[int, int]]:
     """Ranges of the B*H flattened heads processed together: about GROUP_ELEMENTS (N, D) elements per tensor,
-    and at least as many heads as threads (PyTorch's CPU fused backward parallelises over heads)."""
+    and at least as many heads as threads (PyTorch's CPU fused backward parallelises over heads). With
+    ``heads`` (H), no range crosses from one batch entry to the next (so a mask slices without copies)."""
     size = max(1, GROUP_ELEMENTS // max(1, n * width))
     size = min(bh, max(size, torch.get_num_threads()))
-    return [(f0, min(bh, f0 + size)) for f0 in range(0, bh, size)]
+    if heads is None:
+        return [(f0, min(bh, f0 + size)) for f0 in range(0, bh, size)]
+    size = min(size, heads)
+    return [(b + h0, b + min(heads, h0 + size)) for b in range(0, bh, heads) for h0 in range(0, heads, size)]
+
+
+def _group_mask(mask: torch.Tensor | None, f0: int, f1: int, h: int) -> torch.Tensor | None:
+    """(Bm, Hm, Nm, Mm) additive mask -> (1, Hm', Nm, Mm) view for the heads f0..f1-1 of one batch entry."""
+    if mask is None:
+        return None
+    b, h0 = divmod(f0, h)
+    g = mask[b if mask.shape[0] > 1 else 0][None]
+    return g[:, h0 : h0 + f1 - f0] if g.shape[1] > 1 else g
+
+
+def _rows_with_keys(mask: torch.Tensor, i0: int, j0: int, j1: int, causal: bool, n: int) -> torch.Tensor:
+    """(Hm, n - i0) bool: whether rows i0.. of a region call have an unmasked key (``mask`` (1, Hm, Nm, Mm) in
+    the call's coordinates; the call's row i sees keys j0 .. j1-1, or only up to j0 + i - i0 if causal)."""
+    fin = torch.isfinite(mask[0])
+    m = j1 if fin.shape[-1] == 1 else fin.shape[-1]
+    fin = fin.expand(*fin.shape[:2], m)
+    count = F.pad(torch.cumsum(fin, -1, dtype=torch.int32), (1, 0))  # count[.., x] = unmasked keys before x
+    rows = torch.arange(i0, n, device=mask.device)
+    hi = (j0 + rows - i0 + 1).clamp_(max=j1) if causal else torch.full_like(rows, j1)
+    if count.shape[1] > 1:
+        count = count[:, i0:]
+        hi = hi[None, :, None].expand(count.shape[0], -1, 1)
+        return (count.gather(-1, hi)[..., 0] - count[:, :, j0]) > 0
+    return (count[:, 0, hi] - count[:, 0, j0 : j0 + 1]) > 0
+
+
+def _flip_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The mask of the reversed sequences (rows and keys reversed)."""
+    if mask is None:
+        return None
+    dims = [d for d in (2, 3) if mask.shape[d] > 1]
+    return mask.flip(dims) if dims else mask
+
+
+def _call_mask(mask: torch.Tensor | None, i0: int, j0: int, j1: int) -> torch.Tensor | None:
+    """The mask of one region call: rows i0.., keys j0..j1-1 (broadcast dims stay size 1)."""
+    if mask is None:
+        return None
+    if mask.shape[2] > 1:
+        mask = mask[:, :, i0:]
+    return mask[..., j0:j1] if mask.shape[3] > 1 else mask
 
 
 def _group_rows(table: torch.Tensor | None, f0: int, f1: int, h: int, dtype) -> torch.Tensor | None:
@@ -228,6 +284,19 @@ class _Band:
                     self._masks[a, b] = ((j < 0) | (j >= self.m) | (rows >= self.n)).view(b - a, self.tile, self.wb)
                 sc[a - t0 : b - t0].masked_fill_(self._masks[a, b], float("-inf"))
 
+    def add_mask(self, sc: torch.Tensor, mask: torch.Tensor, g: int, t0: int, r0: int, r1: int) -> None:
+        """``sc`` (c, T, wb) += the additive mask (1, Hm, Nm, Mm) at the band entries of rows r0..r1-1, head g
+        (entries whose key does not exist read a clamped key: add_bias makes them -inf after this)."""
+        rows = mask[0, g if mask.shape[1] > 1 else 0]
+        rows = rows[r0:r1] if rows.shape[0] > 1 else rows
+        flat = sc.view(-1, self.wb)[: r1 - r0]
+        if rows.shape[1] == 1:
+            flat += rows.to(sc.dtype)
+            return
+        r = torch.arange(self.r_lo, self.r_lo + self.wb, device=sc.device)
+        j = (torch.arange(r0, r1, device=sc.device)[:, None] + self.query_offset + r).clamp_(0, self.m - 1)
+        flat += rows.expand(r1 - r0, -1).gather(1, j).to(sc.dtype)
+
     def chunks(self):
         """(head, first tile, end tile, flat index of the first tile, first row, end row) of every chunk."""
         for g in range(self.hc):
@@ -288,7 +357,7 @@ class _Band:
             dest[:, self.j_lo : self.j_hi].add_(heads[:, a:z].to(dest.dtype), alpha=alpha)
 
 
-def _far_forward(q4, k4, v4, tk, tv, kk, query_offset, is_causal, scale, sdt):
+def _far_forward(q4, k4, v4, tk, tv, kk, query_offset, is_causal, scale, sdt, mask=None):
     """The far regions of one head group: [(lse (hc, N) with -inf outside the part, out rows, first row, side)]."""
     hc, n, m = q4.shape[1], q4.shape[2], k4.shape[2]
     parts = []
@@ -296,18 +365,23 @@ def _far_forward(q4, k4, v4, tk, tv, kk, query_offset, is_causal, scale, sdt):
         if not calls:
             continue
         if side == 0:  # shifted key table: row -K is zero, so the keys need no copy
-            qs, ks, vs = q4, k4, _edge(v4, None if tv is None else tv[:, 0])
+            qs, ks, vs, ms = q4, k4, _edge(v4, None if tv is None else tv[:, 0]), mask
         else:
             qs = q4.flip(2)
             ks = _edge(k4, None if tk is None else tk[:, 2 * kk], flip=True)
             vs = _edge(v4, None if tv is None else tv[:, 2 * kk], flip=True)
+            ms = _flip_mask(mask)
         for i0, j0, j1, causal in calls:
-            o, lse = _attn_fwd(qs[:, :, i0:], ks[:, :, j0:j1], vs[:, :, j0:j1], causal, scale)
+            o, lse = _attn_fwd(qs[:, :, i0:], ks[:, :, j0:j1], vs[:, :, j0:j1], causal, scale,
+                               _call_mask(ms, i0, j0, j1))
+            lse = lse[0]
+            if ms is not None:  # rows whose keys here are all masked: lse -inf, not the kernel's 0
+                lse = lse.masked_fill(~_rows_with_keys(ms, i0, j0, j1, causal, n), float("-inf"))
             full = lse.new_full((hc, n), float("-inf"), dtype=sdt)
             if side == 0:
-                full[:, i0:] = lse[0]
+                full[:, i0:] = lse
             else:
-                full[:, : n - i0] = lse[0].flip(1)
+                full[:, : n - i0] = lse.flip(1)
             parts.append((full, o[0], i0, side))
     return parts
 
@@ -325,7 +399,7 @@ def _merge_far(out, lse, parts):
             out[:, : n - i0].addcmul_(alpha, o.flip(1))
 
 
-def _band_forward(geo, q, k, v, tk, tv, parts, lse_far, out, lse, band, scale, sdt):
+def _band_forward(geo, q, k, v, tk, tv, parts, lse_far, out, lse, band, scale, sdt, mask=None):
     """Band of one head group, chunk by chunk: final band weights into ``band`` (hc, N, wb), merged log-sum-exp
     into ``lse`` (hc, N), and the output rows into ``out`` (hc, N, Dv): the band's share plus the far parts'."""
     t, wb, n = geo.tile, geo.wb, geo.n
@@ -349,6 +423,8 @@ def _band_forward(geo, q, k, v, tk, tv, parts, lse_far, out, lse, band, scale, s
             sc += geo.skew(st)
         else:
             sc.copy_(geo.skew(st))
+        if mask is not None:
+            geo.add_mask(sc, mask, g, t0, r0, r1)
         geo.add_bias(sc, t0, t1)
         peak = sc.amax(-1)
         peak = peak.nan_to_num_(0.0, 0.0, 0.0)  # a row with no key: -inf -> 0
@@ -375,7 +451,7 @@ def _band_forward(geo, q, k, v, tk, tv, parts, lse_far, out, lse, band, scale, s
 
 
 def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causal: bool, scale: float,
-                  query_offset: int, tile: int | None = DEFAULT_TILE):
+                  query_offset: int, mask: torch.Tensor | None = None, tile: int | None = DEFAULT_TILE):
     """Forward. Returns ``out`` (B, H, N, Dv), ``lse`` (B, H, N) and the band weights (B, H, N, wb).
 
     ``wb = band_width(K, is_causal)`` (0 without a band or keys): entry (i, c) is the weight of offset
@@ -393,11 +469,13 @@ def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causa
     band = q.new_empty(bh, n, wb, dtype=sdt)
     qf, kf, vf = (t.reshape(bh, *t.shape[2:]) for t in (q, k, v))
     shifted_k = rel_k - rel_k[:, :1] if rel_k is not None else None
-    for f0, f1 in head_groups(bh, n, max(d, dv)):
+    mask = _kernel_mask(mask)
+    for f0, f1 in head_groups(bh, n, max(d, dv), None if mask is None else h):
         hc = f1 - f0
         tk, tv = _group_rows(shifted_k, f0, f1, h, q.dtype), _group_rows(rel_v, f0, f1, h, q.dtype)
+        mask_g = _group_mask(mask, f0, f1, h)
         parts = _far_forward(qf[f0:f1][None], kf[f0:f1][None], vf[f0:f1][None], tk, tv, kk, query_offset,
-                             is_causal, scale, sdt)
+                             is_causal, scale, sdt, mask_g)
         lse_parts = [p[0] for p in parts]
         lse_far = (torch.logsumexp(torch.stack(lse_parts), 0) if len(lse_parts) > 1 else lse_parts[0]
                    if lse_parts else q.new_full((hc, n), float("-inf"), dtype=sdt))
@@ -407,7 +485,7 @@ def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causa
             tk32 = tk.to(sdt) if tk is not None else None
             tv32 = tv.to(sdt) if tv is not None else None
             _band_forward(geo, qf[f0:f1], kf[f0:f1], vf[f0:f1], tk32, tv32, parts, lse_far, out_g, lse[f0:f1],
-                          band[f0:f1], scale, sdt)
+                          band[f0:f1], scale, sdt, mask_g)
         else:
             out_g.zero_()
             lse[f0:f1] = lse_far
@@ -484,7 +562,8 @@ def _put(acc: torch.Tensor, g: torch.Tensor, lo: int, *, flip: bool, first: bool
 
 
 def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relative_position: int,
-                   is_causal: bool, scale: float, query_offset: int, tile: int | None = DEFAULT_TILE):
+                   is_causal: bool, scale: float, query_offset: int, mask: torch.Tensor | None = None,
+                   tile: int | None = DEFAULT_TILE):
     """Gradients (dq, dk, dv, d_rel_k | None, d_rel_v | None) from the forward's ``out``, ``lse``, band weights."""
     kk = max_relative_position
     b, h, n, d = q.shape
@@ -500,11 +579,15 @@ def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relat
     drk = torch.zeros(rel_k.shape, dtype=sdt, device=q.device) if rel_k is not None else None
     drv = torch.zeros(rel_v.shape, dtype=sdt, device=q.device) if rel_v is not None else None
     shifted_k = rel_k - rel_k[:, :1] if rel_k is not None else None
-    for f0, f1 in head_groups(bh, n, max(d, dvd)):
+    mask = _kernel_mask(mask)
+    for f0, f1 in head_groups(bh, n, max(d, dvd), None if mask is None else h):
         hc = f1 - f0
         tk, tv = _group_rows(shifted_k, f0, f1, h, q.dtype), _group_rows(rel_v, f0, f1, h, q.dtype)
         q4, k4, v4, do4, o4 = (t[f0:f1][None] for t in (qf, kf, vf, dof, of))
         l3 = lsef[f0:f1][None]
+        mask_g = _group_mask(mask, f0, f1, h)
+        if mask_g is not None:  # a row masked everywhere has lse -inf: its weights exp(-inf - 0) are 0
+            l3 = l3.nan_to_num(0.0, 0.0, 0.0)
         drk_g = torch.zeros(hc, *rel_k.shape[1:], dtype=sdt, device=q.device) if rel_k is not None else None
         drv_g = torch.zeros(hc, *rel_v.shape[1:], dtype=sdt, device=q.device) if rel_v is not None else None
         direct = sdt == q.dtype
@@ -519,15 +602,17 @@ def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relat
                 continue
             row = 0 if side == 0 else 2 * kk
             if side == 0:
-                qs, dos, outs, lses, ks = q4, do4.contiguous(), o4, l3, k4
+                qs, dos, outs, lses, ks, ms = q4, do4.contiguous(), o4, l3, k4, mask_g
                 vs = _edge(v4, None if tv is None else tv[:, 0])
             else:
                 qs, dos, outs, lses = (x.flip(2) for x in (q4, do4, o4, l3))
+                ms = _flip_mask(mask_g)
                 ks = _edge(k4, None if tk is None else tk[:, row], flip=True)
                 vs = _edge(v4, None if tv is None else tv[:, row], flip=True)
             for i0, j0, j1, causal in calls:
                 gq, gk, gv = (x[0] for x in _attn_bwd(dos[:, :, i0:], qs[:, :, i0:], ks[:, :, j0:j1], vs[:, :, j0:j1],
-                                                      outs[:, :, i0:], lses[:, :, i0:].contiguous(), causal, scale))
+                                                      outs[:, :, i0:], lses[:, :, i0:].contiguous(), causal, scale,
+                                                      _call_mask(ms, i0, j0, j1)))
                 if drk_g is not None:
                     drk_g[:, row] += gk.sum(1)
                 if drv_g is not None:
@@ -537,7 +622,7 @@ def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relat
                 _put(dk, gk, m - j1 if flip else j0, flip=flip, first=first)
                 _put(dv, gv, m - j1 if flip else j0, flip=flip, first=first)
                 first = False
-            del qs, dos, outs, lses, ks, vs
+            del qs, dos, outs, lses, ks, vs, ms
         if first:
             for x in (dq, dk, dv):
                 x.zero_()

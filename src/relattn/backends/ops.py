@@ -4,7 +4,7 @@
 
 * ``relattn::blocked_fwd(q, k, v, rel_k?, rel_v?, mask?, seed, K, is_causal, dropout_p, scale, query_offset)``
   -> ``(out (B,H,N,Dv), lse (B,H,N))``; ``relattn::blocked_bwd`` -> ``(dq, dk, dv, d_rel_k, d_rel_v)``.
-* ``relattn::fused_fwd(q, k, v, rel_k?, rel_v?, K, is_causal, scale, query_offset)``
+* ``relattn::fused_fwd(q, k, v, rel_k?, rel_v?, mask?, K, is_causal, scale, query_offset)``
   -> ``(out, lse, band (B,H,N,wb))`` (``fused.band_width``);
   ``relattn::fused_bwd`` -> ``(dq, dk, dv, d_rel_k, d_rel_v)``.
 
@@ -125,16 +125,16 @@ blocked_fwd.register_autograd(_blocked_backward, setup_context=_blocked_setup)
 
 
 @torch.library.custom_op("relattn::fused_fwd", mutates_args=())
-def fused_fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
+def fused_fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None, mask: Tensor | None,
               max_relative_position: int, is_causal: bool, scale: float,
               query_offset: int) -> tuple[Tensor, Tensor, Tensor]:
     out = fused_forward_kernel(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, is_causal=is_causal,
-                        scale=scale, query_offset=query_offset)
+                               scale=scale, query_offset=query_offset, mask=mask)
     return tuple(t.contiguous() for t in out)
 
 
 @fused_fwd.register_fake
-def _(q, k, v, rel_k, rel_v, max_relative_position, is_causal, scale, query_offset):
+def _(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset):
     b, h, n, _ = q.shape
     sdt = stats_dtype(q.dtype)
     wb = band_width(max_relative_position, is_causal) if k.shape[2] > 0 and n > 0 else 0
@@ -143,36 +143,37 @@ def _(q, k, v, rel_k, rel_v, max_relative_position, is_causal, scale, query_offs
 
 @torch.library.custom_op("relattn::fused_bwd", mutates_args=())
 def fused_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
-              out: Tensor, lse: Tensor, band: Tensor, max_relative_position: int, is_causal: bool, scale: float,
-              query_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+              mask: Tensor | None, out: Tensor, lse: Tensor, band: Tensor, max_relative_position: int,
+              is_causal: bool, scale: float, query_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv, drk, drv = fused_backward_kernel(
         grad_out, q, k, v, rel_k, rel_v, out, lse, band, max_relative_position=max_relative_position,
-        is_causal=is_causal, scale=scale, query_offset=query_offset)
+        is_causal=is_causal, scale=scale, query_offset=query_offset, mask=mask)
     return (_laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v),
             _or_empty(drk, q) if rel_k is None else _laid_out_like(drk, rel_k),
             _or_empty(drv, q) if rel_v is None else _laid_out_like(drv, rel_v))
 
 
 @fused_bwd.register_fake
-def _(grad_out, q, k, v, rel_k, rel_v, out, lse, band, max_relative_position, is_causal, scale, query_offset):
+def _(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, band, max_relative_position, is_causal, scale,
+      query_offset):
     return (*_grads_fake(q, k, v), *_table_grads_fake(q, rel_k, rel_v))
 
 
 def _fused_setup(ctx, inputs, output):
-    q, k, v, rel_k, rel_v, kk, is_causal, scale, query_offset = inputs
+    q, k, v, rel_k, rel_v, mask, kk, is_causal, scale, query_offset = inputs
     ctx.set_materialize_grads(False)  # lse and band get no gradient: no (B, H, N, wb) zeros in the backward
-    ctx.save_for_backward(q, k, v, rel_k, rel_v, *output)
+    ctx.save_for_backward(q, k, v, rel_k, rel_v, mask, *output)
     ctx.args = (kk, is_causal, scale, query_offset)
     ctx.has_tables = (rel_k is not None, rel_v is not None)
 
 
 def _fused_backward(ctx, grad_out, grad_lse, grad_band):
     if grad_out is None:  # grads are not materialised: no gradient reached the output
-        return (None,) * 9
-    q, k, v, rel_k, rel_v, out, lse, band = ctx.saved_tensors
-    dq, dk, dv, drk, drv = fused_bwd(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *ctx.args)
+        return (None,) * 10
+    q, k, v, rel_k, rel_v, mask, out, lse, band = ctx.saved_tensors
+    dq, dk, dv, drk, drv = fused_bwd(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, band, *ctx.args)
     return (dq, dk, dv, drk if ctx.has_tables[0] else None, drv if ctx.has_tables[1] else None,
-            None, None, None, None)
+            None, None, None, None, None)
 
 
 fused_fwd.register_autograd(_fused_backward, setup_context=_fused_setup)
@@ -198,10 +199,10 @@ def blocked_attention(q, k, v, rel_k, rel_v, *, max_relative_position, mask, is_
 def fused_attention(q, k, v, rel_k, rel_v, *, max_relative_position, mask, is_causal, dropout_p, scale,
                     query_offset):
     """The "fused" backend: PyTorch's fused attention for the far regions, a band of 2K-1 keys per row.
-    Shapes as ``dense_attention``; no mask, no dropout (see ``fused_supports``)."""
-    if mask is not None or dropout_p > 0.0:
-        raise ValueError("the 'fused' backend takes no attn_mask and no dropout; use 'blocked' or 'dense'")
-    out, _, _ = fused_fwd(q, k, v, rel_k, rel_v, max_relative_position, is_causal, float(scale), query_offset)
+    Shapes as ``dense_attention``; no dropout, and a mask only on the CPU (see ``fused_supports``)."""
+    if dropout_p > 0.0:
+        raise ValueError("the 'fused' backend takes no dropout; use 'blocked' or 'dense'")
+    out, _, _ = fused_fwd(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, float(scale), query_offset)
     return out
 
 
@@ -212,8 +213,10 @@ def blocked_supports(call) -> str | None:
 
 
 def fused_supports(call) -> str | None:
-    if call.mask is not None:
-        return "an attn_mask (the fused regions take none; use is_causal, or 'blocked')"
+    if call.mask is not None and call.mask.requires_grad:
+        return "attn_mask requires grad (only 'dense' differentiates the mask)"
+    if call.mask is not None and call.q.device.type != "cpu":
+        return "an attn_mask on cuda (the CUDA route takes none yet; use is_causal, or 'blocked')"
     if call.dropout_p > 0.0:
         return "dropout_p > 0 (use 'blocked')"
     q = call.q
