@@ -56,7 +56,7 @@ BACKENDS: dict[str, Backend] = {
                        "any mask, dropout"),
     "fused": Backend("fused", fused_attention, fused_supports,
                      "PyTorch's fused attention for |j-i| >= K (edge rows folded into k, v), a 2K-1 band per "
-                     "row, merged by log-sum-exp; no mask, no dropout"),
+                     "row, merged by log-sum-exp; masks on the CPU, no dropout"),
 }
 
 # Crossover measured by benchmarks/crossover.py (fwd+bwd, float32, B=1, H=8, D=64, both tables; on the
@@ -73,8 +73,9 @@ def dense_max_scores(max_relative_position: int) -> int:
 def choose(call: AttentionCall) -> Backend:
     """The backend "auto" uses for these inputs: the fastest one that supports them.
 
-    Small problems go to "dense"; otherwise "fused" when it can serve the inputs (no mask, no
-    dropout), else "blocked" (O(N) memory, anything but a mask that requires grad), else "dense".
+    Small problems go to "dense"; otherwise "fused" when it can serve the inputs (no dropout; a mask only
+    on the CPU and not one that requires grad), else "blocked" (O(N) memory, anything but a mask that
+    requires grad), else "dense".
     """
     n, m = call.q.shape[-2], call.k.shape[-2]
     # symbolic sizes (torch.export with a dynamic length): no guard on N, take a size-independent backend
