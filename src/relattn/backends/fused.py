@@ -45,7 +45,7 @@ import torch.nn.functional as F
 CUDA_VERIFIED = False
 DEFAULT_TILE = None  # chosen from the band width by default_tile()
 CHUNK_ELEMENTS = 1 << 19  # band tiles are processed this many (T, W) elements at a time (2 MiB in float32)
-GROUP_ELEMENTS = 1 << 21  # heads are processed in groups of about this many (N, D) elements per tensor
+GROUP_ELEMENTS = 1 << 20  # heads are processed in groups of about this many (N, D) elements per tensor (4 MiB)
 
 
 def default_tile(band: int) -> int:
