@@ -31,6 +31,11 @@ each region's fused backward, called with (dO, O, lse) of its rows, gives exact 
 the edge-shifted keys/values; the edge table rows get the sums of those key/value gradients. The band's
 backward runs chunk by chunk like its forward, from the saved band weights.
 
+Masks (CPU): PyTorch's CPU kernel adds an additive mask to its scores; each region call gets the slice of
+its rows and keys (the reversed mask on the right), and the band gathers its (row, offset) entries. A row
+whose keys in one region are all masked comes back from that kernel with lse 0, so those rows are found
+from the mask (counts of unmasked keys) and their lse set to -inf before the merge.
+
 With K = 0 there is no band and the right region starts at r = 1 (both edges use table row 0).
 """
 

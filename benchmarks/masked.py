@@ -1,0 +1,67 @@
+"""Masked calls: a key padding mask on the "fused" backend (which takes masks on the CPU) vs "blocked" and SDPA.
+
+Both tables, K = 64, float32, B = 2, H = 8, D = 64, 2 threads; batch entry 1 has its last quarter of keys
+padded. Forward + backward, medians of interleaved runs in one process; SDPA gets the same mask.
+
+    PYTHONPATH=src python benchmarks/masked.py                  # N = 2048
+    PYTHONPATH=src python benchmarks/masked.py --lengths 1024 4096 --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import median_ms, time_interleaved  # noqa: E402
+
+from relattn import relative_attention  # noqa: E402
+
+
+def measure(n: int, kk: int, reps: int) -> dict[str, float]:
+    """Median fwd+bwd ms of SDPA with the mask and of relattn's fused and blocked backends."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 8, n, 64, generator=g) for _ in range(4))
+    rel_k, rel_v = (0.1 * torch.randn(2 * kk + 1, 64, generator=g) for _ in range(2))
+    params = [t.requires_grad_() for t in (q, k, v, rel_k, rel_v)]
+    mask = torch.ones(2, 1, 1, n, dtype=torch.bool)
+    mask[1, ..., n - n // 4 :] = False
+
+    def sdpa():
+        return torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), params[:3], grad)
+
+    def step(backend):
+        def run():
+            out = relative_attention(q, k, v, rel_k, rel_v, max_relative_position=kk, attn_mask=mask,
+                                     backend=backend)
+            return torch.autograd.grad(out, params, grad)
+        return run
+
+    times = time_interleaved({"sdpa": sdpa, "fused": step("fused"), "blocked": step("blocked")}, reps)
+    return {name: median_ms(ts) for name, ts in times.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048])
+    p.add_argument("--k", type=int, default=64, help="max relative position K")
+    p.add_argument("--reps", type=int, default=5, help="timed rounds per length (median reported)")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads, B=2 H=8 D=64 K={args.k}, float32, both tables, "
+          f"key padding mask (entry 1: last quarter padded); fwd+bwd ms, median of {args.reps}")
+    print(f"{'N':>6} {'sdpa+mask':>10} {'fused':>8} {'blocked':>8} {'fused/sdpa':>10} {'blocked/fused':>13}")
+    for n in args.lengths:
+        t = measure(n, args.k, args.reps)
+        s, f, b = t["sdpa"], t["fused"], t["blocked"]
+        print(f"{n:>6} {s:10.1f} {f:8.1f} {b:8.1f} {f / s:10.2f} {b / f:13.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
