@@ -289,7 +289,7 @@ class _Band:
                     self._masks[a, b] = ((j < 0) | (j >= self.m) | (rows >= self.n)).view(b - a, self.tile, self.wb)
                 sc[a - t0 : b - t0].masked_fill_(self._masks[a, b], float("-inf"))
 
-    def add_mask(self, sc: torch.Tensor, mask: torch.Tensor, g: int, t0: int, r0: int, r1: int) -> None:
+    def add_mask(self, sc: torch.Tensor, mask: torch.Tensor, g: int, r0: int, r1: int) -> None:
         """``sc`` (c, T, wb) += the additive mask (1, Hm, Nm, Mm) at the band entries of rows r0..r1-1, head g
         (entries whose key does not exist read a clamped key: add_bias makes them -inf after this)."""
         rows = mask[0, g if mask.shape[1] > 1 else 0]
@@ -429,7 +429,7 @@ def _band_forward(geo, q, k, v, tk, tv, parts, lse_far, out, lse, band, scale, s
         else:
             sc.copy_(geo.skew(st))
         if mask is not None:
-            geo.add_mask(sc, mask, g, t0, r0, r1)
+            geo.add_mask(sc, mask, g, r0, r1)
         geo.add_bias(sc, t0, t1)
         peak = sc.amax(-1)
         peak = peak.nan_to_num_(0.0, 0.0, 0.0)  # a row with no key: -inf -> 0
