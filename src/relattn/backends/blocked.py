@@ -27,11 +27,17 @@ from __future__ import annotations
 import torch
 
 from ..positions import clip_and_shift
-from .fused import _sum_table_grad, stats_dtype
+from .fused import stats_dtype
 
 DEFAULT_BLOCK = 128
 _M32 = 0xFFFFFFFF
 _HASH_MUL = 0x45D9F3B  # < 2**27: 32-bit products stay far inside int64
+
+
+def _sum_table_grad(g: torch.Tensor, hr: int) -> torch.Tensor:
+    """(B, H, ...) -> (Hr, ...): sum over batch, and over heads when the table is shared (Hr = 1)."""
+    g = g.sum(0)
+    return g.sum(0, keepdim=True) if hr == 1 else g
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

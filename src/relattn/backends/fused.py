@@ -234,10 +234,14 @@ def _edge(t: torch.Tensor, rows: torch.Tensor | None, *, flip: bool = False) -> 
     return t if rows is None else t + rows.to(t.dtype)[None, :, None, :]
 
 
-def _sum_table_grad(g: torch.Tensor, hr: int) -> torch.Tensor:
-    """(B, H, ...) -> (Hr, ...): sum over batch, and over heads when the table is shared (Hr = 1)."""
-    g = g.sum(0)
-    return g.sum(0, keepdim=True) if hr == 1 else g
+def _side_inputs(side: int, q4, k4, v4, tk, tv, kk: int, mask):
+    """(q, k, v, mask) of one far region for a head group (1, hc, L, d): side 0 as they are (the shifted key
+    table's row -K is zero, so the keys need no copy; the values get a^V_{-K}), side 1 reversed, with the
+    edge rows a^K_{+K}, a^V_{+K} added."""
+    if side == 0:
+        return q4, k4, _edge(v4, None if tv is None else tv[:, 0]), mask
+    return (q4.flip(2), _edge(k4, None if tk is None else tk[:, 2 * kk], flip=True),
+            _edge(v4, None if tv is None else tv[:, 2 * kk], flip=True), _flip_mask(mask))
 
 
 class _Band:
@@ -277,15 +281,18 @@ class _Band:
         trail_m = -(-(self.m - off - self.r_hi + 1) // t) - 1
         return lead, max(0, min(self.nt, trail_m, self.n // t))
 
+    def _keys(self, row0: int, row1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``row0..row1-1`` as a column, and the key ``j`` each meets at every band offset."""
+        rows = torch.arange(row0, row1, device=self.device)[:, None]
+        return rows, rows + self.query_offset + torch.arange(self.r_lo, self.r_hi + 1, device=self.device)
+
     def add_bias(self, sc: torch.Tensor, t0: int, t1: int) -> None:
         """``sc`` (c, T, wb) scores of tiles t0..t1-1 get -inf where the key or the row does not exist."""
         lead, trail = self.edges
         for a, b in {(t0, min(t1, lead)), (max(t0, trail), t1)}:
             if a < b:
                 if (a, b) not in self._masks:  # the same for every head
-                    r = torch.arange(self.r_lo, self.r_hi + 1, device=self.device)
-                    rows = torch.arange(a * self.tile, b * self.tile, device=self.device)[:, None]
-                    j = rows + self.query_offset + r[None, :]
+                    rows, j = self._keys(a * self.tile, b * self.tile)
                     self._masks[a, b] = ((j < 0) | (j >= self.m) | (rows >= self.n)).view(b - a, self.tile, self.wb)
                 sc[a - t0 : b - t0].masked_fill_(self._masks[a, b], float("-inf"))
 
@@ -298,8 +305,7 @@ class _Band:
         if rows.shape[1] == 1:
             flat += rows.to(sc.dtype)
             return
-        r = torch.arange(self.r_lo, self.r_lo + self.wb, device=sc.device)
-        j = (torch.arange(r0, r1, device=sc.device)[:, None] + self.query_offset + r).clamp_(0, self.m - 1)
+        j = self._keys(r0, r1)[1].clamp_(0, self.m - 1)
         flat += rows.expand(r1 - r0, -1).gather(1, j).to(sc.dtype)
 
     def chunks(self):
@@ -369,13 +375,7 @@ def _far_forward(q4, k4, v4, tk, tv, kk, query_offset, is_causal, scale, sdt, ma
     for side, calls in _regions(n, m, kk, query_offset, is_causal):
         if not calls:
             continue
-        if side == 0:  # shifted key table: row -K is zero, so the keys need no copy
-            qs, ks, vs, ms = q4, k4, _edge(v4, None if tv is None else tv[:, 0]), mask
-        else:
-            qs = q4.flip(2)
-            ks = _edge(k4, None if tk is None else tk[:, 2 * kk], flip=True)
-            vs = _edge(v4, None if tv is None else tv[:, 2 * kk], flip=True)
-            ms = _flip_mask(mask)
+        qs, ks, vs, ms = _side_inputs(side, q4, k4, v4, tk, tv, kk, mask)
         for i0, j0, j1, causal in calls:
             o, lse = _attn_fwd(qs[:, :, i0:], ks[:, :, j0:j1], vs[:, :, j0:j1], causal, scale,
                                _call_mask(ms, i0, j0, j1))
@@ -391,17 +391,17 @@ def _far_forward(q4, k4, v4, tk, tv, kk, query_offset, is_causal, scale, sdt, ma
     return parts
 
 
-def _merge_far(out, lse, parts):
-    """``out`` (hc, N, Dv) += each far part's rows weighted by its share ``exp(lse_part - lse)``."""
-    n = out.shape[1]
-    lse_safe = lse.nan_to_num(0.0, 0.0, 0.0)
+def _add_far(out_rows, parts, safe, g, r0: int, r1: int, n: int) -> None:
+    """``out_rows`` (rows r0..r1-1 of head(s) ``g``, Dv) += each far part's rows weighted by its share
+    ``exp(lse_part - lse)``; ``safe`` is the merged lse of those rows with -inf as 0, ``g`` a head index or
+    ``slice(None)``."""
     for part_lse, o, i0, side in parts:
-        if side == 0:
-            alpha = torch.exp(part_lse[:, i0:] - lse_safe[:, i0:])[..., None]
-            out[:, i0:].addcmul_(alpha, o)
-        else:
-            alpha = torch.exp(part_lse[:, : n - i0] - lse_safe[:, : n - i0])[..., None]
-            out[:, : n - i0].addcmul_(alpha, o.flip(1))
+        lo, hi = (max(r0, i0), r1) if side == 0 else (r0, min(r1, n - i0))
+        if lo >= hi:
+            continue
+        alpha = torch.exp(part_lse[g, lo:hi] - safe[..., lo - r0 : hi - r0])[..., None]
+        rows = o[g, lo - i0 : hi - i0] if side == 0 else o[g, n - hi - i0 : n - lo - i0].flip(-2)
+        out_rows[..., lo - r0 : hi - r0, :].addcmul_(alpha, rows)
 
 
 def _band_forward(geo, q, k, v, tk, tv, parts, lse_far, out, lse, band, scale, sdt, mask=None):
@@ -442,14 +442,7 @@ def _band_forward(geo, q, k, v, tk, tv, parts, lse_far, out, lse, band, scale, s
         ob = ob.view(c * t, -1)
         if rows_v is not None:
             ob.addmm_(sc.view(c * t, wb), rows_v[g])
-        safe = safe.view(-1)
-        for part_lse, o, i0, side in parts:  # the far parts of these rows, weighted by their share
-            lo, hi = (max(r0, i0), r1) if side == 0 else (r0, min(r1, n - i0))
-            if lo >= hi:
-                continue
-            alpha = torch.exp(part_lse[g, lo:hi] - safe[lo - r0 : hi - r0])[:, None]
-            rows = o[g, lo - i0 : hi - i0] if side == 0 else o[g, n - hi - i0 : n - lo - i0].flip(0)
-            ob[lo - r0 : hi - r0].addcmul_(alpha, rows)
+        _add_far(ob, parts, safe.view(-1), g, r0, r1, n)  # the far parts of these rows
         band[g, r0:r1] = sc.view(c * t, wb)[:rr]
         lse[g, r0:r1] = merged.view(-1)[:rr]
         out[g, r0:r1] = ob[:rr]
@@ -494,7 +487,7 @@ def fused_forward(q, k, v, rel_k, rel_v, *, max_relative_position: int, is_causa
         else:
             out_g.zero_()
             lse[f0:f1] = lse_far
-            _merge_far(out_g, lse[f0:f1], parts)
+            _add_far(out_g, parts, lse[f0:f1].nan_to_num(0.0, 0.0, 0.0), slice(None), 0, n, n)
         if sdt != q.dtype:
             out[f0:f1] = out_g
     return out.view(b, h, n, dv), lse.view(b, h, n), band.view(b, h, n, wb)
@@ -606,14 +599,8 @@ def fused_backward(grad_out, q, k, v, rel_k, rel_v, out, lse, band, *, max_relat
             if not calls:
                 continue
             row = 0 if side == 0 else 2 * kk
-            if side == 0:
-                qs, dos, outs, lses, ks, ms = q4, do4.contiguous(), o4, l3, k4, mask_g
-                vs = _edge(v4, None if tv is None else tv[:, 0])
-            else:
-                qs, dos, outs, lses = (x.flip(2) for x in (q4, do4, o4, l3))
-                ms = _flip_mask(mask_g)
-                ks = _edge(k4, None if tk is None else tk[:, row], flip=True)
-                vs = _edge(v4, None if tv is None else tv[:, row], flip=True)
+            qs, ks, vs, ms = _side_inputs(side, q4, k4, v4, tk, tv, kk, mask_g)
+            dos, outs, lses = (do4.contiguous(), o4, l3) if side == 0 else (x.flip(2) for x in (do4, o4, l3))
             for i0, j0, j1, causal in calls:
                 gq, gk, gv = (x[0] for x in _attn_bwd(dos[:, :, i0:], qs[:, :, i0:], ks[:, :, j0:j1], vs[:, :, j0:j1],
                                                       outs[:, :, i0:], lses[:, :, i0:].contiguous(), causal, scale,
