@@ -1,4 +1,4 @@
-"""Shared helpers of the benchmark scripts: interleaved timing and peak extra memory from profiler events."""
+"""Shared helpers of the benchmark scripts: their inputs, interleaved timing, peak extra memory."""
 
 from __future__ import annotations
 
@@ -9,6 +9,18 @@ import subprocess
 import sys
 import time
 
+import torch
+
+
+def make_inputs(n: int, *, heads: int, dim: int, kk: int, batch: int = 1, seed: int = 0):
+    """q, k, v (batch, heads, n, dim), shared tables (2K+1, dim) scaled 0.1, all requiring grad, and an
+    output gradient."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, grad = (torch.randn(batch, heads, n, dim, generator=g) for _ in range(4))
+    rel_k, rel_v = (0.1 * torch.randn(2 * kk + 1, dim, generator=g) for _ in range(2))
+    for t in (q, k, v, rel_k, rel_v):
+        t.requires_grad_()
+    return q, k, v, rel_k, rel_v, grad
 
 def time_interleaved(fns: dict, reps: int, warmup: int = 1) -> dict[str, list[float]]:
     """Run every fn ``warmup`` times, then ``reps`` rounds of each in turn; seconds per call, per name."""

@@ -19,19 +19,17 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import median_ms, peak_extra_bytes_in_child, peak_rss_bytes, rss_bytes, time_interleaved  # noqa: E402
+from _timing import (  # noqa: E402
+    make_inputs,
+    median_ms,
+    peak_extra_bytes_in_child,
+    peak_rss_bytes,
+    rss_bytes,
+    time_interleaved,
+)
 
 from relattn import relative_attention  # noqa: E402
 from relattn.backends.fused import _attn_bwd, _attn_fwd  # noqa: E402
-
-
-def make_inputs(n: int, *, heads: int, dim: int, kk: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v, grad = (torch.randn(1, heads, n, dim, generator=g) for _ in range(4))
-    rel_k, rel_v = (0.1 * torch.randn(2 * kk + 1, dim, generator=g) for _ in range(2))
-    for t in (q, k, v, rel_k, rel_v):
-        t.requires_grad_()
-    return q, k, v, rel_k, rel_v, grad
 
 
 def step(method: str, inputs, *, kk: int, causal: bool, backend: str):

@@ -17,17 +17,15 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import median_ms, time_interleaved  # noqa: E402
+from _timing import make_inputs, median_ms, time_interleaved  # noqa: E402
 
 from relattn import relative_attention  # noqa: E402
 
 
 def measure(n: int, kk: int, reps: int) -> dict[str, float]:
     """Median fwd+bwd ms of SDPA with the mask and of relattn's fused and blocked backends."""
-    g = torch.Generator().manual_seed(0)
-    q, k, v, grad = (torch.randn(2, 8, n, 64, generator=g) for _ in range(4))
-    rel_k, rel_v = (0.1 * torch.randn(2 * kk + 1, 64, generator=g) for _ in range(2))
-    params = [t.requires_grad_() for t in (q, k, v, rel_k, rel_v)]
+    q, k, v, rel_k, rel_v, grad = make_inputs(n, heads=8, dim=64, kk=kk, batch=2)
+    params = [q, k, v, rel_k, rel_v]
     mask = torch.ones(2, 1, 1, n, dtype=torch.bool)
     mask[1, ..., n - n // 4 :] = False
 
