@@ -99,7 +99,8 @@ def main(argv=None) -> int:
                         args.backend] + (["--causal-child"] if causal else [])
                 ms = peak_extra_bytes_in_child([*base, "--child-method", "sdpa"]) / 2**20
                 mr = peak_extra_bytes_in_child([*base, "--child-method", "relattn"]) / 2**20
-                mem = f"{ms:9.0f} {mr:10.0f} {mr / ms:9.2f}"
+                ratio = f"{mr / ms:9.2f}" if ms > 0 else f"{'-':>9}"  # a tiny N can leave SDPA's peak in the noise
+                mem = f"{ms:9.0f} {mr:10.0f} {ratio}"
             print(f"{n:>6} {str(causal):>6} {a:9.1f} {far:6.2f} {b:10.1f} {b / a:6.2f} {mem}", flush=True)
     return 0
 
