@@ -1,10 +1,11 @@
-"""Where "dense" stops beating "fused" (and "blocked"): fwd+bwd median ms against N, for ``choose``.
+"""Which backend is fastest at small N ("native", "dense", "fused", "blocked"): fwd+bwd median ms, for ``choose``.
 
     PYTHONPATH=src python benchmarks/crossover.py            # N = 64 .. 1536, K = 16 and 64
     PYTHONPATH=src python benchmarks/crossover.py --lengths 256 512 1024 --ks 64 --reps 9
 
-Prints one row per (K, N) and, per K, the largest N at which dense is still fastest. The threshold in
-``relattn.backends.DENSE_MAX_SCORES`` cites this script.
+Prints one row per (K, N) and, per K, the largest N at which dense is still fastest (None: never). The
+order in ``relattn.backends.choose`` and its ``dense_max_scores`` threshold (for when "native" cannot
+serve) cite this script.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from _timing import median_ms, time_interleaved  # noqa: E402
 
 from relattn import relative_attention  # noqa: E402
 
-BACKENDS = ("dense", "fused", "blocked")
+BACKENDS = ("dense", "native", "fused", "blocked")
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,6 @@
-"""The fast backends ("blocked", "fused") against the numpy reference, the dense path's autograd, gradcheck.
+"""The fast backends ("blocked", "fused", "native") against the numpy reference, the dense path's autograd,
+gradcheck. "native" runs with tiny tiles here (``small_native_tiles``), so that every row meets several key
+blocks and tiles end mid-sequence.
 
 Tolerances come from the dtype: ``TOL_EPS * eps * (1 + |ref|)`` for outputs and gradients; bfloat16 must
 stay within 2x of plain PyTorch attention's own bfloat16 error against a float64 reference.
@@ -15,12 +17,20 @@ import torch.nn.functional as F
 
 from relattn import functional as fn
 from relattn import reference
-from relattn.backends import BACKENDS, choose
+from relattn.backends import BACKENDS, choose, native
 from relattn.backends.blocked import dropout_keep
 from relattn.backends.fused import region_calls
 
-FAST = ("blocked", "fused")
+FAST = ("blocked", "fused", "native")
+FAST_16 = ("blocked", "fused")  # the fast backends that take 16-bit floats
 TOL_EPS = 512
+
+
+@pytest.fixture(autouse=True)
+def small_native_tiles(monkeypatch):
+    """3 queries per tile, 5 keys per block: the online softmax and the three runs cross block edges."""
+    monkeypatch.setattr(native, "TILE_Q", 3)
+    monkeypatch.setattr(native, "TILE_K", 5)
 
 
 def tol(dtype: torch.dtype) -> float:
@@ -144,7 +154,7 @@ def test_masks_blocked_and_auto(shape, kind):
     want = ref_out(*inputs, 3, attn_mask=mask)
     go = torch.randn(2, 3, 9, 4, dtype=torch.float64)
     want_out, want_g = grads("dense", inputs, 3, go, attn_mask=mask)
-    for backend in ("blocked", "fused", "auto"):
+    for backend in ("blocked", "fused", "native", "auto"):
         out, got_g = grads(backend, inputs, 3, go, attn_mask=mask)
         assert_close(out, want, torch.float64, backend)
         for a, w in zip(got_g, want_g, strict=True):
@@ -163,11 +173,13 @@ def _masks(b, h, n, m, g):
     return {"keypad": keypad, "start": start, "rows": rows, "per_head": per_head}
 
 
+@pytest.mark.parametrize("backend", ["fused", "native"])
 @pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("kind", ["keypad", "start", "rows", "per_head"])
 @pytest.mark.parametrize("shape", [(40, 40, 4, False, 0), (40, 40, 4, True, 0), (30, 45, 5, True, 15),
                                    (30, 45, 5, False, -6)], ids=["full", "causal", "decode", "offset"])
-def test_fused_with_masks_matches_reference_and_dense_grads(monkeypatch, chunked, kind, shape):
+def test_masks_on_fused_and_native_match_reference_and_dense_grads(monkeypatch, backend, chunked, kind, shape):
+    """``chunked``: fused in one-tile chunks and one-head groups; native with 1-query tiles, 1-key blocks."""
     import relattn.backends.fused as fused_kernels
 
     n, m, kk, causal, off = shape
@@ -180,7 +192,9 @@ def test_fused_with_masks_matches_reference_and_dense_grads(monkeypatch, chunked
     if chunked:
         monkeypatch.setattr(fused_kernels, "CHUNK_ELEMENTS", 1)
         monkeypatch.setattr(fused_kernels, "GROUP_ELEMENTS", 1)
-    got_out, got = grads("fused", inputs, kk, go, **kw)
+        monkeypatch.setattr(native, "TILE_Q", 1)
+        monkeypatch.setattr(native, "TILE_K", 1)
+    got_out, got = grads(backend, inputs, kk, go, **kw)
     assert torch.isfinite(got_out).all()
     assert_close(got_out, ref_out(*inputs, kk, **kw), torch.float64, "out vs reference")
     assert_close(got_out, want_out, torch.float64, "out")
@@ -342,7 +356,7 @@ def test_dropout_backward_regenerates_the_mask():
 # ----------------------------------------------------------------------------------------- bfloat16
 
 
-@pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize("backend", FAST_16)
 @pytest.mark.parametrize("causal", [False, True])
 def test_bfloat16_error_within_2x_of_plain_pytorch(backend, causal):
     q, k, v, rk, rv = make(1, 4, 200, 200, 32, 32, 16, dtype=torch.float64)
@@ -358,7 +372,7 @@ def test_bfloat16_error_within_2x_of_plain_pytorch(backend, causal):
     assert err <= 2 * plain_err, (err, plain_err)
 
 
-@pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize("backend", FAST_16)
 def test_softmax_statistics_are_float32_for_bfloat16(backend):
     bf = [t.to(torch.bfloat16) for t in make(1, 2, 9, 9, 4, 4, 2, per_head=(True, True))]  # ops take (Hr, 2K+1, D)
     if backend == "blocked":
@@ -388,12 +402,8 @@ def test_choose_never_picks_a_backend_that_cannot_serve():
     for call in calls:
         chosen = choose(call)
         assert chosen.supports(call) is None, (chosen.name, chosen.supports(call))
-    assert choose(calls[0]).name == "dense"
-    assert choose(calls[4]).name == "fused"
-    assert choose(calls[5]).name == "blocked"
-    assert choose(calls[6]).name == "fused"  # a mask (no grad) on the CPU: the fused kernels take it
-    assert choose(calls[7]).name == "dense"
-    assert choose(calls[8]).name == "fused"
+    assert [choose(c).name for c in calls] == ["native", "native", "dense", "dense", "native", "blocked", "native",
+                                               "dense", "native"]
     assert BACKENDS["fused"].supports(calls[1]) is None and BACKENDS["fused"].supports(calls[2]) is not None
     assert BACKENDS["fused"].supports(calls[3]) is not None  # a mask that requires grad
     with pytest.raises(ValueError, match="cannot serve"):
@@ -412,6 +422,9 @@ def test_backward_is_deterministic(backend):
 def test_custom_ops_opcheck():
     q, k, v, rk, rv = make(1, 2, 7, 9, 4, 4, 2, per_head=(True, False), dtype=torch.float32, grad=True)
     rv = rv.detach()[None].requires_grad_()  # the ops take canonical (Hr, 2K+1, D) tables
+    torch.library.opcheck(torch.ops.relattn.native_fwd.default, (q, k, v, rk, rv, None, 2, True, 0.5, 2))
+    mask = torch.randn(1, 2, 7, 9)  # per head
+    torch.library.opcheck(torch.ops.relattn.native_fwd.default, (q, k, v, None, rv, mask, 2, False, 0.5, 0))
     torch.library.opcheck(torch.ops.relattn.fused_fwd.default, (q, k, v, rk, rv, None, 2, True, 0.5, 2))
     mask = torch.zeros(1, 1, 1, 9).masked_fill_(torch.arange(9) >= 7, float("-inf"))  # key padding
     torch.library.opcheck(torch.ops.relattn.fused_fwd.default, (q, k, v, rk, rv, mask, 2, False, 0.5, 0))
@@ -453,3 +466,50 @@ def test_gradcheck_full_mode_tiny(backend):
     assert torch.autograd.gradcheck(
         lambda *x: fn.relative_attention(*x, max_relative_position=2, is_causal=True, query_offset=1,
                                          backend=backend), (q, k, v, rk, rv))
+
+
+def test_choose_without_native_uses_the_other_backends(monkeypatch):
+    """No compiler (or RELATTN_NATIVE=0): "native" refuses with the reason and "auto" picks as before."""
+    monkeypatch.setitem(native._state, "error", "the native kernel could not be built (no compiler)")
+    calls = [_call(), _call(n=600), _call(n=600, mask=torch.ones(600, 600, dtype=torch.bool)),
+             _call(n=2048, causal=True)]
+    assert [choose(c).name for c in calls] == ["dense", "fused", "fused", "fused"]
+    with pytest.raises(ValueError, match="no compiler"):
+        fn.relative_attention(*make(1, 1, 3, 3, 2, 2, 1), max_relative_position=1, backend="native")
+
+
+def test_native_build_failure_is_a_reason_not_an_error(monkeypatch):
+    def no_compiler():
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "_build", no_compiler)
+    assert native.unavailable() == ("the native kernel could not be built (RuntimeError: Ninja is required to load "
+                                    "C++ extensions)")
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("RELATTN_NATIVE", "0")
+    assert native.unavailable() == "disabled by RELATTN_NATIVE=0"
+
+
+def test_native_refuses_what_it_cannot_serve():
+    bf = [t.to(torch.bfloat16) for t in make(1, 2, 9, 9, 4, 4, 2)]
+    with pytest.raises(ValueError, match="native.*bfloat16.*float32 and float64"):
+        fn.relative_attention(*bf, max_relative_position=2, backend="native")
+    with pytest.raises(ValueError, match="native.*dropout"):
+        fn.relative_attention(*make(1, 2, 9, 9, 4, 4, 2), max_relative_position=2, dropout_p=0.1, backend="native")
+
+
+@pytest.mark.parametrize("tiles", [(1, 1), (2, 3), (4, 7), (256, 512)])
+@pytest.mark.parametrize("case", CASES[:5] + CASES[9:], ids=IDS[:5] + IDS[9:])
+def test_native_any_tiling_matches_dense_autograd(monkeypatch, tiles, case):
+    """The kernel's result does not depend on its tile sizes (tiles of 1, odd sizes, one tile for everything)."""
+    monkeypatch.setattr(native, "TILE_Q", tiles[0])
+    monkeypatch.setattr(native, "TILE_K", tiles[1])
+    b, h, n, m, d, dv, kk, tables, per_head, causal, off = case
+    inputs = make(b, h, n, m, d, dv, kk, tables=tables, per_head=per_head, grad=True, seed=3)
+    go = torch.randn(b, h, n, dv, dtype=torch.float64)
+    want_out, want = grads("dense", inputs, kk, go, is_causal=causal, query_offset=off)
+    got_out, got = grads("native", inputs, kk, go, is_causal=causal, query_offset=off)
+    assert_close(got_out, want_out, torch.float64, "out")
+    for a, w in zip(got, want, strict=True):
+        assert_close(a, w, torch.float64, "grad")

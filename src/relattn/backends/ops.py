@@ -21,6 +21,7 @@ import functools
 import torch
 from torch import Tensor
 
+from . import native as _native
 from .blocked import blocked_backward as _blocked_backward_kernel
 from .blocked import blocked_forward as _blocked_forward_kernel
 from .fused import band_width, stats_dtype
@@ -179,6 +180,63 @@ def _fused_backward(ctx, grad_out, grad_lse, grad_band):
 fused_fwd.register_autograd(_fused_backward, setup_context=_fused_setup)
 
 
+# ---------------------------------------------------------------------------------------------- native
+
+
+def _table(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+@torch.library.custom_op("relattn::native_fwd", mutates_args=())
+def native_fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None, mask: Tensor | None,
+               max_relative_position: int, is_causal: bool, scale: float,
+               query_offset: int) -> tuple[Tensor, Tensor]:
+    return _native.forward(q, k, v, _table(rel_k), _table(rel_v), mask, max_relative_position=max_relative_position,
+                           is_causal=is_causal, scale=scale, query_offset=query_offset)
+
+
+@native_fwd.register_fake
+def _(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset):
+    b, h, n, _ = q.shape
+    return q.new_empty(b, h, n, v.shape[-1]), q.new_empty(b, h, n)
+
+
+@torch.library.custom_op("relattn::native_bwd", mutates_args=())
+def native_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
+               mask: Tensor | None, out: Tensor, lse: Tensor, max_relative_position: int, is_causal: bool,
+               scale: float, query_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv, drk, drv = _native.backward(grad_out, q, k, v, _table(rel_k), _table(rel_v), mask, out, lse,
+                                            max_relative_position=max_relative_position, is_causal=is_causal,
+                                            scale=scale, query_offset=query_offset)
+    return (_laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v),
+            drk if rel_k is None else _laid_out_like(drk, rel_k), drv if rel_v is None else _laid_out_like(drv, rel_v))
+
+
+@native_bwd.register_fake
+def _(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position, is_causal, scale, query_offset):
+    return (*_grads_fake(q, k, v), *_table_grads_fake(q, rel_k, rel_v))
+
+
+def _native_setup(ctx, inputs, output):
+    q, k, v, rel_k, rel_v, mask, kk, is_causal, scale, query_offset = inputs
+    ctx.set_materialize_grads(False)  # lse gets no gradient
+    ctx.save_for_backward(q, k, v, rel_k, rel_v, mask, *output)
+    ctx.args = (kk, is_causal, scale, query_offset)
+    ctx.has_tables = (rel_k is not None, rel_v is not None)
+
+
+def _native_backward(ctx, grad_out, grad_lse):
+    if grad_out is None:
+        return (None,) * 10
+    q, k, v, rel_k, rel_v, mask, out, lse = ctx.saved_tensors
+    dq, dk, dv, drk, drv = native_bwd(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *ctx.args)
+    return (dq, dk, dv, drk if ctx.has_tables[0] else None, drv if ctx.has_tables[1] else None,
+            None, None, None, None, None)
+
+
+native_fwd.register_autograd(_native_backward, setup_context=_native_setup)
+
+
 # ---------------------------------------------------------------------------------------------- backends
 
 
@@ -204,6 +262,28 @@ def fused_attention(q, k, v, rel_k, rel_v, *, max_relative_position, mask, is_ca
         raise ValueError("the 'fused' backend takes no dropout; use 'blocked' or 'dense'")
     out, _, _ = fused_fwd(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, float(scale), query_offset)
     return out
+
+
+def native_attention(q, k, v, rel_k, rel_v, *, max_relative_position, mask, is_causal, dropout_p, scale,
+                     query_offset):
+    """The "native" backend: Shaw attention in one flash pass, a C++ kernel (``backends/native.py``). Shapes as
+    ``dense_attention``; CPU, float32/float64, any additive mask that needs no gradient, no dropout."""
+    if dropout_p > 0.0:
+        raise ValueError("the 'native' backend takes no dropout; use 'blocked' or 'dense'")
+    out, _ = native_fwd(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, float(scale), query_offset)
+    return out
+
+
+def native_supports(call) -> str | None:
+    if call.q.device.type != "cpu":
+        return f"device {call.q.device.type} (the native kernel is CPU only)"
+    if call.q.dtype not in (torch.float32, torch.float64):
+        return f"dtype {call.q.dtype} (the native kernel takes float32 and float64; 'fused' takes 16-bit floats)"
+    if call.mask is not None and call.mask.requires_grad:
+        return "attn_mask requires grad (only 'dense' differentiates the mask)"
+    if call.dropout_p > 0.0:
+        return "dropout_p > 0 (use 'blocked')"
+    return _native.unavailable()
 
 
 def blocked_supports(call) -> str | None:

@@ -1,0 +1,104 @@
+"""The "native" backend's C++ kernel (``relattn/csrc/shaw_cpu.cpp``): built on first use, then cached.
+
+Shaw attention in one flash pass on the CPU: per tile of queries, blocks of keys with an online softmax; the
+relative key term is added to each row in three runs (left of the band, the band, right of it) from the
+row's ``2K+1`` scores ``q_i . a^K_t``, and the value term is carried as ``2K+1`` weights per row. The kernel
+never builds an (N, M) or (N, M, D) tensor, and its cost is within a few percent of PyTorch's own fused
+attention.
+
+The kernel is compiled with ``torch.utils.cpp_extension`` the first time it is needed (about 15 s on a
+2-core machine; torch caches it under ``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``,
+keyed by the source and compiler flags). It needs a C++ compiler and ninja. Where the build fails, or with
+``RELATTN_NATIVE=0`` in the environment, :func:`unavailable` says why and "auto" uses the other backends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from importlib import resources
+
+import torch
+
+log = logging.getLogger("relattn")
+
+TILE_Q = 256  # queries per tile
+TILE_K = 512  # keys per block (benchmarks/fast_vs_sdpa.py: 128 and 1024 within a few percent at N = 2048)
+
+_SOURCE = "shaw_cpu.cpp"
+_lock = threading.Lock()
+_state: dict[str, str | None] = {}  # "error": None once loaded, else the reason
+
+
+def _capability_flags() -> list[str]:
+    """Compiler flags for ATen's vectorized types at the CPU capability torch itself dispatches to."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap == "AVX512":
+        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512",
+                "-DCPU_CAPABILITY_AVX512"]
+    if cap == "AVX2":
+        return ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return ["-DCPU_CAPABILITY=DEFAULT"]
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import _get_build_directory as _build_directory  # imported here: slow to import
+    from torch.utils.cpp_extension import load
+
+    source = resources.files("relattn").joinpath("csrc", _SOURCE)
+    text = source.read_bytes()
+    flags = ["-O3", "-fopenmp", *_capability_flags()]
+    key = hashlib.sha256(text + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
+    name = f"relattn_native_{key}"
+    try:
+        cached = os.path.exists(os.path.join(_build_directory(name, verbose=False), f"{name}.so"))
+    except Exception:  # a private helper of torch: if it moves, say "compiling" anyway
+        cached = False
+    if not cached:
+        log.warning("relattn: compiling the native CPU kernel (once, about 15 s; torch caches it)")
+    with resources.as_file(source) as path:
+        load(name, [str(path)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
+             verbose=False)
+
+
+def unavailable() -> str | None:
+    """None once the kernel is loaded (building it on the first call), else why it cannot be."""
+    if "error" in _state:
+        return _state["error"]
+    with _lock:
+        if "error" not in _state:
+            if os.environ.get("RELATTN_NATIVE", "1") == "0":
+                _state["error"] = "disabled by RELATTN_NATIVE=0"
+            else:
+                try:
+                    _build()
+                    _state["error"] = None
+                except Exception as exc:  # no compiler, no ninja, a BLAS symbol missing: fall back
+                    reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+                    _state["error"] = f"the native kernel could not be built ({reason})"
+                    log.warning("relattn: %s; 'auto' uses the other backends", _state["error"])
+    return _state["error"]
+
+
+def _require() -> None:
+    reason = unavailable()
+    if reason is not None:
+        raise RuntimeError(f"relattn: {reason}")
+
+
+def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
+            query_offset: int):
+    """(out (B,H,N,Dv), lse (B,H,N)); rows with no key give zeros and lse -inf."""
+    _require()
+    return torch.ops.relattn_native.fwd(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale,
+                                        query_offset, TILE_Q, TILE_K)
+
+
+def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
+             scale: float, query_offset: int):
+    """(dq, dk, dv, d_rel_k, d_rel_v); a table gradient is an empty tensor when the table is None."""
+    _require()
+    return torch.ops.relattn_native.bwd(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position,
+                                        is_causal, scale, query_offset, TILE_Q, TILE_K)

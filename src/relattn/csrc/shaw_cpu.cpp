@@ -1,0 +1,547 @@
+// Shaw attention in one flash pass on the CPU: the "native" backend's kernels.
+//
+// Notation as in relattn/backends/fused.py: q (B,H,N,D), k (B,H,M,D), v (B,H,M,Dv), tables (Hk|Hv,R,D|Dv) with
+// R = 2K+1 and Hk, Hv in {1, H}; query i sits at position p = i + query_offset; key j has offset r = j - p and
+// table row t(r) = clamp(r, -K, K) + K.
+//
+// Forward, per (batch, head, tile of queries): QA = scale * q_tile @ a^K.T (R scores per row: every relative
+// key term a row can meet). For each block of keys: S = scale * q_tile @ k_block.T, then per row the relative
+// term is added in three runs -- keys left of the band (constant QA[t=0]), the band (a contiguous slice of
+// the QA row), keys right of the band (constant QA[t=2K]) -- and the online softmax goes on as in flash
+// attention. The value term is carried the same way: PW[i, t] accumulates the weight of the keys with table
+// row t (again three runs), rescaled with the output; at the end out += PW @ a^V. Nothing of size (N, M)
+// or (N, M, D) exists: per thread a (Tq, Tk) score tile and (Tq, R) rows.
+//
+// Backward, per (batch, head), tile by tile: P is recomputed from the saved log-sum-exp; dP = dO @ v.T plus
+// DOA[i, t] = dO_i . a^V_t in the same three runs; dS = P * (dP - rowsum(dO * O)). dQA[i, t] (the sums of dS
+// per table row) gives dq += scale * dQA @ a^K and d a^K += scale * dQA.T @ q; PW (the sums of P) gives
+// d a^V += PW.T @ dO. Table gradients are summed per thread, then across threads.
+//
+// GEMMs go to the BLAS that libtorch_cpu exports (Fortran sgemm/dgemm). Float32 uses ATen's vectorized exp;
+// float64 (for tests) plain loops.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+extern "C" {
+void sgemm(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* alpha,
+           const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+           const int* ldc);
+void dgemm(const char* ta, const char* tb, const int* m, const int* n, const int* k, const double* alpha,
+           const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+           const int* ldc);
+}
+
+namespace {
+
+// Row-major C[m, n] = alpha * op(A)[m, k] @ op(B)[k, n] + beta * C; lda/ldb/ldc are row strides.
+// (Column-major BLAS sees the transposes: C.T = op(B).T @ op(A).T.)
+template <typename T>
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
+          int64_t ldb, T beta, T* c, int64_t ldc) {
+  if (m <= 0 || n <= 0) return;
+  if (k <= 0) {
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == T(0) ? T(0) : beta * c[i * ldc + j];
+    return;
+  }
+  const char opa = tb ? 'T' : 'N', opb = ta ? 'T' : 'N';
+  const int im = static_cast<int>(n), in = static_cast<int>(m), ik = static_cast<int>(k);
+  const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+  if constexpr (std::is_same_v<T, float>) {
+    sgemm(&opa, &opb, &im, &in, &ik, &alpha, b, &la, a, &lb, &beta, c, &lc);
+  } else {
+    dgemm(&opa, &opb, &im, &in, &ik, &alpha, b, &la, a, &lb, &beta, c, &lc);
+  }
+}
+
+// ----------------------------------------------------------------------------------------- row kernels
+
+template <typename T>
+using Vec = at::vec::Vectorized<T>;
+
+// s[0:n] += c; returns max(running, max s[0:n]).
+template <typename T>
+T add_const_max(T* s, int64_t n, T c, T running) {
+  int64_t x = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    const int64_t w = Vec<T>::size();
+    Vec<T> vc(c), vm(running);
+    for (; x + w <= n; x += w) {
+      Vec<T> y = Vec<T>::loadu(s + x) + vc;
+      y.store(s + x);
+      vm = at::vec::maximum(vm, y);
+    }
+    T buf[64];
+    vm.store(buf);
+    for (int64_t u = 0; u < w; ++u) running = std::max(running, buf[u]);
+  }
+  for (; x < n; ++x) {
+    s[x] += c;
+    running = std::max(running, s[x]);
+  }
+  return running;
+}
+
+// s[0:n] += b[0:n]; returns max(running, max s[0:n]).
+template <typename T>
+T add_vec_max(T* s, const T* b, int64_t n, T running) {
+  int64_t x = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    const int64_t w = Vec<T>::size();
+    Vec<T> vm(running);
+    for (; x + w <= n; x += w) {
+      Vec<T> y = Vec<T>::loadu(s + x) + Vec<T>::loadu(b + x);
+      y.store(s + x);
+      vm = at::vec::maximum(vm, y);
+    }
+    T buf[64];
+    vm.store(buf);
+    for (int64_t u = 0; u < w; ++u) running = std::max(running, buf[u]);
+  }
+  for (; x < n; ++x) {
+    s[x] += b[x];
+    running = std::max(running, s[x]);
+  }
+  return running;
+}
+
+// s[0:n] = exp(s[0:n] - m); returns the sum.
+template <typename T>
+T exp_sum(T* s, int64_t n, T m) {
+  int64_t x = 0;
+  T total = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    const int64_t w = Vec<T>::size();
+    Vec<T> vm(m), acc(T(0));
+    for (; x + w <= n; x += w) {
+      Vec<T> e = (Vec<T>::loadu(s + x) - vm).exp_u20();
+      e.store(s + x);
+      acc = acc + e;
+    }
+    T buf[64];
+    acc.store(buf);
+    for (int64_t u = 0; u < w; ++u) total += buf[u];
+  }
+  for (; x < n; ++x) {
+    s[x] = std::exp(s[x] - m);
+    total += s[x];
+  }
+  return total;
+}
+
+// s[0:n] = exp(s[0:n] + c - lse) (the bias c already added when c is 0); no sum.
+template <typename T>
+void exp_shift(T* s, int64_t n, T shift) {
+  int64_t x = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    const int64_t w = Vec<T>::size();
+    Vec<T> vs(shift);
+    for (; x + w <= n; x += w) (Vec<T>::loadu(s + x) + vs).exp_u20().store(s + x);
+  }
+  for (; x < n; ++x) s[x] = std::exp(s[x] + shift);
+}
+
+template <typename T>
+T sum(const T* s, int64_t n) {
+  int64_t x = 0;
+  T total = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    const int64_t w = Vec<T>::size();
+    Vec<T> acc(T(0));
+    for (; x + w <= n; x += w) acc = acc + Vec<T>::loadu(s + x);
+    T buf[64];
+    acc.store(buf);
+    for (int64_t u = 0; u < w; ++u) total += buf[u];
+  }
+  for (; x < n; ++x) total += s[x];
+  return total;
+}
+
+// ds[0:n] = p[0:n] * (ds[0:n] - d); returns the sum of the new ds.
+template <typename T>
+T softmax_grad_sum(T* ds, const T* p, int64_t n, T d) {
+  int64_t x = 0;
+  T total = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    const int64_t w = Vec<T>::size();
+    Vec<T> vd(d), acc(T(0));
+    for (; x + w <= n; x += w) {
+      Vec<T> y = Vec<T>::loadu(p + x) * (Vec<T>::loadu(ds + x) - vd);
+      y.store(ds + x);
+      acc = acc + y;
+    }
+    T buf[64];
+    acc.store(buf);
+    for (int64_t u = 0; u < w; ++u) total += buf[u];
+  }
+  for (; x < n; ++x) {
+    ds[x] = p[x] * (ds[x] - d);
+    total += ds[x];
+  }
+  return total;
+}
+
+template <typename T>
+void add_into(T* dst, const T* src, int64_t n) {
+  for (int64_t x = 0; x < n; ++x) dst[x] += src[x];
+}
+
+template <typename T>
+void scale_row(T* s, int64_t n, T a) {
+  for (int64_t x = 0; x < n; ++x) s[x] *= a;
+}
+
+// The three runs of one row in a key block: keys [0, left) lie left of the band (table row 0), [left, right)
+// in it (table row x + band0), [right, valid) right of it (row 2K); [valid, width) do not exist (causal).
+struct Runs {
+  int64_t left, right, valid, band0;
+};
+
+inline Runs runs_of(int64_t p, int64_t n0, int64_t width, int64_t kk, bool causal) {
+  int64_t valid = causal ? std::clamp<int64_t>(p + 1 - n0, 0, width) : width;
+  int64_t left = std::clamp<int64_t>(p - kk + 1 - n0, 0, valid);     // j <= p - K
+  int64_t right = std::clamp<int64_t>(p + kk - n0, left, valid);     // j <  p + K
+  return {left, right, valid, n0 - p + kk};
+}
+
+struct Geometry {
+  int64_t B, H, N, M, D, Dv, Hk, Hv, R, kk, off;  // Hk, Hv: heads of the key / value table (1 or H)
+  bool causal, has_k, has_v;
+};
+
+template <typename T>
+struct Views {
+  const T *q, *k, *v, *tk, *tv, *mask;
+  int64_t qs[3], ks[3], vs[3];  // strides of dims 0, 1, 2 (the last is 1)
+  int64_t ms[4];                // the mask's strides, 0 where it broadcasts
+  // The additive mask of query row i, keys from n0 (its entry for key n0 + x is row[x * ms[3]]), or null.
+  const T* mask_row(int64_t b, int64_t h, int64_t i, int64_t n0) const {
+    return mask == nullptr ? nullptr : mask + b * ms[0] + h * ms[1] + i * ms[2] + n0 * ms[3];
+  }
+  const T* qh(int64_t b, int64_t h) const { return q + b * qs[0] + h * qs[1]; }
+  const T* kh(int64_t b, int64_t h) const { return k + b * ks[0] + h * ks[1]; }
+  const T* vh(int64_t b, int64_t h) const { return v + b * vs[0] + h * vs[1]; }
+};
+
+template <typename T>
+Views<T> views(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tk,
+               const at::Tensor& tv, const at::Tensor& mask) {
+  Views<T> w{q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), tk.defined() ? tk.data_ptr<T>() : nullptr,
+             tv.defined() ? tv.data_ptr<T>() : nullptr, mask.defined() ? mask.data_ptr<T>() : nullptr,
+             {}, {}, {}, {}};
+  for (int d = 0; d < 3; ++d) {
+    w.qs[d] = q.stride(d);
+    w.ks[d] = k.stride(d);
+    w.vs[d] = v.stride(d);
+  }
+  for (int d = 0; d < 4; ++d) w.ms[d] = mask.defined() && mask.size(d) > 1 ? mask.stride(d) : 0;
+  return w;
+}
+
+// s[0:n] += the mask row (a constant when the mask broadcasts over keys).
+template <typename T>
+void add_mask(T* s, const T* row, int64_t n, int64_t key_stride) {
+  if (row == nullptr) return;
+  if (key_stride == 0) {
+    const T c = row[0];
+    for (int64_t x = 0; x < n; ++x) s[x] += c;
+  } else {
+    add_into(s, row, n);
+  }
+}
+
+// Adds the relative key term to the row's scores s[0:valid] (qa: the row's R scores, or null) and returns
+// their max (-inf if valid == 0).
+template <typename T>
+T add_key_term(T* s, const Runs& r, const T* qa, int64_t last) {
+  T mx = -std::numeric_limits<T>::infinity();
+  if (qa == nullptr) {
+    for (int64_t x = 0; x < r.valid; ++x) mx = std::max(mx, s[x]);
+    return mx;
+  }
+  mx = add_const_max(s, r.left, qa[0], mx);
+  mx = add_vec_max(s + r.left, qa + r.left + r.band0, r.right - r.left, mx);
+  return add_const_max(s + r.right, r.valid - r.right, qa[last], mx);
+}
+
+// acc[0] += sum of s over the left run, acc[t] += s for the band, acc[last] += sum over the right run.
+template <typename T>
+void add_runs(T* acc, const T* s, const Runs& r, int64_t last) {
+  acc[0] += sum(s, r.left);
+  add_into(acc + r.left + r.band0, s + r.left, r.right - r.left);
+  acc[last] += sum(s + r.right, r.valid - r.right);
+}
+
+template <typename T>
+void forward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q, int64_t tile_k, T* out, T* lse) {
+  const int64_t nq = (g.N + tile_q - 1) / tile_q, last = 2 * g.kk, R = g.R;
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  at::parallel_for(0, g.B * g.H * nq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> S(tile_q * tile_k), QA(g.has_k ? tile_q * R : 0), PW(g.has_v ? tile_q * R : 0);
+    std::vector<T> acc(tile_q * g.Dv), mx(tile_q), sm(tile_q);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / nq, m0 = (task % nq) * tile_q, b = bh / g.H, h = bh % g.H;
+      const int64_t hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h, tq = std::min(tile_q, g.N - m0);
+      const T* qp = w.qh(b, h) + m0 * w.qs[2];
+      const T* kp = w.kh(b, h);
+      const T* vp = w.vh(b, h);
+      const T* tk = g.has_k ? w.tk + hk * R * g.D : nullptr;
+      const T* tv = g.has_v ? w.tv + hv * R * g.Dv : nullptr;
+      if (g.has_k) gemm<T>(false, true, tq, R, g.D, scale, qp, w.qs[2], tk, g.D, T(0), QA.data(), R);
+      std::fill(PW.begin(), PW.end(), T(0));
+      std::fill(acc.begin(), acc.end(), T(0));
+      std::fill(mx.begin(), mx.end(), neg_inf);
+      std::fill(sm.begin(), sm.end(), T(0));
+      const int64_t kv_end = g.causal ? std::clamp<int64_t>(m0 + tq + g.off, 0, g.M) : g.M;
+      for (int64_t n0 = 0; n0 < kv_end; n0 += tile_k) {
+        const int64_t width = std::min(tile_k, kv_end - n0);
+        gemm<T>(false, true, tq, width, g.D, scale, qp, w.qs[2], kp + n0 * w.ks[2], w.ks[2], T(0), S.data(), tile_k);
+        for (int64_t a = 0; a < tq; ++a) {
+          T* s = S.data() + a * tile_k;
+          const Runs r = runs_of(m0 + a + g.off, n0, width, g.kk, g.causal);
+          add_mask(s, w.mask_row(b, h, m0 + a, n0), r.valid, w.ms[3]);
+          const T bmax = add_key_term(s, r, g.has_k ? QA.data() + a * R : nullptr, last);
+          std::fill(s + r.valid, s + width, T(0));
+          if (r.valid == 0 || bmax == neg_inf) {
+            std::fill(s, s + r.valid, T(0));
+            continue;
+          }
+          const T mnew = std::max(mx[a], bmax);
+          const T alpha = std::exp(mx[a] - mnew);
+          T total;
+          if (g.has_v) {
+            T* pw = PW.data() + a * R;
+            if (alpha != T(1)) scale_row(pw, R, alpha);
+            const T lo = exp_sum(s, r.left, mnew), mid = exp_sum(s + r.left, r.right - r.left, mnew);
+            const T hi = exp_sum(s + r.right, r.valid - r.right, mnew);
+            pw[0] += lo;
+            add_into(pw + r.left + r.band0, s + r.left, r.right - r.left);
+            pw[last] += hi;
+            total = lo + mid + hi;
+          } else {
+            total = exp_sum(s, r.valid, mnew);
+          }
+          sm[a] = sm[a] * alpha + total;
+          mx[a] = mnew;
+          if (alpha != T(1)) scale_row(acc.data() + a * g.Dv, g.Dv, alpha);
+        }
+        gemm<T>(false, false, tq, g.Dv, width, T(1), S.data(), tile_k, vp + n0 * w.vs[2], w.vs[2], T(1), acc.data(),
+                g.Dv);
+      }
+      if (g.has_v) gemm<T>(false, false, tq, g.Dv, R, T(1), PW.data(), R, tv, g.Dv, T(1), acc.data(), g.Dv);
+      for (int64_t a = 0; a < tq; ++a) {
+        T* o = out + (bh * g.N + m0 + a) * g.Dv;
+        const T* src = acc.data() + a * g.Dv;
+        if (sm[a] == T(0)) {  // no key: zeros, lse -inf
+          std::fill(o, o + g.Dv, T(0));
+          lse[bh * g.N + m0 + a] = neg_inf;
+        } else {
+          const T inv = T(1) / sm[a];
+          for (int64_t x = 0; x < g.Dv; ++x) o[x] = src[x] * inv;
+          lse[bh * g.N + m0 + a] = mx[a] + std::log(sm[a]);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void backward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q, int64_t tile_k, const T* dout,
+                   const int64_t* dos, const T* out, const T* lse, T* dq, T* dk, T* dv, T* drk, T* drv) {
+  const int64_t nq = (g.N + tile_q - 1) / tile_q, last = 2 * g.kk, R = g.R;
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t end) {
+    const int64_t tid = at::get_thread_num();
+    T* drk_t = g.has_k ? drk + tid * g.Hk * R * g.D : nullptr;
+    T* drv_t = g.has_v ? drv + tid * g.Hv * R * g.Dv : nullptr;
+    std::vector<T> P(tile_q * tile_k), dP(tile_q * tile_k), dsum(tile_q);
+    std::vector<T> QA(g.has_k ? tile_q * R : 0), dQA(g.has_k ? tile_q * R : 0);
+    std::vector<T> DOA(g.has_v ? tile_q * R : 0), PW(g.has_v ? tile_q * R : 0);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / g.H, h = bh % g.H, hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h;
+      const T* kp = w.kh(b, h);
+      const T* vp = w.vh(b, h);
+      const T* tk = g.has_k ? w.tk + hk * R * g.D : nullptr;
+      const T* tv = g.has_v ? w.tv + hv * R * g.Dv : nullptr;
+      T* dqh = dq + bh * g.N * g.D;
+      T* dkh = dk + bh * g.M * g.D;
+      T* dvh = dv + bh * g.M * g.Dv;
+      for (int64_t m0 = 0; m0 < g.N; m0 += tile_q) {
+        const int64_t tq = std::min(tile_q, g.N - m0);
+        const T* qt = w.qh(b, h) + m0 * w.qs[2];
+        const T* dot = dout + b * dos[0] + h * dos[1] + m0 * dos[2];
+        const T* ot = out + (bh * g.N + m0) * g.Dv;
+        const T* lt = lse + bh * g.N + m0;
+        for (int64_t a = 0; a < tq; ++a) {
+          T t = 0;
+          for (int64_t x = 0; x < g.Dv; ++x) t += dot[a * dos[2] + x] * ot[a * g.Dv + x];
+          dsum[a] = t;
+        }
+        if (g.has_k) {
+          gemm<T>(false, true, tq, R, g.D, scale, qt, w.qs[2], tk, g.D, T(0), QA.data(), R);
+          std::fill(dQA.begin(), dQA.end(), T(0));
+        }
+        if (g.has_v) {
+          gemm<T>(false, true, tq, R, g.Dv, T(1), dot, dos[2], tv, g.Dv, T(0), DOA.data(), R);
+          std::fill(PW.begin(), PW.end(), T(0));
+        }
+        const int64_t kv_end = g.causal ? std::clamp<int64_t>(m0 + tq + g.off, 0, g.M) : g.M;
+        for (int64_t n0 = 0; n0 < kv_end; n0 += tile_k) {
+          const int64_t width = std::min(tile_k, kv_end - n0);
+          gemm<T>(false, true, tq, width, g.D, scale, qt, w.qs[2], kp + n0 * w.ks[2], w.ks[2], T(0), P.data(), tile_k);
+          for (int64_t a = 0; a < tq; ++a) {
+            T* s = P.data() + a * tile_k;
+            const Runs r = runs_of(m0 + a + g.off, n0, width, g.kk, g.causal);
+            if (r.valid == 0 || lt[a] == neg_inf) {
+              std::fill(s, s + width, T(0));
+              continue;
+            }
+            add_mask(s, w.mask_row(b, h, m0 + a, n0), r.valid, w.ms[3]);
+            add_key_term(s, r, g.has_k ? QA.data() + a * R : nullptr, last);
+            exp_shift(s, r.valid, -lt[a]);
+            std::fill(s + r.valid, s + width, T(0));
+            if (g.has_v) add_runs(PW.data() + a * R, s, r, last);
+          }
+          // dv += P.T @ dO;  dP = dO @ v.T (+ the value term)
+          gemm<T>(true, false, width, g.Dv, tq, T(1), P.data(), tile_k, dot, dos[2], T(1), dvh + n0 * g.Dv, g.Dv);
+          gemm<T>(false, true, tq, width, g.Dv, T(1), dot, dos[2], vp + n0 * w.vs[2], w.vs[2], T(0), dP.data(), tile_k);
+          for (int64_t a = 0; a < tq; ++a) {
+            T* ds = dP.data() + a * tile_k;
+            const T* p = P.data() + a * tile_k;
+            const Runs r = runs_of(m0 + a + g.off, n0, width, g.kk, g.causal);
+            if (g.has_v) add_key_term(ds, r, DOA.data() + a * R, last);
+            const T d = dsum[a];
+            const T lo = softmax_grad_sum(ds, p, r.left, d);
+            softmax_grad_sum(ds + r.left, p + r.left, r.right - r.left, d);
+            const T hi = softmax_grad_sum(ds + r.right, p + r.right, r.valid - r.right, d);
+            std::fill(ds + r.valid, ds + width, T(0));
+            if (g.has_k) {
+              T* dqa = dQA.data() + a * R;
+              dqa[0] += lo;
+              add_into(dqa + r.left + r.band0, ds + r.left, r.right - r.left);
+              dqa[last] += hi;
+            }
+          }
+          // dq += scale dS @ k;  dk += scale dS.T @ q
+          gemm<T>(false, false, tq, g.D, width, scale, dP.data(), tile_k, kp + n0 * w.ks[2], w.ks[2], T(1),
+                  dqh + m0 * g.D, g.D);
+          gemm<T>(true, false, width, g.D, tq, scale, dP.data(), tile_k, qt, w.qs[2], T(1), dkh + n0 * g.D, g.D);
+        }
+        if (g.has_k) {
+          gemm<T>(false, false, tq, g.D, R, scale, dQA.data(), R, tk, g.D, T(1), dqh + m0 * g.D, g.D);
+          gemm<T>(true, false, R, g.D, tq, scale, dQA.data(), R, qt, w.qs[2], T(1), drk_t + hk * R * g.D, g.D);
+        }
+        if (g.has_v) gemm<T>(true, false, R, g.Dv, tq, T(1), PW.data(), R, dot, dos[2], T(1), drv_t + hv * R * g.Dv, g.Dv);
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------ entry points
+
+at::Tensor rows_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+Geometry geometry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tk,
+                  const at::Tensor& tv, int64_t kk, bool causal, int64_t off) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "relattn native: q, k, v must be 4-D");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
+              "relattn native: float32 or float64 only, got ", q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "relattn native: dtypes differ");
+  TORCH_CHECK(q.device().is_cpu(), "relattn native: CPU tensors only");
+  Geometry g{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), v.size(3), 1, 1, 2 * kk + 1, kk, off,
+             causal, tk.defined(), tv.defined()};
+  for (const auto* t : {&tk, &tv}) {
+    if (t->defined()) {
+      TORCH_CHECK(t->dim() == 3 && t->size(1) == g.R && t->is_contiguous() && t->scalar_type() == q.scalar_type() &&
+                      (t->size(0) == 1 || t->size(0) == g.H) && t->size(2) == (t == &tk ? g.D : g.Dv),
+                  "relattn native: tables must be contiguous (1 or H, 2K+1, d) of q's dtype");
+    }
+  }
+  g.Hk = tk.defined() ? tk.size(0) : 1;
+  g.Hv = tv.defined() ? tv.size(0) : 1;
+  return g;
+}
+
+at::Tensor opt(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
+
+// An additive mask of q's dtype, 4-D and broadcastable to (B, H, N, M), keys contiguous or broadcast.
+at::Tensor checked_mask(at::Tensor mask, const at::Tensor& q, const at::Tensor& k) {
+  if (!mask.defined()) return mask;
+  TORCH_CHECK(mask.dim() == 4 && mask.scalar_type() == q.scalar_type(),
+              "relattn native: the mask must be 4-D and of q's dtype");
+  const int64_t want[4] = {q.size(0), q.size(1), q.size(2), k.size(2)};
+  for (int d = 0; d < 4; ++d)
+    TORCH_CHECK(mask.size(d) == 1 || mask.size(d) == want[d], "relattn native: mask dim ", d, " is ",
+                mask.size(d), ", not 1 or ", want[d]);
+  return mask.size(3) > 1 && mask.stride(3) != 1 ? mask.contiguous() : mask;
+}
+
+std::tuple<at::Tensor, at::Tensor> shaw_fwd(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                                            const std::optional<at::Tensor>& rel_k,
+                                            const std::optional<at::Tensor>& rel_v,
+                                            const std::optional<at::Tensor>& mask_, int64_t kk, bool is_causal,
+                                            double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k) {
+  at::Tensor q = rows_contiguous(q_), k = rows_contiguous(k_), v = rows_contiguous(v_);
+  at::Tensor tk = opt(rel_k), tv = opt(rel_v), mask = checked_mask(opt(mask_), q, k);
+  const Geometry g = geometry(q, k, v, tk, tv, kk, is_causal, query_offset);
+  at::Tensor out = at::empty({g.B, g.H, g.N, g.Dv}, q.options());
+  at::Tensor lse = at::empty({g.B, g.H, g.N}, q.options());
+  if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relattn_native_fwd", [&] {
+    forward_impl<scalar_t>(g, views<scalar_t>(q, k, v, tk, tv, mask), static_cast<scalar_t>(scale), tile_q, tile_k,
+                           out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> shaw_bwd(
+    const at::Tensor& grad_out_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+    const std::optional<at::Tensor>& rel_k, const std::optional<at::Tensor>& rel_v,
+    const std::optional<at::Tensor>& mask_, const at::Tensor& out_, const at::Tensor& lse_, int64_t kk, bool is_causal,
+    double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k) {
+  at::Tensor q = rows_contiguous(q_), k = rows_contiguous(k_), v = rows_contiguous(v_);
+  at::Tensor grad_out = rows_contiguous(grad_out_), out = out_.contiguous(), lse = lse_.contiguous();
+  at::Tensor tk = opt(rel_k), tv = opt(rel_v), mask = checked_mask(opt(mask_), q, k);
+  const Geometry g = geometry(q, k, v, tk, tv, kk, is_causal, query_offset);
+  at::Tensor dq = at::zeros({g.B, g.H, g.N, g.D}, q.options());
+  at::Tensor dk = at::zeros({g.B, g.H, g.M, g.D}, q.options());
+  at::Tensor dv = at::zeros({g.B, g.H, g.M, g.Dv}, q.options());
+  const int64_t threads = at::get_num_threads();
+  at::Tensor drk = g.has_k ? at::zeros({threads, g.Hk, g.R, g.D}, q.options()) : at::empty({0}, q.options());
+  at::Tensor drv = g.has_v ? at::zeros({threads, g.Hv, g.R, g.Dv}, q.options()) : at::empty({0}, q.options());
+  if (g.N > 0 && g.M > 0) {
+    const int64_t dos[3] = {grad_out.stride(0), grad_out.stride(1), grad_out.stride(2)};
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relattn_native_bwd", [&] {
+      backward_impl<scalar_t>(g, views<scalar_t>(q, k, v, tk, tv, mask), static_cast<scalar_t>(scale), tile_q, tile_k,
+                              grad_out.data_ptr<scalar_t>(), dos, out.data_ptr<scalar_t>(),
+                              lse.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
+                              dv.data_ptr<scalar_t>(), g.has_k ? drk.data_ptr<scalar_t>() : nullptr,
+                              g.has_v ? drv.data_ptr<scalar_t>() : nullptr);
+    });
+  }
+  return {dq, dk, dv, g.has_k ? drk.sum(0) : drk, g.has_v ? drv.sum(0) : drv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(relattn_native, m) {
+  m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, int K, bool is_causal, "
+        "float scale, int query_offset, int tile_q, int tile_k) -> (Tensor, Tensor)");
+  m.def("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, Tensor out, "
+        "Tensor lse, int K, bool is_causal, float scale, int query_offset, int tile_q, int tile_k) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(relattn_native, CPU, m) {
+  m.impl("fwd", &shaw_fwd);
+  m.impl("bwd", &shaw_bwd);
+}
