@@ -486,6 +486,14 @@ def test_native_build_failure_is_a_reason_not_an_error(monkeypatch):
     monkeypatch.setattr(native, "_build", no_compiler)
     assert native.unavailable() == ("the native kernel could not be built (RuntimeError: Ninja is required to load "
                                     "C++ extensions)")
+    def no_cxx():
+        raise RuntimeError("Error building extension 'relattn_native_x': [1/2] c++ -O3 -c shaw_cpu.cpp\n"
+                           "FAILED: [code=127] shaw_cpu.o\n/bin/sh: 1: c++: not found\n"
+                           "ninja: build stopped: subcommand failed.\n")
+
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "_build", no_cxx)
+    assert native.unavailable() == "the native kernel could not be built (RuntimeError: /bin/sh: 1: c++: not found)"
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv("RELATTN_NATIVE", "0")
     assert native.unavailable() == "disabled by RELATTN_NATIVE=0"

@@ -8,15 +8,20 @@ attention.
 
 The kernel is compiled with ``torch.utils.cpp_extension`` the first time it is needed (about 15 s on a
 2-core machine; torch caches it under ``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``,
-keyed by the source and compiler flags). It needs a C++ compiler and ninja. Where the build fails, or with
+keyed by the source and compiler flags). It needs a C++ compiler and ninja (a dependency of relattn, from
+PyPI; a system one is used first). Where the build fails, or with
 ``RELATTN_NATIVE=0`` in the environment, :func:`unavailable` says why and "auto" uses the other backends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import re
+import shutil
+import sys
 import threading
 from importlib import resources
 
@@ -43,6 +48,22 @@ def _capability_flags() -> list[str]:
     return ["-DCPU_CAPABILITY=DEFAULT"]
 
 
+@contextlib.contextmanager
+def _ninja_on_path():
+    """torch runs ``ninja`` by name: put the interpreter's bin directory (where the ``ninja`` wheel installs it)
+    on PATH for the build when the system has none, and restore PATH afterwards."""
+    path = os.environ.get("PATH", "")
+    bin_dir = os.path.dirname(sys.executable)
+    if shutil.which("ninja") is not None or shutil.which("ninja", path=bin_dir) is None:
+        yield
+        return
+    os.environ["PATH"] = bin_dir + os.pathsep + path
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
 def _build() -> None:
     from torch.utils.cpp_extension import _get_build_directory as _build_directory  # imported here: slow to import
     from torch.utils.cpp_extension import load
@@ -58,9 +79,21 @@ def _build() -> None:
         cached = False
     if not cached:
         log.warning("relattn: compiling the native CPU kernel (once, about 15 s; torch caches it)")
-    with resources.as_file(source) as path:
+    with resources.as_file(source) as path, _ninja_on_path():
         load(name, [str(path)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
              verbose=False)
+
+
+_TELLING = re.compile(r"not found|error:|fatal|undefined symbol|no such file|required", re.IGNORECASE)
+
+
+def _cause(exc: Exception) -> str:
+    """The telling line of a failed build (a build log ends in "ninja: build stopped"; the cause is above)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:
+        if _TELLING.search(line) and not line.startswith("Error building extension"):
+            return line
+    return lines[-1] if lines else "no message"
 
 
 def unavailable() -> str | None:
@@ -76,8 +109,7 @@ def unavailable() -> str | None:
                     _build()
                     _state["error"] = None
                 except Exception as exc:  # no compiler, no ninja, a BLAS symbol missing: fall back
-                    reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-                    _state["error"] = f"the native kernel could not be built ({reason})"
+                    _state["error"] = f"the native kernel could not be built ({type(exc).__name__}: {_cause(exc)})"
                     log.warning("relattn: %s; 'auto' uses the other backends", _state["error"])
     return _state["error"]
 
