@@ -68,126 +68,103 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a
 template <typename T>
 using Vec = at::vec::Vectorized<T>;
 
+// *p as V: a vector load, or the scalar itself.
+template <typename V, typename T>
+V load(const T* p) {
+  if constexpr (std::is_same_v<V, T>) {
+    return *p;
+  } else {
+    return V::loadu(p);
+  }
+}
+
+template <typename V>
+V exp_of(V y) {
+  if constexpr (std::is_arithmetic_v<V>) {
+    return std::exp(y);
+  } else {
+    return y.exp_u20();  // the exp of PyTorch's own CPU flash kernel
+  }
+}
+
+constexpr auto add = [](auto a, auto b) { return a + b; };
+constexpr auto max = [](auto a, auto b) {
+  if constexpr (std::is_arithmetic_v<decltype(a)>) {
+    return std::max(a, b);
+  } else {
+    return at::vec::maximum(a, b);
+  }
+};
+
+// s[x] = f(s[x], x) for x in [0, n), then returns ``reduce`` of ``init`` and the new values. ``f`` takes and
+// returns a Vec<float> (8 or 16 lanes) or a scalar: float rows run vectorized with a scalar tail, double rows
+// (tests only) as scalars. ``identity`` is the neutral element of ``reduce``.
+template <typename T, typename F, typename R>
+T transform_reduce(T* s, int64_t n, T init, T identity, F f, R reduce) {
+  int64_t x = 0;
+  T acc = init;
+  if constexpr (std::is_same_v<T, float>) {
+    const int64_t w = Vec<T>::size();
+    Vec<T> lanes(identity);
+    for (; x + w <= n; x += w) {
+      const Vec<T> y = f(Vec<T>::loadu(s + x), x);
+      y.store(s + x);
+      lanes = reduce(lanes, y);
+    }
+    T buf[Vec<T>::size()];
+    lanes.store(buf);
+    for (int64_t u = 0; u < w; ++u) acc = reduce(acc, buf[u]);
+  }
+  for (; x < n; ++x) {
+    s[x] = f(s[x], x);
+    acc = reduce(acc, s[x]);
+  }
+  return acc;
+}
+
+template <typename T>
+constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+
 // s[0:n] += c; returns max(running, max s[0:n]).
 template <typename T>
 T add_const_max(T* s, int64_t n, T c, T running) {
-  int64_t x = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    const int64_t w = Vec<T>::size();
-    Vec<T> vc(c), vm(running);
-    for (; x + w <= n; x += w) {
-      Vec<T> y = Vec<T>::loadu(s + x) + vc;
-      y.store(s + x);
-      vm = at::vec::maximum(vm, y);
-    }
-    T buf[64];
-    vm.store(buf);
-    for (int64_t u = 0; u < w; ++u) running = std::max(running, buf[u]);
-  }
-  for (; x < n; ++x) {
-    s[x] += c;
-    running = std::max(running, s[x]);
-  }
-  return running;
+  return transform_reduce(s, n, running, neg_inf<T>, [c](auto y, int64_t) { return y + decltype(y)(c); }, max);
 }
 
 // s[0:n] += b[0:n]; returns max(running, max s[0:n]).
 template <typename T>
 T add_vec_max(T* s, const T* b, int64_t n, T running) {
-  int64_t x = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    const int64_t w = Vec<T>::size();
-    Vec<T> vm(running);
-    for (; x + w <= n; x += w) {
-      Vec<T> y = Vec<T>::loadu(s + x) + Vec<T>::loadu(b + x);
-      y.store(s + x);
-      vm = at::vec::maximum(vm, y);
-    }
-    T buf[64];
-    vm.store(buf);
-    for (int64_t u = 0; u < w; ++u) running = std::max(running, buf[u]);
-  }
-  for (; x < n; ++x) {
-    s[x] += b[x];
-    running = std::max(running, s[x]);
-  }
-  return running;
+  return transform_reduce(s, n, running, neg_inf<T>,
+                          [b](auto y, int64_t x) { return y + load<decltype(y)>(b + x); }, max);
 }
 
 // s[0:n] = exp(s[0:n] - m); returns the sum.
 template <typename T>
 T exp_sum(T* s, int64_t n, T m) {
-  int64_t x = 0;
-  T total = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    const int64_t w = Vec<T>::size();
-    Vec<T> vm(m), acc(T(0));
-    for (; x + w <= n; x += w) {
-      Vec<T> e = (Vec<T>::loadu(s + x) - vm).exp_u20();
-      e.store(s + x);
-      acc = acc + e;
-    }
-    T buf[64];
-    acc.store(buf);
-    for (int64_t u = 0; u < w; ++u) total += buf[u];
-  }
-  for (; x < n; ++x) {
-    s[x] = std::exp(s[x] - m);
-    total += s[x];
-  }
-  return total;
+  return transform_reduce(s, n, T(0), T(0), [m](auto y, int64_t) { return exp_of(y - decltype(y)(m)); }, add);
 }
 
-// s[0:n] = exp(s[0:n] + c - lse) (the bias c already added when c is 0); no sum.
+// s[0:n] = exp(s[0:n] + shift).
 template <typename T>
 void exp_shift(T* s, int64_t n, T shift) {
-  int64_t x = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    const int64_t w = Vec<T>::size();
-    Vec<T> vs(shift);
-    for (; x + w <= n; x += w) (Vec<T>::loadu(s + x) + vs).exp_u20().store(s + x);
-  }
-  for (; x < n; ++x) s[x] = std::exp(s[x] + shift);
+  transform_reduce(s, n, T(0), T(0), [shift](auto y, int64_t) { return exp_of(y + decltype(y)(shift)); }, add);
 }
 
+// The sum of s[0:n] (s unchanged).
 template <typename T>
-T sum(const T* s, int64_t n) {
-  int64_t x = 0;
-  T total = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    const int64_t w = Vec<T>::size();
-    Vec<T> acc(T(0));
-    for (; x + w <= n; x += w) acc = acc + Vec<T>::loadu(s + x);
-    T buf[64];
-    acc.store(buf);
-    for (int64_t u = 0; u < w; ++u) total += buf[u];
-  }
-  for (; x < n; ++x) total += s[x];
-  return total;
+T sum(T* s, int64_t n) {
+  return transform_reduce(s, n, T(0), T(0), [](auto y, int64_t) { return y; }, add);
 }
 
 // ds[0:n] = p[0:n] * (ds[0:n] - d); returns the sum of the new ds.
 template <typename T>
 T softmax_grad_sum(T* ds, const T* p, int64_t n, T d) {
-  int64_t x = 0;
-  T total = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    const int64_t w = Vec<T>::size();
-    Vec<T> vd(d), acc(T(0));
-    for (; x + w <= n; x += w) {
-      Vec<T> y = Vec<T>::loadu(p + x) * (Vec<T>::loadu(ds + x) - vd);
-      y.store(ds + x);
-      acc = acc + y;
-    }
-    T buf[64];
-    acc.store(buf);
-    for (int64_t u = 0; u < w; ++u) total += buf[u];
-  }
-  for (; x < n; ++x) {
-    ds[x] = p[x] * (ds[x] - d);
-    total += ds[x];
-  }
-  return total;
+  return transform_reduce(ds, n, T(0), T(0),
+                          [p, d](auto y, int64_t x) {
+                            using V = decltype(y);
+                            return load<V>(p + x) * (y - V(d));
+                          },
+                          add);
 }
 
 template <typename T>
@@ -263,7 +240,7 @@ void add_mask(T* s, const T* row, int64_t n, int64_t key_stride) {
 // their max (-inf if valid == 0).
 template <typename T>
 T add_key_term(T* s, const Runs& r, const T* qa, int64_t last) {
-  T mx = -std::numeric_limits<T>::infinity();
+  T mx = neg_inf<T>;
   if (qa == nullptr) {
     for (int64_t x = 0; x < r.valid; ++x) mx = std::max(mx, s[x]);
     return mx;
@@ -275,7 +252,7 @@ T add_key_term(T* s, const Runs& r, const T* qa, int64_t last) {
 
 // acc[0] += sum of s over the left run, acc[t] += s for the band, acc[last] += sum over the right run.
 template <typename T>
-void add_runs(T* acc, const T* s, const Runs& r, int64_t last) {
+void add_runs(T* acc, T* s, const Runs& r, int64_t last) {
   acc[0] += sum(s, r.left);
   add_into(acc + r.left + r.band0, s + r.left, r.right - r.left);
   acc[last] += sum(s + r.right, r.valid - r.right);
@@ -284,7 +261,6 @@ void add_runs(T* acc, const T* s, const Runs& r, int64_t last) {
 template <typename T>
 void forward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q, int64_t tile_k, T* out, T* lse) {
   const int64_t nq = (g.N + tile_q - 1) / tile_q, last = 2 * g.kk, R = g.R;
-  const T neg_inf = -std::numeric_limits<T>::infinity();
   at::parallel_for(0, g.B * g.H * nq, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> S(tile_q * tile_k), QA(g.has_k ? tile_q * R : 0), PW(g.has_v ? tile_q * R : 0);
     std::vector<T> acc(tile_q * g.Dv), mx(tile_q), sm(tile_q);
@@ -299,7 +275,7 @@ void forward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q,
       if (g.has_k) gemm<T>(false, true, tq, R, g.D, scale, qp, w.qs[2], tk, g.D, T(0), QA.data(), R);
       std::fill(PW.begin(), PW.end(), T(0));
       std::fill(acc.begin(), acc.end(), T(0));
-      std::fill(mx.begin(), mx.end(), neg_inf);
+      std::fill(mx.begin(), mx.end(), neg_inf<T>);
       std::fill(sm.begin(), sm.end(), T(0));
       const int64_t kv_end = g.causal ? std::clamp<int64_t>(m0 + tq + g.off, 0, g.M) : g.M;
       for (int64_t n0 = 0; n0 < kv_end; n0 += tile_k) {
@@ -311,7 +287,7 @@ void forward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q,
           add_mask(s, w.mask_row(b, h, m0 + a, n0), r.valid, w.ms[3]);
           const T bmax = add_key_term(s, r, g.has_k ? QA.data() + a * R : nullptr, last);
           std::fill(s + r.valid, s + width, T(0));
-          if (r.valid == 0 || bmax == neg_inf) {
+          if (r.valid == 0 || bmax == neg_inf<T>) {
             std::fill(s, s + r.valid, T(0));
             continue;
           }
@@ -343,7 +319,7 @@ void forward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q,
         const T* src = acc.data() + a * g.Dv;
         if (sm[a] == T(0)) {  // no key: zeros, lse -inf
           std::fill(o, o + g.Dv, T(0));
-          lse[bh * g.N + m0 + a] = neg_inf;
+          lse[bh * g.N + m0 + a] = neg_inf<T>;
         } else {
           const T inv = T(1) / sm[a];
           for (int64_t x = 0; x < g.Dv; ++x) o[x] = src[x] * inv;
@@ -358,7 +334,6 @@ template <typename T>
 void backward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q, int64_t tile_k, const T* dout,
                    const int64_t* dos, const T* out, const T* lse, T* dq, T* dk, T* dv, T* drk, T* drv) {
   const int64_t nq = (g.N + tile_q - 1) / tile_q, last = 2 * g.kk, R = g.R;
-  const T neg_inf = -std::numeric_limits<T>::infinity();
   at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t end) {
     const int64_t tid = at::get_thread_num();
     T* drk_t = g.has_k ? drk + tid * g.Hk * R * g.D : nullptr;
@@ -401,7 +376,7 @@ void backward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q
           for (int64_t a = 0; a < tq; ++a) {
             T* s = P.data() + a * tile_k;
             const Runs r = runs_of(m0 + a + g.off, n0, width, g.kk, g.causal);
-            if (r.valid == 0 || lt[a] == neg_inf) {
+            if (r.valid == 0 || lt[a] == neg_inf<T>) {
               std::fill(s, s + width, T(0));
               continue;
             }
