@@ -258,17 +258,40 @@ void add_runs(T* acc, T* s, const Runs& r, int64_t last) {
   acc[last] += sum(s + r.right, r.valid - r.right);
 }
 
+// The keys a tile of rows m0 .. m0+tq-1 meets: [0, kv_end) (causal: up to the last row's position).
+inline int64_t kv_end(const Geometry& g, int64_t m0, int64_t tq) {
+  return g.causal ? std::clamp<int64_t>(m0 + tq + g.off, 0, g.M) : g.M;
+}
+
+// Scores of one tile of rows against keys n0 .. n0+width-1: S[a, x] = scale * q . k + mask + the relative key
+// term (from the tile's QA rows, or none), 0 where a row may not see the key. For each row its runs and the
+// max of its scores (-inf if it sees no key there).
+template <typename T>
+void block_scores(const Geometry& g, const Views<T>& w, int64_t b, int64_t h, int64_t m0, int64_t tq, int64_t n0,
+                  int64_t width, T scale, const T* QA, T* S, int64_t ld, Runs* runs, T* rmax) {
+  gemm<T>(false, true, tq, width, g.D, scale, w.qh(b, h) + m0 * w.qs[2], w.qs[2], w.kh(b, h) + n0 * w.ks[2],
+          w.ks[2], T(0), S, ld);
+  for (int64_t a = 0; a < tq; ++a) {
+    T* s = S + a * ld;
+    const Runs r = runs_of(m0 + a + g.off, n0, width, g.kk, g.causal);
+    add_mask(s, w.mask_row(b, h, m0 + a, n0), r.valid, w.ms[3]);
+    rmax[a] = add_key_term(s, r, QA == nullptr ? nullptr : QA + a * g.R, 2 * g.kk);
+    std::fill(s + r.valid, s + width, T(0));
+    runs[a] = r;
+  }
+}
+
 template <typename T>
 void forward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q, int64_t tile_k, T* out, T* lse) {
   const int64_t nq = (g.N + tile_q - 1) / tile_q, last = 2 * g.kk, R = g.R;
   at::parallel_for(0, g.B * g.H * nq, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> S(tile_q * tile_k), QA(g.has_k ? tile_q * R : 0), PW(g.has_v ? tile_q * R : 0);
-    std::vector<T> acc(tile_q * g.Dv), mx(tile_q), sm(tile_q);
+    std::vector<T> acc(tile_q * g.Dv), mx(tile_q), sm(tile_q), rmax(tile_q);
+    std::vector<Runs> runs(tile_q);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nq, m0 = (task % nq) * tile_q, b = bh / g.H, h = bh % g.H;
       const int64_t hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h, tq = std::min(tile_q, g.N - m0);
       const T* qp = w.qh(b, h) + m0 * w.qs[2];
-      const T* kp = w.kh(b, h);
       const T* vp = w.vh(b, h);
       const T* tk = g.has_k ? w.tk + hk * R * g.D : nullptr;
       const T* tv = g.has_v ? w.tv + hv * R * g.Dv : nullptr;
@@ -277,16 +300,15 @@ void forward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q,
       std::fill(acc.begin(), acc.end(), T(0));
       std::fill(mx.begin(), mx.end(), neg_inf<T>);
       std::fill(sm.begin(), sm.end(), T(0));
-      const int64_t kv_end = g.causal ? std::clamp<int64_t>(m0 + tq + g.off, 0, g.M) : g.M;
-      for (int64_t n0 = 0; n0 < kv_end; n0 += tile_k) {
-        const int64_t width = std::min(tile_k, kv_end - n0);
-        gemm<T>(false, true, tq, width, g.D, scale, qp, w.qs[2], kp + n0 * w.ks[2], w.ks[2], T(0), S.data(), tile_k);
+      const int64_t end = kv_end(g, m0, tq);
+      for (int64_t n0 = 0; n0 < end; n0 += tile_k) {
+        const int64_t width = std::min(tile_k, end - n0);
+        block_scores(g, w, b, h, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr, S.data(), tile_k,
+                     runs.data(), rmax.data());
         for (int64_t a = 0; a < tq; ++a) {
           T* s = S.data() + a * tile_k;
-          const Runs r = runs_of(m0 + a + g.off, n0, width, g.kk, g.causal);
-          add_mask(s, w.mask_row(b, h, m0 + a, n0), r.valid, w.ms[3]);
-          const T bmax = add_key_term(s, r, g.has_k ? QA.data() + a * R : nullptr, last);
-          std::fill(s + r.valid, s + width, T(0));
+          const Runs& r = runs[a];
+          const T bmax = rmax[a];
           if (r.valid == 0 || bmax == neg_inf<T>) {
             std::fill(s, s + r.valid, T(0));
             continue;
@@ -338,7 +360,8 @@ void backward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q
     const int64_t tid = at::get_thread_num();
     T* drk_t = g.has_k ? drk + tid * g.Hk * R * g.D : nullptr;
     T* drv_t = g.has_v ? drv + tid * g.Hv * R * g.Dv : nullptr;
-    std::vector<T> P(tile_q * tile_k), dP(tile_q * tile_k), dsum(tile_q);
+    std::vector<T> P(tile_q * tile_k), dP(tile_q * tile_k), dsum(tile_q), rmax(tile_q);
+    std::vector<Runs> runs(tile_q);
     std::vector<T> QA(g.has_k ? tile_q * R : 0), dQA(g.has_k ? tile_q * R : 0);
     std::vector<T> DOA(g.has_v ? tile_q * R : 0), PW(g.has_v ? tile_q * R : 0);
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -369,21 +392,19 @@ void backward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q
           gemm<T>(false, true, tq, R, g.Dv, T(1), dot, dos[2], tv, g.Dv, T(0), DOA.data(), R);
           std::fill(PW.begin(), PW.end(), T(0));
         }
-        const int64_t kv_end = g.causal ? std::clamp<int64_t>(m0 + tq + g.off, 0, g.M) : g.M;
-        for (int64_t n0 = 0; n0 < kv_end; n0 += tile_k) {
-          const int64_t width = std::min(tile_k, kv_end - n0);
-          gemm<T>(false, true, tq, width, g.D, scale, qt, w.qs[2], kp + n0 * w.ks[2], w.ks[2], T(0), P.data(), tile_k);
-          for (int64_t a = 0; a < tq; ++a) {
+        const int64_t end = kv_end(g, m0, tq);
+        for (int64_t n0 = 0; n0 < end; n0 += tile_k) {
+          const int64_t width = std::min(tile_k, end - n0);
+          block_scores(g, w, b, h, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr, P.data(), tile_k,
+                       runs.data(), rmax.data());
+          for (int64_t a = 0; a < tq; ++a) {  // P = exp(S - lse)
             T* s = P.data() + a * tile_k;
-            const Runs r = runs_of(m0 + a + g.off, n0, width, g.kk, g.causal);
-            if (r.valid == 0 || lt[a] == neg_inf<T>) {
+            const Runs& r = runs[a];
+            if (r.valid == 0 || rmax[a] == neg_inf<T> || lt[a] == neg_inf<T>) {
               std::fill(s, s + width, T(0));
               continue;
             }
-            add_mask(s, w.mask_row(b, h, m0 + a, n0), r.valid, w.ms[3]);
-            add_key_term(s, r, g.has_k ? QA.data() + a * R : nullptr, last);
             exp_shift(s, r.valid, -lt[a]);
-            std::fill(s + r.valid, s + width, T(0));
             if (g.has_v) add_runs(PW.data() + a * R, s, r, last);
           }
           // dv += P.T @ dO;  dP = dO @ v.T (+ the value term)
@@ -392,7 +413,7 @@ void backward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q
           for (int64_t a = 0; a < tq; ++a) {
             T* ds = dP.data() + a * tile_k;
             const T* p = P.data() + a * tile_k;
-            const Runs r = runs_of(m0 + a + g.off, n0, width, g.kk, g.causal);
+            const Runs& r = runs[a];
             if (g.has_v) add_key_term(ds, r, DOA.data() + a * R, last);
             const T d = dsum[a];
             const T lo = softmax_grad_sum(ds, p, r.left, d);
