@@ -8,7 +8,7 @@
 # dependencies are installed with pip (pinned by constraints.txt) from benchmarks/wheels/ when that folder
 # exists (for machines without an index: fill it here with
 #   pip download -d benchmarks/wheels --only-binary=:all: --python-version 3.X tqdm pytest hypothesis \
-#       matplotlib 'transformers>=4.40,<5'
+#       matplotlib ninja 'transformers>=4.40,<5'
 # and carry it), else from the index; relattn itself runs from src/ (PYTHONPATH), not installed, so pip
 # never weighs the constraints' CPU torch pin against the CUDA torch already there.
 set -uo pipefail
@@ -32,7 +32,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
 
 need=()
-for mod in numpy matplotlib tqdm pytest hypothesis; do
+for mod in numpy matplotlib tqdm pytest hypothesis ninja; do  # ninja: builds the native CPU kernel
     "$PY" -c "import $mod" 2>/dev/null || need+=("$mod")
 done
 "$PY" -c "import transformers" 2>/dev/null || need+=("transformers>=4.40,<5")
