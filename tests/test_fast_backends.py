@@ -22,7 +22,6 @@ from relattn.backends.blocked import dropout_keep
 from relattn.backends.fused import region_calls
 
 FAST = ("blocked", "fused", "native")
-FAST_16 = ("blocked", "fused")  # the fast backends that take 16-bit floats
 TOL_EPS = 512
 
 
@@ -356,7 +355,7 @@ def test_dropout_backward_regenerates_the_mask():
 # ----------------------------------------------------------------------------------------- bfloat16
 
 
-@pytest.mark.parametrize("backend", FAST_16)
+@pytest.mark.parametrize("backend", FAST)
 @pytest.mark.parametrize("causal", [False, True])
 def test_bfloat16_error_within_2x_of_plain_pytorch(backend, causal):
     q, k, v, rk, rv = make(1, 4, 200, 200, 32, 32, 16, dtype=torch.float64)
@@ -372,11 +371,13 @@ def test_bfloat16_error_within_2x_of_plain_pytorch(backend, causal):
     assert err <= 2 * plain_err, (err, plain_err)
 
 
-@pytest.mark.parametrize("backend", FAST_16)
+@pytest.mark.parametrize("backend", FAST)
 def test_softmax_statistics_are_float32_for_bfloat16(backend):
     bf = [t.to(torch.bfloat16) for t in make(1, 2, 9, 9, 4, 4, 2, per_head=(True, True))]  # ops take (Hr, 2K+1, D)
     if backend == "blocked":
         out, lse = torch.ops.relattn.blocked_fwd(*bf, None, torch.tensor(0), 2, False, 0.0, 0.5, 0)
+    elif backend == "native":
+        out, lse = torch.ops.relattn.native_fwd(*bf, None, 2, False, 0.5, 0)
     else:
         out, lse, band = torch.ops.relattn.fused_fwd(*bf, None, 2, False, 0.5, 0)
         assert band.dtype == torch.float32
@@ -499,12 +500,27 @@ def test_native_build_failure_is_a_reason_not_an_error(monkeypatch):
     assert native.unavailable() == "disabled by RELATTN_NATIVE=0"
 
 
-def test_native_refuses_what_it_cannot_serve():
-    bf = [t.to(torch.bfloat16) for t in make(1, 2, 9, 9, 4, 4, 2)]
-    with pytest.raises(ValueError, match="native.*bfloat16.*float32 and float64"):
-        fn.relative_attention(*bf, max_relative_position=2, backend="native")
+def test_native_refuses_dropout():
     with pytest.raises(ValueError, match="native.*dropout"):
         fn.relative_attention(*make(1, 2, 9, 9, 4, 4, 2), max_relative_position=2, dropout_p=0.1, backend="native")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_16_bit_is_float32_inside(dtype):
+    """16-bit inputs are computed in float32: the output is the float32 computation on the same (rounded) inputs,
+    rounded once. The backward is the float32 one, except that rowsum(dO * O) uses the saved 16-bit output (as
+    PyTorch's own flash backward does), so gradients are within a few 16-bit roundings of the float32 ones."""
+    lo = [t.to(dtype).requires_grad_() for t in make(1, 2, 30, 30, 8, 8, 3, per_head=(True, False))]
+    hi = [t.detach().float().requires_grad_() for t in lo]
+    go = torch.randn(1, 2, 30, 8).to(dtype)
+    out_lo, g_lo = grads("native", lo, 3, go, is_causal=True)
+    out_hi, g_hi = grads("native", hi, 3, go.float(), is_causal=True)
+    assert out_lo.dtype == dtype and torch.equal(out_lo, out_hi.to(dtype))
+    eps = torch.finfo(dtype).eps
+    for a, b, x in zip(g_lo, g_hi, lo, strict=True):
+        assert a.dtype == x.dtype
+        err, bound = (a.float() - b).abs().max().item(), 4 * eps * (1 + b.abs().max().item())
+        assert err <= bound, (err, bound)
 
 
 @pytest.mark.parametrize("tiles", [(1, 1), (2, 3), (4, 7), (256, 512)])

@@ -23,8 +23,6 @@ from relattn import RelativeMultiheadAttention, relative_attention
 from relattn.functional import validate
 
 NAMES = ["auto", *relattn.BACKENDS]
-# bfloat16 tests: "native" takes float32/float64 only (its refusal is tested in test_fast_backends.py)
-BF16_NAMES = [n for n in NAMES if n != "native"]
 F32_TOL = {"rtol": 64 * torch.finfo(torch.float32).eps, "atol": 64 * torch.finfo(torch.float32).eps}
 BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2**-7; unit roundoff is half of it
 
@@ -229,7 +227,7 @@ def _autocast_errors(fn, mod, x, g, causal):
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("name", BF16_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_autocast_bf16_error_within_twice_plain_pytorch(name, is_causal):
     torch.manual_seed(4)
     mod = RelativeMultiheadAttention(64, 4, 4, share_heads=False, backend=name)
@@ -264,7 +262,7 @@ def _grid(shape, gen, *, levels=(-1.0, -0.5, 0.0, 0.5, 1.0)):
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("name", BF16_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_softmax_statistics_kept_in_float32(name, is_causal):
     """bf16 inputs whose scores are exact in bf16, so the only bf16 error left is in the softmax and the sums.
 

@@ -18,8 +18,6 @@ import relattn.model as model_lib
 from _plain_attention import plain_shaw_forward
 
 NAMES = ["auto", *relattn.BACKENDS]
-# bfloat16 tests: "native" takes float32/float64 only (its refusal is tested in test_fast_backends.py)
-BF16_NAMES = [n for n in NAMES if n != "native"]
 F32_TOL = {"rtol": 64 * torch.finfo(torch.float32).eps, "atol": 64 * torch.finfo(torch.float32).eps}
 BF16_EPS = torch.finfo(torch.bfloat16).eps
 VOCAB = 37
@@ -151,7 +149,7 @@ def _lm_errors(lm, tokens, targets):
     return errors, ref.detach(), {n: p.grad for n, p in grads64.items()}
 
 
-@pytest.mark.parametrize("name", BF16_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_autocast_lm_within_twice_plain_pytorch(name):
     lm = _lm(name, seed=4, d_model=64, n_heads=4, max_relative_position=4)
     tokens, targets = _tokens(2, 97, 5), _tokens(2, 97, 6)

@@ -63,7 +63,7 @@ BACKENDS: dict[str, Backend] = {
                        "any mask, dropout"),
     "native": Backend("native", native_attention, native_supports,
                       "C++ kernel, one flash pass: the key term added per row in three runs (left, band, right), "
-                      "the value term as 2K+1 weights per row; CPU, float32/64, masks, no dropout"),
+                      "the value term as 2K+1 weights per row; CPU, masks, no dropout (16-bit in float32)"),
     "fused": Backend("fused", fused_attention, fused_supports,
                      "PyTorch's fused attention for |j-i| >= K (edge rows folded into k, v), a 2K-1 band per "
                      "row, merged by log-sum-exp; masks on the CPU, no dropout"),
@@ -71,10 +71,10 @@ BACKENDS: dict[str, Backend] = {
 
 # Crossover measured by benchmarks/crossover.py (fwd+bwd, float32, B=1, H=8, D=64, both tables; on the
 # shared 2-core dev machine): "native" was fastest at every N from 16 to 384 (K = 16 and 64; 1.0-2.5x faster
-# than dense), so "auto" takes it whenever it can serve the inputs. Without it (16-bit floats, dropout, CUDA,
-# no compiler): dense was fastest up to N = M = 256 at K = 16 and up to 384 at K = 64 (1 thread), "fused" from
-# 384 / 512 on, and "blocked" beat "dense" from about the same N. So dense serves problems with
-# N*M <= (256 + 3K)^2 scores per head; at N >= 2048 "auto" never builds an (N, M) tensor.
+# than dense), so "auto" takes it whenever it can serve the inputs. Without it (dropout, CUDA, no compiler):
+# dense was fastest up to N = M = 256 at K = 16 and up to 384 at K = 64 (1 thread), "fused" from 384 / 512 on,
+# and "blocked" beat "dense" from about the same N. So dense serves problems with N*M <= (256 + 3K)^2 scores
+# per head; at N >= 2048 "auto" never builds an (N, M) tensor.
 
 
 def dense_max_scores(max_relative_position: int) -> int:
@@ -85,7 +85,7 @@ def dense_max_scores(max_relative_position: int) -> int:
 def choose(call: AttentionCall) -> Backend:
     """The backend "auto" uses for these inputs: the fastest one that supports them.
 
-    "native" first (CPU, float32/64, no dropout, a mask that needs no grad, the kernel built); then small
+    "native" first (CPU, no dropout, a mask that needs no grad, the kernel built); then small
     problems go to "dense"; otherwise "fused" when it can serve the inputs (no dropout; a mask only on the
     CPU and not one that requires grad), else "blocked" (O(N) memory, anything but a mask that requires
     grad), else "dense".

@@ -120,17 +120,29 @@ def _require() -> None:
         raise RuntimeError(f"relattn: {reason}")
 
 
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _to_kernel(*tensors):
+    """The kernel computes in float32 or float64: 16-bit tensors go in as float32 (so the scores, the softmax
+    statistics and the sums are float32, as in the "fused" backend), None stays None."""
+    return [t.float() if t is not None and t.dtype in _LOW_PRECISION else t for t in tensors]
+
+
 def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
             query_offset: int):
-    """(out (B,H,N,Dv), lse (B,H,N)); rows with no key give zeros and lse -inf."""
+    """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros, lse -inf."""
     _require()
-    return torch.ops.relattn_native.fwd(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale,
-                                        query_offset, TILE_Q, TILE_K)
+    out, lse = torch.ops.relattn_native.fwd(*_to_kernel(q, k, v, rel_k, rel_v, mask), max_relative_position,
+                                            is_causal, scale, query_offset, TILE_Q, TILE_K)
+    return out.to(q.dtype), lse
 
 
 def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
              scale: float, query_offset: int):
-    """(dq, dk, dv, d_rel_k, d_rel_v); a table gradient is an empty tensor when the table is None."""
+    """(dq, dk, dv, d_rel_k, d_rel_v) in their inputs' dtypes; a table gradient is an empty tensor when the table
+    is None."""
     _require()
-    return torch.ops.relattn_native.bwd(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position,
-                                        is_causal, scale, query_offset, TILE_Q, TILE_K)
+    grads = torch.ops.relattn_native.bwd(*_to_kernel(grad_out, q, k, v, rel_k, rel_v, mask, out), lse,
+                                         max_relative_position, is_causal, scale, query_offset, TILE_Q, TILE_K)
+    return tuple(g if t is None else g.to(t.dtype) for g, t in zip(grads, (q, k, v, rel_k, rel_v), strict=True))

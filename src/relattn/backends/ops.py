@@ -198,7 +198,7 @@ def native_fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Ten
 @native_fwd.register_fake
 def _(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset):
     b, h, n, _ = q.shape
-    return q.new_empty(b, h, n, v.shape[-1]), q.new_empty(b, h, n)
+    return q.new_empty(b, h, n, v.shape[-1]), q.new_empty(b, h, n, dtype=stats_dtype(q.dtype))
 
 
 @torch.library.custom_op("relattn::native_bwd", mutates_args=())
@@ -267,7 +267,8 @@ def fused_attention(q, k, v, rel_k, rel_v, *, max_relative_position, mask, is_ca
 def native_attention(q, k, v, rel_k, rel_v, *, max_relative_position, mask, is_causal, dropout_p, scale,
                      query_offset):
     """The "native" backend: Shaw attention in one flash pass, a C++ kernel (``backends/native.py``). Shapes as
-    ``dense_attention``; CPU, float32/float64, any additive mask that needs no gradient, no dropout."""
+    ``dense_attention``; CPU, any float dtype (16-bit computed in float32), any additive mask that needs no
+    gradient, no dropout."""
     if dropout_p > 0.0:
         raise ValueError("the 'native' backend takes no dropout; use 'blocked' or 'dense'")
     out, _ = native_fwd(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, float(scale), query_offset)
@@ -277,8 +278,6 @@ def native_attention(q, k, v, rel_k, rel_v, *, max_relative_position, mask, is_c
 def native_supports(call) -> str | None:
     if call.q.device.type != "cpu":
         return f"device {call.q.device.type} (the native kernel is CPU only)"
-    if call.q.dtype not in (torch.float32, torch.float64):
-        return f"dtype {call.q.dtype} (the native kernel takes float32 and float64; 'fused' takes 16-bit floats)"
     if call.mask is not None and call.mask.requires_grad:
         return "attn_mask requires grad (only 'dense' differentiates the mask)"
     if call.dropout_p > 0.0:
