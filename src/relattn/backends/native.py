@@ -96,6 +96,15 @@ def _cause(exc: Exception) -> str:
     return lines[-1] if lines else "no message"
 
 
+def toolchain_missing() -> str | None:
+    """Why no build can even start here (no C++ compiler: torch runs ``$CXX``, else ``c++``), else None. A build
+    that starts and fails is not this: that is a bug, and :func:`unavailable` reports it."""
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx!r} not found; set CXX or install g++)"
+    return None
+
+
 def unavailable() -> str | None:
     """None once the kernel is loaded (building it on the first call), else why it cannot be."""
     if "error" in _state:
@@ -104,6 +113,9 @@ def unavailable() -> str | None:
         if "error" not in _state:
             if os.environ.get("RELATTN_NATIVE", "1") == "0":
                 _state["error"] = "disabled by RELATTN_NATIVE=0"
+            elif toolchain_missing() is not None:
+                _state["error"] = f"the native kernel cannot be built: {toolchain_missing()}"
+                log.warning("relattn: %s; 'auto' uses the other backends", _state["error"])
             else:
                 try:
                     _build()
