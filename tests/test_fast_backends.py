@@ -559,3 +559,25 @@ def test_native_any_tiling_matches_dense_autograd(monkeypatch, tiles, case):
     assert_close(got_out, want_out, torch.float64, "out")
     for a, w in zip(got, want, strict=True):
         assert_close(a, w, torch.float64, "grad")
+
+
+@needs_native
+@pytest.mark.parametrize("splits", [0, 2, 5])
+@pytest.mark.parametrize("case", CASES[:5] + CASES[9:] + [(1, 1, 40, 40, 4, 4, 3, "both", (True, True), False, 0)],
+                         ids=IDS[:5] + IDS[9:] + ["one-head"])
+def test_native_backward_key_segments(monkeypatch, splits, case):
+    """The backward split into key segments per head (forced, or automatic when batch * heads < threads, as in
+    the one-head case): the same gradients, and the same bits from one call to the next."""
+    monkeypatch.setattr(native, "TILE_Q", 2)
+    monkeypatch.setattr(native, "TILE_K", 3)
+    monkeypatch.setattr(native, "KV_SPLITS", splits)
+    b, h, n, m, d, dv, kk, tables, per_head, causal, off = case
+    inputs = make(b, h, n, m, d, dv, kk, tables=tables, per_head=per_head, grad=True, seed=4)
+    go = torch.randn(b, h, n, dv, dtype=torch.float64)
+    kw = dict(is_causal=causal, query_offset=off)
+    want = grads("dense", inputs, kk, go, **kw)[1]
+    got = grads("native", inputs, kk, go, **kw)[1]
+    again = grads("native", inputs, kk, go, **kw)[1]
+    for a, w, a2 in zip(got, want, again, strict=True):
+        assert_close(a, w, torch.float64, "grad")
+        assert torch.equal(a, a2)

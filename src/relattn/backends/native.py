@@ -31,6 +31,7 @@ log = logging.getLogger("relattn")
 
 TILE_Q = 256  # queries per tile
 TILE_K = 512  # keys per block (benchmarks/fast_vs_sdpa.py: 128 and 1024 within a few percent at N = 2048)
+KV_SPLITS = 0  # backward: key segments per head (0: more than 1 only when batch * heads leaves threads idle)
 
 _SOURCE = "shaw_cpu.cpp"
 _lock = threading.Lock()
@@ -156,5 +157,6 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     is None."""
     _require()
     grads = torch.ops.relattn_native.bwd(*_to_kernel(grad_out, q, k, v, rel_k, rel_v, mask, out), lse,
-                                         max_relative_position, is_causal, scale, query_offset, TILE_Q, TILE_K)
+                                         max_relative_position, is_causal, scale, query_offset, TILE_Q, TILE_K,
+                                         KV_SPLITS)
     return tuple(g if t is None else g.to(t.dtype) for g, t in zip(grads, (q, k, v, rel_k, rel_v), strict=True))

@@ -352,11 +352,16 @@ void forward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q,
   });
 }
 
+// The backward's tasks are (head, segment of key blocks): each owns its keys' dk and dv rows; with more than one
+// segment per head, each writes its share of dq into its own (B*H, N, D) slab of ``dq`` (summed afterwards in
+// segment order, so the result does not depend on the threads).
 template <typename T>
-void backward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q, int64_t tile_k, const T* dout,
-                   const int64_t* dos, const T* out, const T* lse, T* dq, T* dk, T* dv, T* drk, T* drv) {
-  const int64_t nq = (g.N + tile_q - 1) / tile_q, last = 2 * g.kk, R = g.R;
-  at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t end) {
+void backward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q, int64_t tile_k, int64_t splits,
+                   const T* dout, const int64_t* dos, const T* out, const T* lse, T* dq, T* dk, T* dv, T* drk,
+                   T* drv) {
+  const int64_t last = 2 * g.kk, R = g.R;
+  const int64_t blocks = (g.M + tile_k - 1) / tile_k, per_split = (blocks + splits - 1) / splits;
+  at::parallel_for(0, g.B * g.H * splits, 1, [&](int64_t begin, int64_t end) {
     const int64_t tid = at::get_thread_num();
     T* drk_t = g.has_k ? drk + tid * g.Hk * R * g.D : nullptr;
     T* drv_t = g.has_v ? drv + tid * g.Hv * R * g.Dv : nullptr;
@@ -364,17 +369,21 @@ void backward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q
     std::vector<Runs> runs(tile_q);
     std::vector<T> QA(g.has_k ? tile_q * R : 0), dQA(g.has_k ? tile_q * R : 0);
     std::vector<T> DOA(g.has_v ? tile_q * R : 0), PW(g.has_v ? tile_q * R : 0);
-    for (int64_t bh = begin; bh < end; ++bh) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / splits, split = task % splits;
       const int64_t b = bh / g.H, h = bh % g.H, hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h;
+      const int64_t keys_lo = split * per_split * tile_k, keys_hi = std::min(g.M, (split + 1) * per_split * tile_k);
       const T* kp = w.kh(b, h);
       const T* vp = w.vh(b, h);
       const T* tk = g.has_k ? w.tk + hk * R * g.D : nullptr;
       const T* tv = g.has_v ? w.tv + hv * R * g.Dv : nullptr;
-      T* dqh = dq + bh * g.N * g.D;
+      T* dqh = dq + (split * g.B * g.H + bh) * g.N * g.D;
       T* dkh = dk + bh * g.M * g.D;
       T* dvh = dv + bh * g.M * g.Dv;
       for (int64_t m0 = 0; m0 < g.N; m0 += tile_q) {
         const int64_t tq = std::min(tile_q, g.N - m0);
+        const int64_t end = std::min(kv_end(g, m0, tq), keys_hi);
+        if (end <= keys_lo) continue;  // this tile meets none of the segment's keys
         const T* qt = w.qh(b, h) + m0 * w.qs[2];
         const T* dot = dout + b * dos[0] + h * dos[1] + m0 * dos[2];
         const T* ot = out + (bh * g.N + m0) * g.Dv;
@@ -392,8 +401,7 @@ void backward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q
           gemm<T>(false, true, tq, R, g.Dv, T(1), dot, dos[2], tv, g.Dv, T(0), DOA.data(), R);
           std::fill(PW.begin(), PW.end(), T(0));
         }
-        const int64_t end = kv_end(g, m0, tq);
-        for (int64_t n0 = 0; n0 < end; n0 += tile_k) {
+        for (int64_t n0 = keys_lo; n0 < end; n0 += tile_k) {
           const int64_t width = std::min(tile_k, end - n0);
           block_scores(g, w, b, h, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr, P.data(), tile_k,
                        runs.data(), rmax.data());
@@ -503,28 +511,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> shaw_bwd(
     const at::Tensor& grad_out_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
     const std::optional<at::Tensor>& rel_k, const std::optional<at::Tensor>& rel_v,
     const std::optional<at::Tensor>& mask_, const at::Tensor& out_, const at::Tensor& lse_, int64_t kk, bool is_causal,
-    double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k) {
+    double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k, int64_t kv_splits) {
   at::Tensor q = rows_contiguous(q_), k = rows_contiguous(k_), v = rows_contiguous(v_);
   at::Tensor grad_out = rows_contiguous(grad_out_), out = out_.contiguous(), lse = lse_.contiguous();
   at::Tensor tk = opt(rel_k), tv = opt(rel_v), mask = checked_mask(opt(mask_), q, k);
   const Geometry g = geometry(q, k, v, tk, tv, kk, is_causal, query_offset);
-  at::Tensor dq = at::zeros({g.B, g.H, g.N, g.D}, q.options());
+  const int64_t threads = at::get_num_threads(), blocks = (g.M + tile_k - 1) / tile_k;
+  // Key segments per head: 1 when the heads spread evenly over the threads or there are two per thread, else
+  // enough for two tasks per thread (fewer idle threads at the end); kv_splits > 0 forces the number.
+  const int64_t heads = std::max<int64_t>(1, g.B * g.H);
+  const bool even = heads % threads == 0 || heads >= 2 * threads;
+  const int64_t wanted = kv_splits > 0 ? kv_splits : (even ? 1 : (2 * threads + heads - 1) / heads);
+  const int64_t splits = std::max<int64_t>(1, std::min(blocks, wanted));
+  at::Tensor dq = at::zeros({splits, g.B, g.H, g.N, g.D}, q.options());
   at::Tensor dk = at::zeros({g.B, g.H, g.M, g.D}, q.options());
   at::Tensor dv = at::zeros({g.B, g.H, g.M, g.Dv}, q.options());
-  const int64_t threads = at::get_num_threads();
   at::Tensor drk = g.has_k ? at::zeros({threads, g.Hk, g.R, g.D}, q.options()) : at::empty({0}, q.options());
   at::Tensor drv = g.has_v ? at::zeros({threads, g.Hv, g.R, g.Dv}, q.options()) : at::empty({0}, q.options());
   if (g.N > 0 && g.M > 0) {
     const int64_t dos[3] = {grad_out.stride(0), grad_out.stride(1), grad_out.stride(2)};
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relattn_native_bwd", [&] {
       backward_impl<scalar_t>(g, views<scalar_t>(q, k, v, tk, tv, mask), static_cast<scalar_t>(scale), tile_q, tile_k,
-                              grad_out.data_ptr<scalar_t>(), dos, out.data_ptr<scalar_t>(),
+                              splits, grad_out.data_ptr<scalar_t>(), dos, out.data_ptr<scalar_t>(),
                               lse.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
                               dv.data_ptr<scalar_t>(), g.has_k ? drk.data_ptr<scalar_t>() : nullptr,
                               g.has_v ? drv.data_ptr<scalar_t>() : nullptr);
     });
   }
-  return {dq, dk, dv, g.has_k ? drk.sum(0) : drk, g.has_v ? drv.sum(0) : drv};
+  return {splits == 1 ? dq[0] : dq.sum(0), dk, dv, g.has_k ? drk.sum(0) : drk, g.has_v ? drv.sum(0) : drv};
 }
 
 }  // namespace
@@ -533,7 +547,7 @@ TORCH_LIBRARY(relattn_native, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, int K, bool is_causal, "
         "float scale, int query_offset, int tile_q, int tile_k) -> (Tensor, Tensor)");
   m.def("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, Tensor out, "
-        "Tensor lse, int K, bool is_causal, float scale, int query_offset, int tile_q, int tile_k) "
+        "Tensor lse, int K, bool is_causal, float scale, int query_offset, int tile_q, int tile_k, int kv_splits) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
