@@ -142,12 +142,17 @@ def _to_kernel(*tensors):
     return [t.float() if t is not None and t.dtype in _LOW_PRECISION else t for t in tensors]
 
 
+def _table(t):
+    """The kernel reads a table as a contiguous (Hr, 2K+1, d) array."""
+    return None if t is None else t.contiguous()
+
+
 def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
             query_offset: int):
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros, lse -inf."""
     _require()
-    out, lse = torch.ops.relattn_native.fwd(*_to_kernel(q, k, v, rel_k, rel_v, mask), max_relative_position,
-                                            is_causal, scale, query_offset, TILE_Q, TILE_K)
+    out, lse = torch.ops.relattn_native.fwd(*_to_kernel(q, k, v, _table(rel_k), _table(rel_v), mask),
+                                            max_relative_position, is_causal, scale, query_offset, TILE_Q, TILE_K)
     return out.to(q.dtype), lse
 
 
@@ -156,7 +161,7 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     """(dq, dk, dv, d_rel_k, d_rel_v) in their inputs' dtypes; a table gradient is an empty tensor when the table
     is None."""
     _require()
-    grads = torch.ops.relattn_native.bwd(*_to_kernel(grad_out, q, k, v, rel_k, rel_v, mask, out), lse,
+    grads = torch.ops.relattn_native.bwd(*_to_kernel(grad_out, q, k, v, _table(rel_k), _table(rel_v), mask, out), lse,
                                          max_relative_position, is_causal, scale, query_offset, TILE_Q, TILE_K,
                                          KV_SPLITS)
     return tuple(g if t is None else g.to(t.dtype) for g, t in zip(grads, (q, k, v, rel_k, rel_v), strict=True))

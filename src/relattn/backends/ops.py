@@ -68,6 +68,14 @@ def _laid_out_like(grad: Tensor, like: Tensor) -> Tensor:
     return torch.empty_like(like).copy_(grad)
 
 
+def _grads_laid_out(q, k, v, rel_k, rel_v, dq, dk, dv, drk, drv) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """A backward op's results: each gradient laid out like its input; a table's an empty tensor when the table
+    is None (ops cannot return None)."""
+    return (_laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v),
+            _or_empty(drk, q) if rel_k is None else _laid_out_like(drk, rel_k),
+            _or_empty(drv, q) if rel_v is None else _laid_out_like(drv, rel_v))
+
+
 # ---------------------------------------------------------------------------------------------- blocked
 
 
@@ -91,12 +99,10 @@ def blocked_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor
                 mask: Tensor | None, seed: Tensor, out: Tensor, lse: Tensor, max_relative_position: int,
                 is_causal: bool, dropout_p: float, scale: float,
                 query_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    dq, dk, dv, drk, drv = blocked_backward_kernel(
+    grads = blocked_backward_kernel(
         grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, max_relative_position=max_relative_position,
         is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset)
-    return (_laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v),
-            _or_empty(drk, q) if rel_k is None else _laid_out_like(drk, rel_k),
-            _or_empty(drv, q) if rel_v is None else _laid_out_like(drv, rel_v))
+    return _grads_laid_out(q, k, v, rel_k, rel_v, *grads)
 
 
 @blocked_bwd.register_fake
@@ -146,12 +152,10 @@ def _(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, quer
 def fused_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
               mask: Tensor | None, out: Tensor, lse: Tensor, band: Tensor, max_relative_position: int,
               is_causal: bool, scale: float, query_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    dq, dk, dv, drk, drv = fused_backward_kernel(
+    grads = fused_backward_kernel(
         grad_out, q, k, v, rel_k, rel_v, out, lse, band, max_relative_position=max_relative_position,
         is_causal=is_causal, scale=scale, query_offset=query_offset, mask=mask)
-    return (_laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v),
-            _or_empty(drk, q) if rel_k is None else _laid_out_like(drk, rel_k),
-            _or_empty(drv, q) if rel_v is None else _laid_out_like(drv, rel_v))
+    return _grads_laid_out(q, k, v, rel_k, rel_v, *grads)
 
 
 @fused_bwd.register_fake
@@ -160,38 +164,43 @@ def _(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, band, max_relative_positi
     return (*_grads_fake(q, k, v), *_table_grads_fake(q, rel_k, rel_v))
 
 
-def _fused_setup(ctx, inputs, output):
+def _stats_setup(ctx, inputs, output):
+    """setup_context of the fused and native ops: save the inputs and every output (out, lse and, for fused, the
+    band weights); only ``out`` gets a gradient, so none is materialised for the others (for the band that
+    would be (B, H, N, wb) zeros)."""
     q, k, v, rel_k, rel_v, mask, kk, is_causal, scale, query_offset = inputs
-    ctx.set_materialize_grads(False)  # lse and band get no gradient: no (B, H, N, wb) zeros in the backward
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, rel_k, rel_v, mask, *output)
     ctx.args = (kk, is_causal, scale, query_offset)
     ctx.has_tables = (rel_k is not None, rel_v is not None)
 
 
-def _fused_backward(ctx, grad_out, grad_lse, grad_band):
-    if grad_out is None:  # grads are not materialised: no gradient reached the output
-        return (None,) * 10
-    q, k, v, rel_k, rel_v, mask, out, lse, band = ctx.saved_tensors
-    dq, dk, dv, drk, drv = fused_bwd(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, band, *ctx.args)
-    return (dq, dk, dv, drk if ctx.has_tables[0] else None, drv if ctx.has_tables[1] else None,
-            None, None, None, None, None)
+def _stats_backward(backward_op):
+    """The autograd backward of an op set up by ``_stats_setup``: ``backward_op(grad_out, q, k, v, rel_k, rel_v,
+    mask, *saved outputs, *args)``."""
+
+    def backward(ctx, grad_out, *ignored):
+        if grad_out is None:  # grads are not materialised: no gradient reached the output
+            return (None,) * 10
+        q, k, v, rel_k, rel_v, mask, *outputs = ctx.saved_tensors
+        dq, dk, dv, drk, drv = backward_op(grad_out, q, k, v, rel_k, rel_v, mask, *outputs, *ctx.args)
+        return (dq, dk, dv, drk if ctx.has_tables[0] else None, drv if ctx.has_tables[1] else None,
+                None, None, None, None, None)
+
+    return backward
 
 
-fused_fwd.register_autograd(_fused_backward, setup_context=_fused_setup)
+fused_fwd.register_autograd(_stats_backward(fused_bwd), setup_context=_stats_setup)
 
 
 # ---------------------------------------------------------------------------------------------- native
-
-
-def _table(t: Tensor | None) -> Tensor | None:
-    return None if t is None else t.contiguous()
 
 
 @torch.library.custom_op("relattn::native_fwd", mutates_args=())
 def native_fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None, mask: Tensor | None,
                max_relative_position: int, is_causal: bool, scale: float,
                query_offset: int) -> tuple[Tensor, Tensor]:
-    return _native.forward(q, k, v, _table(rel_k), _table(rel_v), mask, max_relative_position=max_relative_position,
+    return _native.forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position,
                            is_causal=is_causal, scale=scale, query_offset=query_offset)
 
 
@@ -205,11 +214,10 @@ def _(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, quer
 def native_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
                mask: Tensor | None, out: Tensor, lse: Tensor, max_relative_position: int, is_causal: bool,
                scale: float, query_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    dq, dk, dv, drk, drv = _native.backward(grad_out, q, k, v, _table(rel_k), _table(rel_v), mask, out, lse,
-                                            max_relative_position=max_relative_position, is_causal=is_causal,
-                                            scale=scale, query_offset=query_offset)
-    return (_laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v),
-            drk if rel_k is None else _laid_out_like(drk, rel_k), drv if rel_v is None else _laid_out_like(drv, rel_v))
+    grads = _native.backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse,
+                             max_relative_position=max_relative_position, is_causal=is_causal, scale=scale,
+                             query_offset=query_offset)
+    return _grads_laid_out(q, k, v, rel_k, rel_v, *grads)
 
 
 @native_bwd.register_fake
@@ -217,24 +225,7 @@ def _(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position, is
     return (*_grads_fake(q, k, v), *_table_grads_fake(q, rel_k, rel_v))
 
 
-def _native_setup(ctx, inputs, output):
-    q, k, v, rel_k, rel_v, mask, kk, is_causal, scale, query_offset = inputs
-    ctx.set_materialize_grads(False)  # lse gets no gradient
-    ctx.save_for_backward(q, k, v, rel_k, rel_v, mask, *output)
-    ctx.args = (kk, is_causal, scale, query_offset)
-    ctx.has_tables = (rel_k is not None, rel_v is not None)
-
-
-def _native_backward(ctx, grad_out, grad_lse):
-    if grad_out is None:
-        return (None,) * 10
-    q, k, v, rel_k, rel_v, mask, out, lse = ctx.saved_tensors
-    dq, dk, dv, drk, drv = native_bwd(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *ctx.args)
-    return (dq, dk, dv, drk if ctx.has_tables[0] else None, drv if ctx.has_tables[1] else None,
-            None, None, None, None, None)
-
-
-native_fwd.register_autograd(_native_backward, setup_context=_native_setup)
+native_fwd.register_autograd(_stats_backward(native_bwd), setup_context=_stats_setup)
 
 
 # ---------------------------------------------------------------------------------------------- backends
