@@ -114,8 +114,8 @@ def unavailable() -> str | None:
         if "error" not in _state:
             if os.environ.get("RELATTN_NATIVE", "1") == "0":
                 _state["error"] = "disabled by RELATTN_NATIVE=0"
-            elif toolchain_missing() is not None:
-                _state["error"] = f"the native kernel cannot be built: {toolchain_missing()}"
+            elif (missing := toolchain_missing()) is not None:
+                _state["error"] = f"the native kernel cannot be built: {missing}"
                 log.warning("relattn: %s; 'auto' uses the other backends", _state["error"])
             else:
                 try:

@@ -12,7 +12,8 @@
 // row t (again three runs), rescaled with the output; at the end out += PW @ a^V. Nothing of size (N, M)
 // or (N, M, D) exists: per thread a (Tq, Tk) score tile and (Tq, R) rows.
 //
-// Backward, per (batch, head), tile by tile: P is recomputed from the saved log-sum-exp; dP = dO @ v.T plus
+// Backward, per (batch, head) -- or per (batch, head, segment of keys) when there are too few heads to keep the
+// threads busy -- tile by tile: P is recomputed from the saved log-sum-exp; dP = dO @ v.T plus
 // DOA[i, t] = dO_i . a^V_t in the same three runs; dS = P * (dP - rowsum(dO * O)). dQA[i, t] (the sums of dS
 // per table row) gives dq += scale * dQA @ a^K and d a^K += scale * dQA.T @ q; PW (the sums of P) gives
 // d a^V += PW.T @ dO. Table gradients are summed per thread, then across threads.
@@ -250,12 +251,12 @@ T add_key_term(T* s, const Runs& r, const T* qa, int64_t last) {
   return add_const_max(s + r.right, r.valid - r.right, qa[last], mx);
 }
 
-// acc[0] += sum of s over the left run, acc[t] += s for the band, acc[last] += sum over the right run.
+// acc[0] += lo (the left run's sum of s), acc[t] += s over the band, acc[last] += hi (the right run's sum).
 template <typename T>
-void add_runs(T* acc, T* s, const Runs& r, int64_t last) {
-  acc[0] += sum(s, r.left);
+void fold_runs(T* acc, const T* s, const Runs& r, int64_t last, T lo, T hi) {
+  acc[0] += lo;
   add_into(acc + r.left + r.band0, s + r.left, r.right - r.left);
-  acc[last] += sum(s + r.right, r.valid - r.right);
+  acc[last] += hi;
 }
 
 // The keys a tile of rows m0 .. m0+tq-1 meets: [0, kv_end) (causal: up to the last row's position).
@@ -315,20 +316,14 @@ void forward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q,
           }
           const T mnew = std::max(mx[a], bmax);
           const T alpha = std::exp(mx[a] - mnew);
-          T total;
+          const T lo = exp_sum(s, r.left, mnew), mid = exp_sum(s + r.left, r.right - r.left, mnew);
+          const T hi = exp_sum(s + r.right, r.valid - r.right, mnew);
           if (g.has_v) {
             T* pw = PW.data() + a * R;
             if (alpha != T(1)) scale_row(pw, R, alpha);
-            const T lo = exp_sum(s, r.left, mnew), mid = exp_sum(s + r.left, r.right - r.left, mnew);
-            const T hi = exp_sum(s + r.right, r.valid - r.right, mnew);
-            pw[0] += lo;
-            add_into(pw + r.left + r.band0, s + r.left, r.right - r.left);
-            pw[last] += hi;
-            total = lo + mid + hi;
-          } else {
-            total = exp_sum(s, r.valid, mnew);
+            fold_runs(pw, s, r, last, lo, hi);
           }
-          sm[a] = sm[a] * alpha + total;
+          sm[a] = sm[a] * alpha + lo + mid + hi;
           mx[a] = mnew;
           if (alpha != T(1)) scale_row(acc.data() + a * g.Dv, g.Dv, alpha);
         }
@@ -413,7 +408,7 @@ void backward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q
               continue;
             }
             exp_shift(s, r.valid, -lt[a]);
-            if (g.has_v) add_runs(PW.data() + a * R, s, r, last);
+            if (g.has_v) fold_runs(PW.data() + a * R, s, r, last, sum(s, r.left), sum(s + r.right, r.valid - r.right));
           }
           // dv += P.T @ dO;  dP = dO @ v.T (+ the value term)
           gemm<T>(true, false, width, g.Dv, tq, T(1), P.data(), tile_k, dot, dos[2], T(1), dvh + n0 * g.Dv, g.Dv);
@@ -428,12 +423,7 @@ void backward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q
             softmax_grad_sum(ds + r.left, p + r.left, r.right - r.left, d);
             const T hi = softmax_grad_sum(ds + r.right, p + r.right, r.valid - r.right, d);
             std::fill(ds + r.valid, ds + width, T(0));
-            if (g.has_k) {
-              T* dqa = dQA.data() + a * R;
-              dqa[0] += lo;
-              add_into(dqa + r.left + r.band0, ds + r.left, r.right - r.left);
-              dqa[last] += hi;
-            }
+            if (g.has_k) fold_runs(dQA.data() + a * R, ds, r, last, lo, hi);
           }
           // dq += scale dS @ k;  dk += scale dS.T @ q
           gemm<T>(false, false, tq, g.D, width, scale, dP.data(), tile_k, kp + n0 * w.ks[2], w.ks[2], T(1),
@@ -444,7 +434,9 @@ void backward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q
           gemm<T>(false, false, tq, g.D, R, scale, dQA.data(), R, tk, g.D, T(1), dqh + m0 * g.D, g.D);
           gemm<T>(true, false, R, g.D, tq, scale, dQA.data(), R, qt, w.qs[2], T(1), drk_t + hk * R * g.D, g.D);
         }
-        if (g.has_v) gemm<T>(true, false, R, g.Dv, tq, T(1), PW.data(), R, dot, dos[2], T(1), drv_t + hv * R * g.Dv, g.Dv);
+        if (g.has_v) {
+          gemm<T>(true, false, R, g.Dv, tq, T(1), PW.data(), R, dot, dos[2], T(1), drv_t + hv * R * g.Dv, g.Dv);
+        }
       }
     }
   });
@@ -459,7 +451,8 @@ Geometry geometry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "relattn native: q, k, v must be 4-D");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
               "relattn native: float32 or float64 only, got ", q.scalar_type());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "relattn native: dtypes differ");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "relattn native: dtypes differ");
   TORCH_CHECK(q.device().is_cpu(), "relattn native: CPU tensors only");
   Geometry g{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), v.size(3), 1, 1, 2 * kk + 1, kk, off,
              causal, tk.defined(), tv.defined()};
