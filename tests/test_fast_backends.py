@@ -544,18 +544,26 @@ def test_native_16_bit_is_float32_inside(dtype):
         assert err <= bound, (err, bound)
 
 
+def _case_runner(monkeypatch, case, *, tiles, splits=0, seed):
+    """Set the native kernel's (queries, keys) tiles and backward key segments, make the inputs of a CASES entry,
+    and return ``run(backend)`` -> (output, gradients) for one fixed output gradient."""
+    monkeypatch.setattr(native, "TILE_Q", tiles[0])
+    monkeypatch.setattr(native, "TILE_K", tiles[1])
+    monkeypatch.setattr(native, "KV_SPLITS", splits)
+    b, h, n, m, d, dv, kk, tables, per_head, causal, off = case
+    inputs = make(b, h, n, m, d, dv, kk, tables=tables, per_head=per_head, grad=True, seed=seed)
+    go = torch.randn(b, h, n, dv, dtype=torch.float64)
+    return lambda backend: grads(backend, inputs, kk, go, is_causal=causal, query_offset=off)
+
+
 @needs_native
 @pytest.mark.parametrize("tiles", [(1, 1), (2, 3), (4, 7), (256, 512)])
 @pytest.mark.parametrize("case", CASES[:5] + CASES[9:], ids=IDS[:5] + IDS[9:])
 def test_native_any_tiling_matches_dense_autograd(monkeypatch, tiles, case):
     """The kernel's result does not depend on its tile sizes (tiles of 1, odd sizes, one tile for everything)."""
-    monkeypatch.setattr(native, "TILE_Q", tiles[0])
-    monkeypatch.setattr(native, "TILE_K", tiles[1])
-    b, h, n, m, d, dv, kk, tables, per_head, causal, off = case
-    inputs = make(b, h, n, m, d, dv, kk, tables=tables, per_head=per_head, grad=True, seed=3)
-    go = torch.randn(b, h, n, dv, dtype=torch.float64)
-    want_out, want = grads("dense", inputs, kk, go, is_causal=causal, query_offset=off)
-    got_out, got = grads("native", inputs, kk, go, is_causal=causal, query_offset=off)
+    run = _case_runner(monkeypatch, case, tiles=tiles, seed=3)
+    want_out, want = run("dense")
+    got_out, got = run("native")
     assert_close(got_out, want_out, torch.float64, "out")
     for a, w in zip(got, want, strict=True):
         assert_close(a, w, torch.float64, "grad")
@@ -568,16 +576,10 @@ def test_native_any_tiling_matches_dense_autograd(monkeypatch, tiles, case):
 def test_native_backward_key_segments(monkeypatch, splits, case):
     """The backward split into key segments per head (forced, or automatic when batch * heads < threads, as in
     the one-head case): the same gradients, and the same bits from one call to the next."""
-    monkeypatch.setattr(native, "TILE_Q", 2)
-    monkeypatch.setattr(native, "TILE_K", 3)
-    monkeypatch.setattr(native, "KV_SPLITS", splits)
-    b, h, n, m, d, dv, kk, tables, per_head, causal, off = case
-    inputs = make(b, h, n, m, d, dv, kk, tables=tables, per_head=per_head, grad=True, seed=4)
-    go = torch.randn(b, h, n, dv, dtype=torch.float64)
-    kw = dict(is_causal=causal, query_offset=off)
-    want = grads("dense", inputs, kk, go, **kw)[1]
-    got = grads("native", inputs, kk, go, **kw)[1]
-    again = grads("native", inputs, kk, go, **kw)[1]
+    run = _case_runner(monkeypatch, case, tiles=(2, 3), splits=splits, seed=4)
+    want = run("dense")[1]
+    got = run("native")[1]
+    again = run("native")[1]
     for a, w, a2 in zip(got, want, again, strict=True):
         assert_close(a, w, torch.float64, "grad")
         assert torch.equal(a, a2)
