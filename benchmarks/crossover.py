@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import median_ms, time_interleaved  # noqa: E402
+from _timing import make_inputs, median_ms, time_interleaved  # noqa: E402
 
 from relattn import relative_attention  # noqa: E402
 
@@ -41,15 +41,12 @@ def main(argv=None) -> int:
     for kk in args.ks:
         last_dense = None
         for n in args.lengths:
-            g = torch.Generator().manual_seed(n)
-            x = [torch.randn(1, args.heads, n, args.dim, generator=g, requires_grad=True) for _ in range(3)]
-            tables = [(0.1 * torch.randn(2 * kk + 1, args.dim, generator=g)).requires_grad_() for _ in range(2)]
-            grad = torch.randn(1, args.heads, n, args.dim, generator=g)
+            inputs = make_inputs(n, heads=args.heads, dim=args.dim, kk=kk, seed=n)
 
-            def run(backend, x=x, tables=tables, grad=grad, kk=kk):
-                out = relative_attention(*x, *tables, max_relative_position=kk, is_causal=args.causal,
-                                         backend=backend)
-                torch.autograd.grad(out, (*x, *tables), grad)
+            def run(backend, inputs=inputs, kk=kk):
+                *params, grad = inputs
+                out = relative_attention(*params, max_relative_position=kk, is_causal=args.causal, backend=backend)
+                torch.autograd.grad(out, params, grad)
 
             times = time_interleaved({b: (lambda b=b: run(b)) for b in BACKENDS}, args.reps)
             med = {b: median_ms(t) for b, t in times.items()}

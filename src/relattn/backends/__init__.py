@@ -71,7 +71,8 @@ BACKENDS: dict[str, Backend] = {
 
 # Crossover measured by benchmarks/crossover.py (fwd+bwd, float32, B=1, H=8, D=64, both tables; on the
 # shared 2-core dev machine): "native" was fastest at every N from 16 to 384 (K = 16 and 64; 1.0-2.5x faster
-# than dense), so "auto" takes it whenever it can serve the inputs. Without it (dropout, CUDA, no compiler):
+# than dense; at N <= 32 by only ~0.1 ms, which short runs can invert), so "auto" takes it whenever it can serve
+# the inputs. Without it (dropout, CUDA, no compiler):
 # dense was fastest up to N = M = 256 at K = 16 and up to 384 at K = 64 (1 thread), "fused" from 384 / 512 on,
 # and "blocked" beat "dense" from about the same N. So dense serves problems with N*M <= (256 + 3K)^2 scores
 # per head; at N >= 2048 "auto" never builds an (N, M) tensor.
