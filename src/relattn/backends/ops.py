@@ -266,29 +266,33 @@ def native_attention(q, k, v, rel_k, rel_v, *, max_relative_position, mask, is_c
     return out
 
 
-def native_supports(call) -> str | None:
-    if call.q.device.type != "cpu":
-        return f"device {call.q.device.type} (the native kernel is CPU only)"
-    if call.mask is not None and call.mask.requires_grad:
-        return "attn_mask requires grad (only 'dense' differentiates the mask)"
-    if call.dropout_p > 0.0:
-        return "dropout_p > 0 (use 'blocked')"
-    return _native.unavailable()
-
-
-def blocked_supports(call) -> str | None:
+def _mask_needs_grad(call) -> str | None:
     if call.mask is not None and call.mask.requires_grad:
         return "attn_mask requires grad (only 'dense' differentiates the mask)"
     return None
 
 
+def _dropout(call) -> str | None:
+    return "dropout_p > 0 (use 'blocked')" if call.dropout_p > 0.0 else None
+
+
+def native_supports(call) -> str | None:
+    if call.q.device.type != "cpu":
+        return f"device {call.q.device.type} (the native kernel is CPU only)"
+    return _mask_needs_grad(call) or _dropout(call) or _native.unavailable()
+
+
+def blocked_supports(call) -> str | None:
+    return _mask_needs_grad(call)
+
+
 def fused_supports(call) -> str | None:
-    if call.mask is not None and call.mask.requires_grad:
-        return "attn_mask requires grad (only 'dense' differentiates the mask)"
+    if reason := _mask_needs_grad(call):
+        return reason
     if call.mask is not None and call.q.device.type != "cpu":
         return "an attn_mask on cuda (the CUDA route takes none yet; use is_causal, or 'blocked')"
-    if call.dropout_p > 0.0:
-        return "dropout_p > 0 (use 'blocked')"
+    if reason := _dropout(call):
+        return reason
     q = call.q
     if q.device.type not in ("cpu", "cuda"):
         return f"device {q.device.type} (cpu and cuda only)"
