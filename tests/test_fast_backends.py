@@ -1,4 +1,4 @@
-"""The fast backends ("blocked", "fused", "native") against the numpy reference, the dense path's autograd,
+"""The fast backends ("blocked", "native") against the numpy reference, the dense path's autograd,
 gradcheck. "native" runs with tiny tiles here (``small_native_tiles``), so that every row meets several key
 blocks and tiles end mid-sequence.
 
@@ -11,24 +11,22 @@ from __future__ import annotations
 import math
 import sys
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from relattn import functional as fn
 from relattn import reference
-from relattn.backends import BACKENDS, choose, native
+from relattn.backends import BACKENDS, choose, native, not_supported_reasons
 from relattn.backends.blocked import dropout_keep
-from relattn.backends.fused import region_calls
 
 # The native kernel's tests are skipped, with the reason, only on a machine with no C++ compiler at all;
 # anywhere else the kernel must build, so a compile error fails them.
 NO_TOOLCHAIN = native.toolchain_missing()
 needs_native = pytest.mark.skipif(NO_TOOLCHAIN is not None, reason=f"native kernel: {NO_TOOLCHAIN}")
 NATIVE = pytest.param("native", marks=needs_native)
-FAST = ("blocked", "fused", NATIVE)
-FAST_RUNNABLE = ("blocked", "fused") + (("native",) if NO_TOOLCHAIN is None else ())  # for loops in a test
+FAST = ("blocked", NATIVE)
+FAST_RUNNABLE = ("blocked",) + (("native",) if NO_TOOLCHAIN is None else ())  # for loops in a test
 TOL_EPS = 512
 
 
@@ -179,15 +177,14 @@ def _masks(b, h, n, m, g):
     return {"keypad": keypad, "start": start, "rows": rows, "per_head": per_head}
 
 
-@pytest.mark.parametrize("backend", ["fused", NATIVE])
+@needs_native
 @pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("kind", ["keypad", "start", "rows", "per_head"])
 @pytest.mark.parametrize("shape", [(40, 40, 4, False, 0), (40, 40, 4, True, 0), (30, 45, 5, True, 15),
                                    (30, 45, 5, False, -6)], ids=["full", "causal", "decode", "offset"])
-def test_masks_on_fused_and_native_match_reference_and_dense_grads(monkeypatch, backend, chunked, kind, shape):
-    """``chunked``: fused in one-tile chunks and one-head groups; native with 1-query tiles, 1-key blocks."""
-    import relattn.backends.fused as fused_kernels
-
+def test_masks_on_native_match_reference_and_dense_grads(monkeypatch, chunked, kind, shape):
+    """``chunked``: native with 1-query tiles, 1-key blocks."""
+    backend = "native"
     n, m, kk, causal, off = shape
     b, h = 2, 3
     inputs = make(b, h, n, m, 4, 4, kk, per_head=(True, False), grad=True, seed=5)
@@ -196,8 +193,6 @@ def test_masks_on_fused_and_native_match_reference_and_dense_grads(monkeypatch, 
     go = torch.randn(b, h, n, 4, dtype=torch.float64)
     want_out, want = grads("dense", inputs, kk, go, **kw)
     if chunked:
-        monkeypatch.setattr(fused_kernels, "CHUNK_ELEMENTS", 1)
-        monkeypatch.setattr(fused_kernels, "GROUP_ELEMENTS", 1)
         monkeypatch.setattr(native, "TILE_Q", 1)
         monkeypatch.setattr(native, "TILE_K", 1)
     got_out, got = grads(backend, inputs, kk, go, **kw)
@@ -222,7 +217,7 @@ def test_gradcheck_blocked_with_mask():
 
 @pytest.mark.parametrize("backend", FAST)
 def test_fully_masked_rows_give_zeros_and_zero_grads(backend):
-    # fused: causal with a negative offset leaves rows 0..2 with no key; blocked: a mask as well
+    # causal with a negative offset leaves rows 0..2 with no key; blocked: a mask as well
     q, k, v, rk, rv = make(1, 2, 8, 8, 4, 4, 2, grad=True)
     kw = dict(is_causal=True, query_offset=-3)
     if backend == "blocked":
@@ -239,64 +234,7 @@ def test_fully_masked_rows_give_zeros_and_zero_grads(backend):
     assert_close(out, ref_out(q, k, v, rk, rv, 2, **kw), torch.float64)
 
 
-def test_region_calls_cover_exactly_the_far_left_region():
-    for n, m, c in [(5, 5, -2), (5, 9, 3), (7, 3, 0), (4, 4, 10), (4, 4, -9), (6, 11, 1)]:
-        cover = np.zeros((n, m), dtype=int)
-        for i0, j0, j1, causal in region_calls(n, m, c):
-            for i in range(i0, n):
-                for j in range(j0, j1):
-                    if not causal or j - j0 <= i - i0:
-                        cover[i, j] += 1
-        want = np.arange(m)[None, :] <= np.arange(n)[:, None] + c
-        assert np.array_equal(cover, want.astype(int)), (n, m, c)
-
-
-@pytest.mark.parametrize("case", [
-    (2, 3, 70, 70, 6, 6, 5, "both", (True, True), False, 0),
-    (2, 3, 70, 64, 6, 4, 5, "both", (True, False), True, 3),
-    (1, 5, 53, 61, 4, 4, 7, "keys", (False, False), False, -4),
-    (3, 2, 40, 40, 4, 4, 6, "values", (True, True), False, 2),
-], ids=["full", "causal-offset", "keys-only-mne", "values-only"])
-def test_fused_chunks_and_head_groups(monkeypatch, case):
-    """Several band chunks per head and several head groups (groups that wrap around per-head tables)."""
-    import relattn.backends.fused as fused_kernels
-
-    b, h, n, m, d, dv, kk, tables, per_head, causal, off = case
-    inputs = make(b, h, n, m, d, dv, kk, tables=tables, per_head=per_head, grad=True, seed=3)
-    go = torch.randn(b, h, n, dv, dtype=torch.float64)
-    want_out, want = grads("dense", inputs, kk, go, is_causal=causal, query_offset=off)
-    monkeypatch.setattr(fused_kernels, "CHUNK_ELEMENTS", 1)  # one tile per chunk
-    monkeypatch.setattr(fused_kernels, "GROUP_ELEMENTS", 1)  # heads in groups of torch.get_num_threads()
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert len(fused_kernels.head_groups(b * h, n, d)) == -(-(b * h) // 2)
-    got_out, got = grads("fused", inputs, kk, go, is_causal=causal, query_offset=off)
-    assert_close(got_out, want_out, torch.float64, "out")
-    for a, w in zip(got, want, strict=True):
-        assert_close(a, w, torch.float64, "grad")
-
-
-@pytest.mark.parametrize("tile", [1, 3, 4])
-@pytest.mark.parametrize("causal", [False, True])
-def test_band_bias_marks_exactly_the_missing_keys_and_rows(tile, causal):
-    """The band's -inf entries, added only to the edge tiles, are exactly the keys outside [0, M) and the rows
-    past N, for every chunking."""
-    from relattn.backends.fused import _Band
-
-    for n, m, kk, off in [(9, 9, 3, 0), (10, 7, 4, 2), (5, 12, 2, -6), (7, 7, 9, 0), (8, 3, 2, 5), (6, 6, 1, 0)]:
-        geo = _Band(1, n, m, kk, off, causal, tile, "cpu")
-        r = torch.arange(geo.r_lo, geo.r_lo + geo.wb)
-        rows = torch.arange(geo.nt * geo.tile)[:, None]
-        j = rows + off + r[None, :]
-        want = ((j < 0) | (j >= m) | (rows >= n)).view(geo.nt, geo.tile, geo.wb)
-        for step in (1, 2, geo.nt):
-            got = torch.zeros(geo.nt, geo.tile, geo.wb)
-            for t0 in range(0, geo.nt, step):
-                t1 = min(geo.nt, t0 + step)
-                geo.add_bias(got[t0:t1], t0, t1)
-            assert torch.equal(torch.isinf(got), want), (n, m, kk, off, step)
-
-
-def test_awkward_length_1025_fused_and_blocked():
+def test_awkward_length_1025_fast_backends():
     inputs = make(1, 1, 1025, 1025, 8, 8, 16, per_head=(False, False), dtype=torch.float32, grad=True)
     go = torch.randn(1, 1, 1025, 8)
     want_out, want = grads("dense", inputs, 16, go, is_causal=False)
@@ -383,11 +321,8 @@ def test_softmax_statistics_are_float32_for_bfloat16(backend):
     bf = [t.to(torch.bfloat16) for t in make(1, 2, 9, 9, 4, 4, 2, per_head=(True, True))]  # ops take (Hr, 2K+1, D)
     if backend == "blocked":
         out, lse = torch.ops.relattn.blocked_fwd(*bf, None, torch.tensor(0), 2, False, 0.0, 0.5, 0)
-    elif backend == "native":
-        out, lse = torch.ops.relattn.native_fwd(*bf, None, 2, False, 0.5, 0)
     else:
-        out, lse, band = torch.ops.relattn.fused_fwd(*bf, None, 2, False, 0.5, 0)
-        assert band.dtype == torch.float32
+        out, lse = torch.ops.relattn.native_fwd(*bf, None, 2, False, 0.5, 0)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
 
 
@@ -409,14 +344,16 @@ def test_choose_never_picks_a_backend_that_cannot_serve():
              _call(n=600, mask=torch.zeros(600, 600), mask_grad=True), _call(n=2048, causal=True)]
     for call in calls:
         chosen = choose(call)
-        assert chosen.supports(call) is None, (chosen.name, chosen.supports(call))
+        assert not not_supported_reasons(chosen, call), (chosen.name, not_supported_reasons(chosen, call))
     with_native = ["native", "native", "dense", "dense", "native", "blocked", "native", "dense", "native"]
-    without = ["dense", "dense", "dense", "dense", "fused", "blocked", "fused", "dense", "fused"]
+    without = ["dense", "dense", "dense", "dense", "blocked", "blocked", "blocked", "dense", "blocked"]
     assert [choose(c).name for c in calls] == (with_native if NO_TOOLCHAIN is None else without)
-    assert BACKENDS["fused"].supports(calls[1]) is None and BACKENDS["fused"].supports(calls[2]) is not None
-    assert BACKENDS["fused"].supports(calls[3]) is not None  # a mask that requires grad
-    with pytest.raises(ValueError, match="cannot serve"):
-        fn.relative_attention(*make(1, 1, 3, 3, 2, 2, 1), max_relative_position=1, dropout_p=0.5, backend="fused")
+    assert not not_supported_reasons(BACKENDS["blocked"], calls[2])  # dropout
+    assert not_supported_reasons(BACKENDS["blocked"], calls[3]) == [
+        "attn_mask requires grad (only 'dense' differentiates the mask)"]
+    with pytest.raises(ValueError, match="cannot serve.*attn_mask requires grad"):
+        fn.relative_attention(*make(1, 1, 3, 3, 2, 2, 1), max_relative_position=1,
+                              attn_mask=torch.zeros(3, 3, dtype=torch.float64, requires_grad=True), backend="blocked")
 
 
 @pytest.mark.parametrize("backend", FAST)
@@ -431,9 +368,6 @@ def test_backward_is_deterministic(backend):
 def test_custom_ops_opcheck():
     q, k, v, rk, rv = make(1, 2, 7, 9, 4, 4, 2, per_head=(True, False), dtype=torch.float32, grad=True)
     rv = rv.detach()[None].requires_grad_()  # the ops take canonical (Hr, 2K+1, D) tables
-    torch.library.opcheck(torch.ops.relattn.fused_fwd.default, (q, k, v, rk, rv, None, 2, True, 0.5, 2))
-    mask = torch.zeros(1, 1, 1, 9).masked_fill_(torch.arange(9) >= 7, float("-inf"))  # key padding
-    torch.library.opcheck(torch.ops.relattn.fused_fwd.default, (q, k, v, rk, rv, mask, 2, False, 0.5, 0))
     torch.library.opcheck(torch.ops.relattn.blocked_fwd.default,
                           (q, k, v, None, rv, torch.zeros(1, 1, 7, 9), torch.tensor(3), 2, False, 0.0, 0.5, 0))
 
@@ -464,14 +398,19 @@ def test_compile_fullgraph_smoke(backend):
 
 
 @pytest.mark.parametrize("backend", FAST)
-def test_autocast_does_not_retype_the_kernels(backend):
-    """Inside the ops autocast is off: float32 inputs are computed in float32, bfloat16 inputs keep float32
-    statistics (see test_softmax_statistics_are_float32_for_bfloat16)."""
+def test_autocast_casts_the_inputs_as_for_sdpa_and_no_further(backend):
+    """Under autocast the op's inputs are cast as autocast casts SDPA's (tables too, so float32 parameters meet
+    bfloat16 activations); inside the ops autocast is off, so the result is the op on the cast inputs, with
+    float32 statistics (see test_softmax_statistics_are_float32_for_bfloat16)."""
     inputs = make(1, 2, 40, 40, 8, 8, 4, dtype=torch.float32)
-    plain = fn.relative_attention(*inputs, max_relative_position=4, backend=backend)
+    q16 = inputs[0].bfloat16()  # an activation from an autocast nn.Linear; k, v and the tables stay float32
+    plain = fn.relative_attention(*[t.bfloat16() for t in inputs], max_relative_position=4, backend=backend)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        under = fn.relative_attention(*inputs, max_relative_position=4, backend=backend)
-    assert under.dtype == torch.float32 and torch.equal(under, plain)
+        under = fn.relative_attention(q16, *inputs[1:], max_relative_position=4, backend=backend)
+    assert under.dtype == torch.bfloat16 and torch.equal(under, plain)
+    with pytest.raises(TypeError, match="rel_k has dtype torch.float32 but q has dtype torch.bfloat16"):
+        fn.relative_attention(q16, *[t.bfloat16() for t in inputs[1:3]], *inputs[3:], max_relative_position=4,
+                              backend=backend)
 
 
 @pytest.mark.parametrize("backend", FAST)
@@ -488,7 +427,7 @@ def test_choose_without_native_uses_the_other_backends(monkeypatch):
     monkeypatch.setitem(native._state, "error", "the native kernel could not be built (no compiler)")
     calls = [_call(), _call(n=600), _call(n=600, mask=torch.ones(600, 600, dtype=torch.bool)),
              _call(n=2048, causal=True)]
-    assert [choose(c).name for c in calls] == ["dense", "fused", "fused", "fused"]
+    assert [choose(c).name for c in calls] == ["dense", "blocked", "blocked", "blocked"]
     with pytest.raises(ValueError, match="no compiler"):
         fn.relative_attention(*make(1, 1, 3, 3, 2, 2, 1), max_relative_position=1, backend="native")
 

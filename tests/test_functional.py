@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import relattn
 from helpers import random_inputs, reference_output
 from relattn import BACKENDS, relative_attention
+from relattn.backends import not_supported_reasons
 from relattn.functional import validate
 
 NAMES = ["auto", *BACKENDS]
@@ -22,7 +23,7 @@ def run_or_refused(backend, *args, **kwargs):
     call = validate(*args, dropout_p=kwargs.get("dropout_p", 0.0), scale=kwargs.get("scale"),
                     **{k: kwargs.get(k, d) for k, d in (("max_relative_position", None), ("attn_mask", None),
                                                          ("is_causal", False), ("query_offset", 0))})
-    if BACKENDS[backend].supports(call) is not None:
+    if not_supported_reasons(BACKENDS[backend], call):
         with pytest.raises(ValueError, match="cannot serve"):
             relative_attention(*args, backend=backend, **kwargs)
         return None

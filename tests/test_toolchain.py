@@ -33,7 +33,7 @@ def _refusal(name: str, q, k, v, rel_k, rel_v, **kw) -> str | None:
         return None
     call = validate(q, k, v, rel_k, rel_v, attn_mask=None, dropout_p=0.0, scale=kw.pop("scale", None),
                     query_offset=kw.pop("query_offset", 0), **kw)
-    return relattn.BACKENDS[name].supports(call)
+    return "; ".join(relattn.backends.not_supported_reasons(relattn.BACKENDS[name], call)) or None
 
 
 def _module_refusal(name: str, mod: RelativeMultiheadAttention, x: torch.Tensor, *, is_causal: bool) -> str | None:

@@ -41,7 +41,7 @@ def _refusal(name: str, model: nn.Module, tokens: torch.Tensor, dtype=torch.floa
     tables = [None if t is None else t.detach().to(dtype) for t in (attn.rel_k, attn.rel_v)]
     call = relattn.functional.validate(q, q, q, *tables, max_relative_position=attn.max_relative_position,
                                        attn_mask=None, is_causal=True, dropout_p=0.0, scale=None, query_offset=0)
-    return relattn.BACKENDS[name].supports(call)
+    return "; ".join(relattn.backends.not_supported_reasons(relattn.BACKENDS[name], call)) or None
 
 
 def _tokens(b: int, n: int, seed: int) -> torch.Tensor:

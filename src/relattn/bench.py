@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from . import __version__
 from ._io import atomic_write_text, save_figure
-from .backends import BACKENDS, choose
+from .backends import BACKENDS, choose, not_supported_reasons
 from .backends.dense import causal_allowed
 from .functional import additive_mask, relative_attention, validate
 from .peers import HFBertRelativeKey, materialised_attention, transformers_version
@@ -189,7 +189,7 @@ def _relattn(name: str) -> Callable[[Inputs], Runner | str]:
         if name == "auto":
             detail = f"chose {choose(call).name}"
         else:
-            reason = BACKENDS[name].supports(call)
+            reason = "; ".join(not_supported_reasons(BACKENDS[name], call)) or None
             if reason is not None:
                 return reason
             detail = ""

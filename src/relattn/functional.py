@@ -1,7 +1,11 @@
 """``relative_attention``: Shaw attention shaped like ``torch.nn.functional.scaled_dot_product_attention``.
 
 Notation: ``B`` batch, ``H`` heads, ``N`` query length, ``M`` key length, ``D`` head dim of queries and
-keys, ``Dv`` head dim of values, ``K`` max relative position (tables have ``2K + 1`` rows).
+keys, ``Dv`` head dim of values, ``K`` max relative position (tables have ``2K + 1`` rows; ``left + right + 1``
+for an asymmetric window ``(left, right)``).
+
+:func:`validate` checks every argument and brings the call to the one form every backend receives
+(:class:`relattn.backends.AttentionCall`): 4-D additive masks, (Hr, 2K+1, D) tables clipped symmetrically.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import math
 import torch
 
 from .backends import AttentionCall, resolve
-from .positions import check_max_relative_position
+from .positions import check_beyond, check_window, symmetric_table
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -24,14 +28,15 @@ def _check_table(name, table, *, heads, rows, dim, like) -> torch.Tensor | None:
     if not isinstance(table, torch.Tensor):
         raise TypeError(f"{name} must be a Tensor or None, got {type(table).__name__}")
     if table.dim() not in (2, 3):
-        raise ValueError(f"{name} must be (2K+1, D) or (H, 2K+1, D); got {table.dim()} dims {_shape(table)}")
+        raise ValueError(f"{name} must be (R, D) or (H, R, D) with R = {rows} table rows; got {table.dim()} dims "
+                         f"{_shape(table)}")
     received = _shape(table)
     if table.dim() == 2:
         table = table.unsqueeze(0)
     if table.shape[0] not in (1, heads) or table.shape[1] != rows or table.shape[2] != dim:
         raise ValueError(
             f"{name} must be ({rows}, {dim}) or ({heads}, {rows}, {dim}) for H={heads}, "
-            f"2K+1={rows}, head dim {dim}; got {received}"
+            f"{rows} table rows, head dim {dim}; got {received}"
         )
     _check_like(name, table, like)
     return table
@@ -68,8 +73,19 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.to(dtype)
 
 
+def _autocast(tensors: list) -> list:
+    """Under ``torch.autocast``, the inputs as autocast casts SDPA's: 16/32-bit floats to the autocast dtype
+    (float64 is left alone, as autocast leaves it). Outside autocast, unchanged."""
+    q = tensors[0]
+    if not isinstance(q, torch.Tensor) or not torch.is_autocast_enabled(q.device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(q.device.type)
+    return [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+            else t for t in tensors]
+
+
 def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_causal, dropout_p, scale,
-             query_offset) -> AttentionCall:
+             query_offset, beyond="clip") -> AttentionCall:
     """Check every argument and bring it to the canonical form backends receive."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -78,6 +94,7 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
             raise ValueError(f"{name} must be 4-D (B, H, L, D); got {t.dim()} dims {_shape(t)}")
     if not q.is_floating_point():
         raise TypeError(f"q must be floating point, got {q.dtype}")
+    q, k, v, rel_k, rel_v = _autocast([q, k, v, rel_k, rel_v])
     _check_like("k", k, q)
     _check_like("v", v, q)
     b, h, n, d = q.shape
@@ -86,9 +103,13 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
         raise ValueError(f"k must be (B, H, M, D) = ({b}, {h}, M, {d}) to match q {_shape(q)}; got {_shape(k)}")
     if v.shape[:3] != (b, h, m):
         raise ValueError(f"v must be (B, H, M, Dv) = ({b}, {h}, {m}, Dv) to match k {_shape(k)}; got {_shape(v)}")
-    kk = check_max_relative_position(max_relative_position)
-    rel_k = _check_table("rel_k", rel_k, heads=h, rows=2 * kk + 1, dim=d, like=q)
-    rel_v = _check_table("rel_v", rel_v, heads=h, rows=2 * kk + 1, dim=v.shape[3], like=q)
+    window = check_window(max_relative_position)
+    beyond = check_beyond(beyond)
+    rows = window[0] + window[1] + 1
+    rel_k = _check_table("rel_k", rel_k, heads=h, rows=rows, dim=d, like=q)
+    rel_v = _check_table("rel_v", rel_v, heads=h, rows=rows, dim=v.shape[3], like=q)
+    rel_k, kk = symmetric_table(rel_k, window, beyond)
+    rel_v, _ = symmetric_table(rel_v, window, beyond)
     mask = _check_mask(attn_mask, target=(b, h, n, m), like=q)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
@@ -110,7 +131,8 @@ def relative_attention(
     rel_k: torch.Tensor | None = None,
     rel_v: torch.Tensor | None = None,
     *,
-    max_relative_position: int,
+    max_relative_position: int | tuple[int, int],
+    beyond: str = "clip",
     attn_mask: torch.Tensor | None = None,
     is_causal: bool = False,
     dropout_p: float = 0.0,
@@ -128,6 +150,10 @@ def relative_attention(
             None for no relative term on the keys.
         rel_v: value-side table ``a^V``: (2K+1, Dv), (H, 2K+1, Dv) or None.
         max_relative_position: ``K``; offsets ``j - i`` are clipped to ``[-K, K]`` and shifted by ``K``.
+            A pair ``(left, right)`` clips to ``[-left, right]`` and shifts by ``left`` (tables of
+            ``left + right + 1`` rows).
+        beyond: ``"clip"`` (offsets beyond the window take the edge rows, Shaw et al.) or ``"zero"``
+            (they get no relative term: zero embeddings).
         attn_mask: bool (True = may attend, as SDPA) or float (added to the scores), broadcastable
             to (B, H, N, M).
         is_causal: forbid keys ``j > i + query_offset``.
@@ -142,25 +168,22 @@ def relative_attention(
         (B, H, N, Dv): ``out_i = sum_j w_ij (v_j + a^V[idx_ij])`` with
         ``w_i = softmax_j((q_i . k_j + q_i . a^K[idx_ij]) * scale + mask_ij)`` and
         ``idx_ij = clip(j - i - query_offset, -K, K) + K``. A row with nothing to attend to gives
-        zeros (and zero gradients), never NaN.
+        zeros (and zero gradients); a NaN in the inputs reaches the rows it touches, as in the reference.
+        Under ``torch.autocast`` the inputs are cast as autocast casts SDPA's (tables included).
     """
     call = validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, attn_mask=attn_mask,
-                    is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset)
-    chosen = resolve(backend, call)
-    return chosen.fn(call.q, call.k, call.v, call.rel_k, call.rel_v,
-                     max_relative_position=call.max_relative_position, mask=call.mask,
-                     is_causal=call.is_causal, dropout_p=call.dropout_p, scale=call.scale,
-                     query_offset=call.query_offset)
+                    is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset, beyond=beyond)
+    return resolve(backend, call).run(call)
 
 
-def relative_attention_weights(q, k, rel_k=None, *, max_relative_position, attn_mask=None, is_causal=False,
-                               scale=None, query_offset=0) -> torch.Tensor:
+def relative_attention_weights(q, k, rel_k=None, *, max_relative_position, beyond="clip", attn_mask=None,
+                               is_causal=False, scale=None, query_offset=0) -> torch.Tensor:
     """The (B, H, N, M) attention weights ``w`` of :func:`relative_attention` (no dropout)."""
     from .backends.dense import dense_weights
 
     call = validate(q, k, k[..., :0], rel_k, None, max_relative_position=max_relative_position,
                     attn_mask=attn_mask, is_causal=is_causal, dropout_p=0.0, scale=scale,
-                    query_offset=query_offset)
+                    query_offset=query_offset, beyond=beyond)
     weights, _ = dense_weights(call.q, call.k, call.rel_k, max_relative_position=call.max_relative_position,
                                mask=call.mask, is_causal=call.is_causal, scale=call.scale,
                                query_offset=call.query_offset)

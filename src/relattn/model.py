@@ -77,10 +77,9 @@ class TransformerConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.positions not in POSITIONS:
             raise ValueError(f"positions must be one of {', '.join(POSITIONS)}; got {self.positions!r}")
-        from .backends import BACKENDS
+        from .backends import check_name
 
-        if self.backend != "auto" and self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {['auto', *BACKENDS]}; got {self.backend!r}")
+        check_name(self.backend)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -106,10 +106,9 @@ class RelativeMultiheadAttention(nn.Module):
             raise ValueError(f"embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        from .backends import BACKENDS
+        from .backends import check_name
 
-        if backend != "auto" and backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {['auto', *BACKENDS]}; got {backend!r}")
+        check_name(backend)
         factory = {"device": device, "dtype": dtype}
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.head_dim = embed_dim // num_heads
@@ -207,10 +206,7 @@ class RelativeMultiheadAttention(nn.Module):
             from .functional import validate
 
             call = validate(q, k, v, rel_k, rel_v, dropout_p=dropout, scale=None, **common)
-            out, weights = dense_attention(call.q, call.k, call.v, call.rel_k, call.rel_v,
-                                           max_relative_position=call.max_relative_position, mask=call.mask,
-                                           is_causal=is_causal, dropout_p=dropout, scale=call.scale,
-                                           query_offset=offset, need_weights=True)
+            out, weights = dense_attention(call, need_weights=True)
             if average_attn_weights:
                 weights = weights.mean(1)
         else:

@@ -7,6 +7,10 @@ against the functions here, and the loop forms here are the ground truth for the
 Notation: ``N`` query length, ``M`` key length, ``d_k``/``d_v`` head dims, ``K`` the maximum
 relative position (the table has ``2K + 1`` rows: offset ``r`` in ``[-K, K]`` lives at row ``r + K``).
 
+Two variants the published models use extend the spec: a window ``(left, right)`` of offsets ``[-left, right]``
+(rows ``0 .. left + right``, offset ``r`` at row ``r + left``; ``K`` is ``(K, K)``), and ``beyond="zero"``:
+offsets outside the window have no embedding (a zero vector) instead of the edge row.
+
 Seeding: the spec seeds numpy's *global* generator. Here every random draw goes through a local
 ``np.random.RandomState`` built from ``seed`` (legacy ``RandomState(s)`` draws exactly what
 ``np.random.seed(s)`` followed by ``np.random.randn`` draws), so the spec's printed numbers are
@@ -29,6 +33,15 @@ __all__ = [
     "RelativeSelfAttention",
     "relative_attention",
 ]
+
+
+def _check_window(max_relative_position) -> tuple[int, int]:
+    """``(left, right)`` from an int ``K`` or a pair."""
+    if isinstance(max_relative_position, (tuple, list)):
+        left, right = (_check_k(x) for x in max_relative_position)
+        return left, right
+    k = _check_k(max_relative_position)
+    return k, k
 
 
 def _check_k(max_relative_position: int) -> int:
@@ -76,29 +89,69 @@ class RelativePositionEmbedding:
 
     Rows are initialised ``N(0, 1) * sqrt(2 / (2K + 1 + d))`` (Glorot-normal scale), keys first, then
     values, from ``RandomState(seed)`` when ``seed`` is given (as the spec's ``np.random.seed(seed)``).
+    ``max_distance`` may be a window ``(left, right)`` (tables of ``left + right + 1`` rows), and
+    ``beyond="zero"`` gives offsets outside the window a zero embedding instead of the edge row.
     """
 
-    def __init__(self, max_distance: int, d_k: int, d_v: int, seed: int | None = None, *, rng=None):
-        max_distance = _check_k(max_distance)
+    def __init__(self, max_distance, d_k: int, d_v: int, seed: int | None = None, *, rng=None,
+                 beyond: str = "clip"):
+        self.max_left, self.max_right = _check_window(max_distance)
+        if beyond not in ("clip", "zero"):
+            raise ValueError(f"beyond must be 'clip' or 'zero', got {beyond!r}")
         gen = _rng(seed, rng)
-        n_positions = 2 * max_distance + 1
+        n_positions = self.max_left + self.max_right + 1
         scale_k = np.sqrt(2.0 / (n_positions + d_k))
         scale_v = np.sqrt(2.0 / (n_positions + d_v))
         self.a_K = _randn(gen, n_positions, d_k) * scale_k
         self.a_V = _randn(gen, n_positions, d_v) * scale_v
-        self.max_distance = max_distance
+        self.beyond = beyond
 
-    def index(self, rel_pos: int) -> int:
-        """Row of the table for a raw offset ``j - i``: clip to ``[-K, K]``, then shift by ``K``."""
-        return max(-self.max_distance, min(self.max_distance, rel_pos)) + self.max_distance
+    @classmethod
+    def from_tables(cls, a_K, a_V, max_distance, *, beyond: str = "clip") -> RelativePositionEmbedding:
+        """Given tables (``left + right + 1`` rows each) instead of drawn ones."""
+        emb = cls(max_distance, 1, 1, rng=np.random.RandomState(0), beyond=beyond)
+        emb.a_K, emb.a_V = np.asarray(a_K, dtype=np.float64), np.asarray(a_V, dtype=np.float64)
+        return emb
+
+    @property
+    def max_distance(self) -> int:
+        """``K`` of a symmetric window."""
+        if self.max_left != self.max_right:
+            raise ValueError(f"the window ({self.max_left}, {self.max_right}) is not symmetric")
+        return self.max_left
+
+    def index(self, rel_pos: int) -> int | None:
+        """Row of the table for a raw offset ``j - i``: clip to ``[-left, right]``, then shift by ``left``; None
+        (no embedding) outside the window when ``beyond="zero"``."""
+        if self.beyond == "zero" and not -self.max_left <= rel_pos <= self.max_right:
+            return None
+        return max(-self.max_left, min(self.max_right, rel_pos)) + self.max_left
+
+    def _row(self, table: np.ndarray, rel_pos: int) -> np.ndarray:
+        row = self.index(rel_pos)
+        return np.zeros(table.shape[1]) if row is None else table[row]
 
     def get_key_embedding(self, rel_pos: int) -> np.ndarray:
         """``a^K`` for the raw offset ``rel_pos = j - i``."""
-        return self.a_K[self.index(rel_pos)]
+        return self._row(self.a_K, rel_pos)
 
     def get_value_embedding(self, rel_pos: int) -> np.ndarray:
         """``a^V`` for the raw offset ``rel_pos = j - i``."""
-        return self.a_V[self.index(rel_pos)]
+        return self._row(self.a_V, rel_pos)
+
+    def index_matrix(self, n: int, m: int, *, query_offset: int = 0) -> np.ndarray:
+        """(N, M) rows of :meth:`index`, with ``left + right + 1`` (one past the last row) for None."""
+        rows = self.max_left + self.max_right + 1
+        out = np.empty((n, m), dtype=np.int64)
+        for i in range(n):
+            for j in range(m):
+                row = self.index(j - (i + query_offset))
+                out[i, j] = rows if row is None else row
+        return out
+
+
+def _with_zero_row(table: np.ndarray) -> np.ndarray:
+    return np.vstack([table, np.zeros((1, table.shape[1]))])
 
 
 def relative_attention_scores(Q, K, rel_embed: RelativePositionEmbedding, *, query_offset: int = 0, scale=None):
@@ -120,8 +173,8 @@ def relative_attention_scores(Q, K, rel_embed: RelativePositionEmbedding, *, que
 def relative_attention_scores_vectorized(Q, K, rel_embed, *, query_offset: int = 0, scale=None):
     """Same as :func:`relative_attention_scores`, by gathering ``Q @ a_K.T`` through the index matrix."""
     n, d_k = Q.shape
-    idx = relative_position_matrix(n, K.shape[0], rel_embed.max_distance, query_offset=query_offset)
-    rel = (Q @ rel_embed.a_K.T)[np.arange(n)[:, None], idx + rel_embed.max_distance]
+    idx = rel_embed.index_matrix(n, K.shape[0], query_offset=query_offset)
+    rel = (Q @ _with_zero_row(rel_embed.a_K).T)[np.arange(n)[:, None], idx]
     return (Q @ K.T + rel) * (1.0 / np.sqrt(d_k) if scale is None else scale)
 
 
@@ -139,11 +192,11 @@ def relative_attention_output(attention_weights, V, rel_embed: RelativePositionE
 def relative_attention_output_vectorized(attention_weights, V, rel_embed, *, query_offset: int = 0):
     """Same as :func:`relative_attention_output`: per-row bucket sums of the weights times ``a_V``."""
     n, m = attention_weights.shape
-    k = rel_embed.max_distance
-    idx = relative_position_matrix(n, m, k, query_offset=query_offset) + k
-    buckets = np.zeros((n, 2 * k + 1))
+    idx = rel_embed.index_matrix(n, m, query_offset=query_offset)
+    a_v = _with_zero_row(rel_embed.a_V)
+    buckets = np.zeros((n, a_v.shape[0]))
     np.add.at(buckets, (np.repeat(np.arange(n), m), idx.ravel()), attention_weights.ravel())
-    return attention_weights @ V + buckets @ rel_embed.a_V
+    return attention_weights @ V + buckets @ a_v
 
 
 def softmax(scores):
@@ -179,22 +232,25 @@ class RelativeSelfAttention:
         return relative_attention_output(weights, V, self.rel_embed), weights
 
 
-def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, attn_mask=None,
+def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, beyond="clip", attn_mask=None,
                        is_causal=False, scale=None, query_offset=0, return_weights=False):
     """Batched multi-head reference for the torch op, built from the spec's functions above.
 
-    q (B, H, N, D), k (B, H, M, D), v (B, H, M, Dv); rel_k/rel_v (2K+1, D) or (H, 2K+1, D) or None;
+    q (B, H, N, D), k (B, H, M, D), v (B, H, M, Dv); rel_k/rel_v (R, D) or (H, R, D) or None, with R = 2K+1 rows
+    (``left + right + 1`` for a window ``max_relative_position=(left, right)``); ``beyond`` as in
+    :class:`RelativePositionEmbedding`;
     attn_mask bool (True = may attend) or float (added), broadcastable to (B, H, N, M). Fully masked
     rows give zero output. Returns (B, H, N, Dv) float64 [and the (B, H, N, M) weights].
     """
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     b, h, n, d = q.shape
     m, dv = k.shape[2], v.shape[-1]
-    kk = _check_k(max_relative_position)
+    left, right = _check_window(max_relative_position)
+    rows = left + right + 1
     tables = []
     for t, dim in ((rel_k, d), (rel_v, dv)):
-        t = np.zeros((h, 2 * kk + 1, dim)) if t is None else np.asarray(t, dtype=np.float64)
-        tables.append(np.broadcast_to(t, (h, 2 * kk + 1, dim)))
+        t = np.zeros((h, rows, dim)) if t is None else np.asarray(t, dtype=np.float64)
+        tables.append(np.broadcast_to(t, (h, rows, dim)))
     bias = np.zeros((b, h, n, m))
     if attn_mask is not None:
         mask = np.asarray(attn_mask)
@@ -204,11 +260,9 @@ def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position
         bias = np.where(future, -np.inf, bias)
     out = np.zeros((b, h, n, dv))
     weights = np.zeros((b, h, n, m))
-    emb = RelativePositionEmbedding.__new__(RelativePositionEmbedding)
-    emb.max_distance = kk
     for bi in range(b):
         for hi in range(h):
-            emb.a_K, emb.a_V = tables[0][hi], tables[1][hi]
+            emb = RelativePositionEmbedding.from_tables(tables[0][hi], tables[1][hi], (left, right), beyond=beyond)
             s = relative_attention_scores_vectorized(q[bi, hi], k[bi, hi], emb, query_offset=query_offset,
                                                      scale=scale)
             weights[bi, hi] = softmax(s + bias[bi, hi])

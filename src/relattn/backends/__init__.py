@@ -1,116 +1,81 @@
-"""Backends, picked by one checked string.
+"""Backends, picked by one checked string: the registry, ``choose`` (what ``"auto"`` runs) and ``resolve``.
 
-A backend is a function with the signature of :func:`relattn.backends.dense.dense_attention`
-(validated, canonical inputs: tables as (Hr, 2K+1, D) with Hr in {1, H}; ``mask`` None or an additive
-float tensor of 4 dims broadcastable to (B, H, N, M)) and a ``supports`` predicate that returns
-``None`` when it can serve the inputs, else the reason it cannot. ``"auto"`` picks among them.
+A backend is one file, ``backends/<name>.py``, ending in ``BACKEND = Backend(name, run, Serves(...), doc)``:
+``run`` takes the validated :class:`AttentionCall` and returns the output; ``Serves`` declares what it serves,
+and :func:`not_supported_reasons` derives every refusal from that declaration. Adding a backend is that file
+and one line in ``_REGISTERED`` below (see docs/architecture.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from . import blocked, dense, native
+from ._common import AttentionCall, Backend, Serves, not_supported_reasons
 
-import torch
+_REGISTERED = (dense.BACKEND, blocked.BACKEND, native.BACKEND)
 
-from .dense import dense_attention
+BACKENDS: dict[str, Backend] = {b.name: b for b in _REGISTERED}
 
-
-@dataclass(frozen=True)
-class AttentionCall:
-    """The validated inputs of one call, for ``supports`` predicates and ``choose``."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    rel_k: torch.Tensor | None
-    rel_v: torch.Tensor | None
-    max_relative_position: int
-    mask: torch.Tensor | None
-    is_causal: bool
-    dropout_p: float
-    scale: float
-    query_offset: int
-
-
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    fn: Callable[..., torch.Tensor]
-    supports: Callable[[AttentionCall], str | None]
-    doc: str
-
-
-def _always(call: AttentionCall) -> str | None:
-    return None
-
-
-from . import fused as fused_kernels  # noqa: E402
-from .ops import (  # noqa: E402
-    blocked_attention,
-    blocked_supports,
-    fused_attention,
-    fused_supports,
-    native_attention,
-    native_supports,
-)
-
-BACKENDS: dict[str, Backend] = {
-    "dense": Backend("dense", dense_attention, _always,
-                     "(B,H,N,M) scores, key term gathered from q@rel_k.T, value term by bucket sums"),
-    "blocked": Backend("blocked", blocked_attention, blocked_supports,
-                       "flash algorithm in plain torch: online softmax over key blocks, O(N(D+K)) memory, "
-                       "any mask, dropout"),
-    "native": Backend("native", native_attention, native_supports,
-                      "C++ kernel, one flash pass: the key term added per row in three runs (left, band, right), "
-                      "the value term as 2K+1 weights per row; CPU, masks, no dropout (16-bit in float32)"),
-    "fused": Backend("fused", fused_attention, fused_supports,
-                     "PyTorch's fused attention for |j-i| >= K (edge rows folded into k, v), a 2K-1 band per "
-                     "row, merged by log-sum-exp; masks on the CPU, no dropout"),
-}
-
-# Crossover measured by benchmarks/crossover.py (fwd+bwd, float32, B=1, H=8, D=64, both tables; on the
-# shared 2-core dev machine): "native" was fastest at every N from 16 to 384 (K = 16 and 64; 1.0-2.5x faster
-# than dense; at N <= 32 by only ~0.1 ms, which short runs can invert), so "auto" takes it whenever it can serve
-# the inputs. Without it (dropout, CUDA, no compiler):
-# dense was fastest up to N = M = 256 at K = 16 and up to 384 at K = 64 (1 thread), "fused" from 384 / 512 on,
-# and "blocked" beat "dense" from about the same N. So dense serves problems with N*M <= (256 + 3K)^2 scores
-# per head; at N >= 2048 "auto" never builds an (N, M) tensor.
+# Priority lists of "auto", per device. Crossover measured by benchmarks/crossover.py (fwd+bwd, float32,
+# B=1, H=8, D=64, both tables, 2-core CPU): "native" was fastest at every N from 16 to 384 (K = 16 and 64),
+# so it comes first on the CPU. Without it (dropout, no compiler) dense was fastest up to N = M = 256 at
+# K = 16 and up to 384 at K = 64, and blocked beyond: dense serves problems with N*M <= (256 + 3K)^2 scores
+# per head, and at larger sizes "auto" never builds an (N, M) tensor.
+_SMALL = {"cpu": ("native", "dense", "blocked"), "cuda": ("triton", "dense", "blocked")}
+_LARGE = {"cpu": ("native", "blocked", "dense"), "cuda": ("triton", "blocked", "dense")}
+_OTHER_DEVICES = (("dense", "blocked"), ("blocked", "dense"))
 
 
 def dense_max_scores(max_relative_position: int) -> int:
-    """Largest N*M per head for which "auto" picks "dense" (see the crossover note above)."""
+    """Largest N*M per head for which "auto" prefers "dense" over "blocked" (see the crossover note above)."""
     return (256 + 3 * max_relative_position) ** 2
 
 
-def choose(call: AttentionCall) -> Backend:
-    """The backend "auto" uses for these inputs: the fastest one that supports them.
+def check_name(name: object, *, what: str = "backend") -> str:
+    """``name`` if it is ``"auto"`` or a registered backend, else a ValueError listing the valid choices."""
+    if not isinstance(name, str) or (name != "auto" and name not in BACKENDS):
+        valid = ", ".join(repr(n) for n in ["auto", *BACKENDS])
+        raise ValueError(f"{what} must be one of {valid}; got {name!r}")
+    return name
 
-    "native" first (CPU, no dropout, a mask that needs no grad, the kernel built); then small
-    problems go to "dense"; otherwise "fused" when it can serve the inputs (no dropout; a mask only on the
-    CPU and not one that requires grad), else "blocked" (O(N) memory, anything but a mask that requires
-    grad), else "dense".
-    """
+
+def priority(call: AttentionCall) -> tuple[str, ...]:
+    """The backends "auto" tries for ``call``, in order."""
     n, m = call.q.shape[-2], call.k.shape[-2]
-    # symbolic sizes (torch.export with a dynamic length): no guard on N, take a size-independent backend
+    # symbolic sizes (torch.export with a dynamic length): no guard on N, take a size-independent order
     small = isinstance(n, int) and isinstance(m, int) and n * m <= dense_max_scores(call.max_relative_position)
-    order = ("native", "dense", "fused", "blocked") if small else ("native", "fused", "blocked", "dense")
-    if call.q.is_cuda and not fused_kernels.CUDA_VERIFIED:
-        order = tuple(name for name in order if name != "fused")
-    for name in order:
-        if BACKENDS[name].supports(call) is None:
+    device = call.q.device.type
+    order = (_SMALL if small else _LARGE).get(device, _OTHER_DEVICES[0] if small else _OTHER_DEVICES[1])
+    return tuple(name for name in order if name in BACKENDS)
+
+
+def choose(call: AttentionCall) -> Backend:
+    """The backend "auto" uses for ``call``: the first of :func:`priority` that serves it ("dense" serves all)."""
+    for name in priority(call):
+        if not not_supported_reasons(BACKENDS[name], call):
             return BACKENDS[name]
     return BACKENDS["dense"]
 
 
+def why_not(call: AttentionCall) -> dict[str, list[str]]:
+    """For each backend "auto" would have preferred to the one it chose, why it could not serve ``call``."""
+    chosen = choose(call).name
+    reasons = {}
+    for name in priority(call):
+        if name == chosen:
+            break
+        reasons[name] = not_supported_reasons(BACKENDS[name], call)
+    return reasons
+
+
 def resolve(name: str, call: AttentionCall) -> Backend:
-    if not isinstance(name, str) or (name != "auto" and name not in BACKENDS):
-        valid = ", ".join(repr(n) for n in ["auto", *BACKENDS])
-        raise ValueError(f"backend must be one of {valid}; got {name!r}")
-    if name == "auto":
+    """The backend ``name`` names (``"auto"``: :func:`choose`), or a ValueError with every reason it refuses."""
+    if check_name(name) == "auto":
         return choose(call)
     backend = BACKENDS[name]
-    reason = backend.supports(call)
-    if reason is not None:
-        raise ValueError(f"backend {name!r} cannot serve these inputs: {reason}")
+    if reasons := not_supported_reasons(backend, call):
+        raise ValueError(f"backend {name!r} cannot serve these inputs: {'; '.join(reasons)}")
     return backend
+
+
+__all__ = ["BACKENDS", "AttentionCall", "Backend", "Serves", "check_name", "choose", "not_supported_reasons",
+           "priority", "resolve", "why_not"]

@@ -1,4 +1,4 @@
-"""The "blocked" kernels: the flash algorithm in plain torch (no autograd here).
+"""The "blocked" backend: the flash algorithm in plain torch, any device, any mask, dropout; O(N (D + K)) memory.
 
 Notation: ``B`` batch, ``H`` heads, ``N`` queries, ``M`` keys, ``D``/``Dv`` head dims, ``K`` max relative
 position, ``p_i = i + query_offset``. This is the readable statement of the algorithm a GPU kernel mirrors:
@@ -25,9 +25,20 @@ for 16-bit inputs. Every reduction has a fixed order (no atomics): the backward 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from ..positions import clip_and_shift
-from .fused import stats_dtype
+from ._common import (
+    AttentionCall,
+    Backend,
+    Serves,
+    grads_fake,
+    grads_laid_out,
+    no_autocast,
+    register_stats_autograd,
+    stats_dtype,
+    stats_fake,
+)
 
 DEFAULT_BLOCK = 128
 _M32 = 0xFFFFFFFF
@@ -176,3 +187,60 @@ def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, m
     if rel_v is not None:
         d_rel_v = _sum_table_grad(p_buckets.transpose(-1, -2) @ grad_out, rel_v.shape[0])
     return tuple(t.to(dtype) if t is not None else None for t in (dq, dk, dv, d_rel_k, d_rel_v))
+
+
+# ------------------------------------------------------------------------------------ the custom ops
+# relattn::blocked_fwd(q, k, v, rel_k?, rel_v?, mask?, seed, K, is_causal, dropout_p, scale, query_offset)
+#   -> (out (B,H,N,Dv), lse (B,H,N)); relattn::blocked_bwd -> (dq, dk, dv, d_rel_k, d_rel_v).
+# torch.compile and torch.export see each as one opaque, shape-correct op.
+
+
+@torch.library.custom_op("relattn::blocked_fwd", mutates_args=())
+def blocked_fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None, mask: Tensor | None,
+                seed: Tensor, max_relative_position: int, is_causal: bool, dropout_p: float, scale: float,
+                query_offset: int) -> tuple[Tensor, Tensor]:
+    out = no_autocast(blocked_forward)(q, k, v, rel_k, rel_v, mask, seed, max_relative_position=max_relative_position,
+                                       is_causal=is_causal, dropout_p=dropout_p, scale=scale,
+                                       query_offset=query_offset)
+    return tuple(t.contiguous() for t in out)  # the fake kernels promise contiguous outputs
+
+
+@blocked_fwd.register_fake
+def _(q, k, v, rel_k, rel_v, mask, seed, max_relative_position, is_causal, dropout_p, scale, query_offset):
+    return stats_fake(q, v)
+
+
+@torch.library.custom_op("relattn::blocked_bwd", mutates_args=())
+def blocked_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
+                mask: Tensor | None, seed: Tensor, out: Tensor, lse: Tensor, max_relative_position: int,
+                is_causal: bool, dropout_p: float, scale: float,
+                query_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grads = no_autocast(blocked_backward)(
+        grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, max_relative_position=max_relative_position,
+        is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset)
+    return grads_laid_out((q, k, v, rel_k, rel_v), grads)
+
+
+@blocked_bwd.register_fake
+def _(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, max_relative_position, is_causal, dropout_p, scale,
+      query_offset):
+    return grads_fake(q, k, v, rel_k, rel_v)
+
+
+register_stats_autograd(blocked_fwd, blocked_bwd, tensor_inputs=7, n_args=12)
+
+
+def blocked_attention(call: AttentionCall) -> Tensor:
+    """The output (B, H, N, Dv). The dropout seed is drawn from torch's default generator (``torch.manual_seed``)."""
+    q = call.q
+    if call.dropout_p > 0.0:
+        seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=q.device)
+    else:
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    out, _ = blocked_fwd(q, call.k, call.v, call.rel_k, call.rel_v, call.mask, seed, call.max_relative_position,
+                         call.is_causal, call.dropout_p, call.scale, call.query_offset)
+    return out
+
+
+BACKEND = Backend("blocked", blocked_attention, Serves(dropout=True),
+                  "flash algorithm in plain torch: online softmax over key blocks, O(N(D+K)) memory, any mask, dropout")

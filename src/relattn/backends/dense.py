@@ -1,4 +1,5 @@
-"""The "dense" backend: (B, H, N, M) scores, never an (N, M, D) tensor.
+"""The "dense" backend: (B, H, N, M) scores, never an (N, M, D) tensor. Any device, dtype, mask (one that needs
+a gradient included) and dropout; the fastest for small problems.
 
 Key term: ``q @ rel_k.T`` is (B, H, N, 2K+1) -- the Toeplitz structure of the clipped offsets means
 each query needs only 2K+1 dot products with the table -- gathered through the (N, M) index.
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..positions import relative_position_index
+from ._common import AttentionCall, Backend, Serves
 
 
 def causal_allowed(n: int, m: int, query_offset: int, device) -> torch.Tensor:
@@ -19,7 +21,9 @@ def causal_allowed(n: int, m: int, query_offset: int, device) -> torch.Tensor:
 
 
 def masked_softmax(scores: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim where a row of all ``-inf`` gives zeros (and zero gradients), not NaN."""
+    """Softmax over the last dim where a row of all ``-inf`` (or of no keys) gives zeros and zero gradients."""
+    if scores.shape[-1] == 0:
+        return scores
     peak = scores.detach().amax(-1, keepdim=True)
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
     e = torch.exp(scores - peak)
@@ -45,17 +49,21 @@ def dense_weights(q, k, rel_k, *, max_relative_position, mask, is_causal, scale,
     return masked_softmax(scores), idx
 
 
-def dense_attention(q, k, v, rel_k, rel_v, *, max_relative_position, mask, is_causal, dropout_p, scale,
-                    query_offset, need_weights=False):
-    """See :func:`relattn.relative_attention`; tables arrive as (Hr, 2K+1, D) with Hr in {1, H}."""
-    p, idx = dense_weights(q, k, rel_k, max_relative_position=max_relative_position, mask=mask,
-                           is_causal=is_causal, scale=scale, query_offset=query_offset)
-    if dropout_p > 0.0:
-        p = F.dropout(p, dropout_p, training=True)
+def dense_attention(call: AttentionCall, *, need_weights: bool = False):
+    """The output (B, H, N, Dv) of ``call`` [and its weights (B, H, N, M) in q's dtype, before dropout]."""
+    p, idx = dense_weights(call.q, call.k, call.rel_k, max_relative_position=call.max_relative_position,
+                           mask=call.mask, is_causal=call.is_causal, scale=call.scale, query_offset=call.query_offset)
+    if call.dropout_p > 0.0:
+        p = F.dropout(p, call.dropout_p, training=True)
+    v, rel_v = call.v, call.rel_v
     out = p.to(v.dtype) @ v
     if rel_v is not None:
         # Bucket sums from the float32 (or float64) weights: a bf16 accumulator over ~M weights loses them.
-        buckets = p.new_zeros(*p.shape[:-1], 2 * max_relative_position + 1)
+        buckets = p.new_zeros(*p.shape[:-1], 2 * call.max_relative_position + 1)
         buckets = buckets.scatter_add(-1, idx.expand_as(p), p)
         out = out + buckets.to(rel_v.dtype) @ rel_v
-    return (out, p.to(q.dtype)) if need_weights else out
+    return (out, p.to(call.q.dtype)) if need_weights else out
+
+
+BACKEND = Backend("dense", dense_attention, Serves(dropout=True, mask_grad=True),
+                  "(B,H,N,M) scores, key term gathered from q@rel_k.T, value term by bucket sums")

@@ -1,4 +1,4 @@
-"""The "native" backend's C++ kernel (``relattn/csrc/shaw_cpu.cpp``): built on first use, then cached.
+"""The "native" backend: a C++ kernel (``relattn/csrc/shaw_cpu.cpp``), CPU only, built on first use, then cached.
 
 Shaw attention in one flash pass on the CPU: per tile of queries, blocks of keys with an online softmax; the
 relative key term is added to each row in three runs (left of the band, the band, right of it) from the
@@ -7,10 +7,15 @@ never builds an (N, M) or (N, M, D) tensor, and its cost is within a few percent
 attention.
 
 The kernel is compiled with ``torch.utils.cpp_extension`` the first time it is needed (about 15 s on a
-2-core machine; torch caches it under ``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``,
-keyed by the source and compiler flags). It needs a C++ compiler and ninja (a dependency of relattn, from
-PyPI; a system one is used first). Where the build fails, or with
-``RELATTN_NATIVE=0`` in the environment, :func:`unavailable` says why and "auto" uses the other backends.
+2-core machine) into ``$TORCH_EXTENSIONS_DIR`` (by default ``~/.cache/torch_extensions``), under a name keyed
+by what changes the binary only: the source text, the compiler flags, the torch version and the compiler's
+``--version``. A library already built under that key is loaded as it is, whichever way relattn was installed
+or started. It needs a C++ compiler and ninja (a dependency of relattn, from PyPI; a system one is used first).
+Where the build fails, or with ``RELATTN_NATIVE=0`` in the environment, :func:`unavailable` says why and
+"auto" uses the other backends.
+
+Any float dtype (16-bit inputs computed in float32, one rounding of the output), any additive mask that needs
+no gradient, no dropout.
 """
 
 from __future__ import annotations
@@ -21,11 +26,24 @@ import logging
 import os
 import re
 import shutil
+import subprocess
 import sys
 import threading
 from importlib import resources
 
 import torch
+from torch import Tensor
+
+from ._common import (
+    LOW_PRECISION,
+    AttentionCall,
+    Backend,
+    Serves,
+    grads_fake,
+    grads_laid_out,
+    register_stats_autograd,
+    stats_fake,
+)
 
 log = logging.getLogger("relattn")
 
@@ -65,24 +83,48 @@ def _ninja_on_path():
         os.environ["PATH"] = path
 
 
-def _build() -> None:
-    from torch.utils.cpp_extension import _get_build_directory as _build_directory  # imported here: slow to import
-    from torch.utils.cpp_extension import load
-
-    source = resources.files("relattn").joinpath("csrc", _SOURCE)
-    text = source.read_bytes()
-    flags = ["-O3", "-fopenmp", *_capability_flags()]
-    key = hashlib.sha256(text + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
-    name = f"relattn_native_{key}"
+def _compiler_identity() -> bytes:
+    """The compiler torch will run (``$CXX``, else ``c++``) and what it says of its version."""
+    cxx = os.environ.get("CXX", "c++")
     try:
-        cached = os.path.exists(os.path.join(_build_directory(name, verbose=False), f"{name}.so"))
-    except Exception:  # a private helper of torch: if it moves, say "compiling" anyway
-        cached = False
-    if not cached:
-        log.warning("relattn: compiling the native CPU kernel (once, about 15 s; torch caches it)")
-    with resources.as_file(source) as path, _ninja_on_path():
-        load(name, [str(path)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
-             verbose=False)
+        version = subprocess.run([cxx, "--version"], capture_output=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = b""
+    return cxx.encode() + b"\0" + version
+
+
+def build_key(source: bytes, flags: list[str]) -> str:
+    """The cache key of a build: the source text, the flags, the torch version and the compiler, nothing else
+    (not where relattn is installed, nor which ninja or Python runs the build)."""
+    parts = [source, " ".join(flags).encode(), torch.__version__.encode(), _compiler_identity()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import (
+        _get_build_directory,  # imported here: slow to import
+        load,
+    )
+
+    text = resources.files("relattn").joinpath("csrc", _SOURCE).read_bytes()
+    flags = ["-O3", "-fopenmp", *_capability_flags()]
+    name = f"relattn_native_{build_key(text, flags)}"
+    build_dir = _get_build_directory(name, verbose=False)
+    library = os.path.join(build_dir, f"{name}.so")
+    if os.path.exists(library) and not os.path.exists(os.path.join(build_dir, "lock")):
+        torch.ops.load_library(library)
+        return
+    log.warning("relattn: compiling the native CPU kernel into %s (about 15 s)", build_dir)
+    # The build reads a copy of the source kept in its own directory, so the path ninja records never changes.
+    source = os.path.join(build_dir, _SOURCE)
+    if not os.path.exists(source) or open(source, "rb").read() != text:
+        tmp = f"{source}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(text)
+        os.replace(tmp, source)
+    with _ninja_on_path():
+        load(name, [source], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
+             build_directory=build_dir, verbose=False)
 
 
 _TELLING = re.compile(r"not found|error:|fatal|undefined symbol|no such file|required", re.IGNORECASE)
@@ -133,13 +175,10 @@ def _require() -> None:
         raise RuntimeError(f"relattn: {reason}")
 
 
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
 def _to_kernel(*tensors):
     """The kernel computes in float32 or float64: 16-bit tensors go in as float32 (so the scores, the softmax
-    statistics and the sums are float32, as in the "fused" backend), None stays None."""
-    return [t.float() if t is not None and t.dtype in _LOW_PRECISION else t for t in tensors]
+    statistics and the sums are float32), None stays None."""
+    return [t.float() if t is not None and t.dtype in LOW_PRECISION else t for t in tensors]
 
 
 def _table(t):
@@ -165,3 +204,51 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
                                          max_relative_position, is_causal, scale, query_offset, TILE_Q, TILE_K,
                                          KV_SPLITS)
     return tuple(g if t is None else g.to(t.dtype) for g, t in zip(grads, (q, k, v, rel_k, rel_v), strict=True))
+
+
+# ------------------------------------------------------------------------------------ the custom ops
+# relattn::native_fwd(q, k, v, rel_k?, rel_v?, mask?, K, is_causal, scale, query_offset) -> (out, lse);
+# relattn::native_bwd -> (dq, dk, dv, d_rel_k, d_rel_v).
+
+
+@torch.library.custom_op("relattn::native_fwd", mutates_args=())
+def native_fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None, mask: Tensor | None,
+               max_relative_position: int, is_causal: bool, scale: float,
+               query_offset: int) -> tuple[Tensor, Tensor]:
+    return forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position,
+                   is_causal=is_causal, scale=scale, query_offset=query_offset)
+
+
+@native_fwd.register_fake
+def _(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset):
+    return stats_fake(q, v)
+
+
+@torch.library.custom_op("relattn::native_bwd", mutates_args=())
+def native_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
+               mask: Tensor | None, out: Tensor, lse: Tensor, max_relative_position: int, is_causal: bool,
+               scale: float, query_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grads = backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position=max_relative_position,
+                     is_causal=is_causal, scale=scale, query_offset=query_offset)
+    return grads_laid_out((q, k, v, rel_k, rel_v), grads)
+
+
+@native_bwd.register_fake
+def _(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position, is_causal, scale, query_offset):
+    return grads_fake(q, k, v, rel_k, rel_v)
+
+
+register_stats_autograd(native_fwd, native_bwd, tensor_inputs=6, n_args=10)
+
+
+def native_attention(call: AttentionCall) -> Tensor:
+    """The output (B, H, N, Dv), in q's dtype."""
+    out, _ = native_fwd(call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, call.max_relative_position,
+                        call.is_causal, call.scale, call.query_offset)
+    return out
+
+
+BACKEND = Backend("native", native_attention, Serves(devices=frozenset({"cpu"})),
+                  "C++ kernel, one flash pass: the key term added per row in three runs (left, band, right), "
+                  "the value term as 2K+1 weights per row; CPU, masks, no dropout (16-bit in float32)",
+                  unavailable=unavailable)

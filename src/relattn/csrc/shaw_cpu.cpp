@@ -1,6 +1,6 @@
 // Shaw attention in one flash pass on the CPU: the "native" backend's kernels.
 //
-// Notation as in relattn/backends/fused.py: q (B,H,N,D), k (B,H,M,D), v (B,H,M,Dv), tables (Hk|Hv,R,D|Dv) with
+// Notation (as in relattn/backends/_common.py): q (B,H,N,D), k (B,H,M,D), v (B,H,M,Dv), tables (Hk|Hv,R,D|Dv) with
 // R = 2K+1 and Hk, Hv in {1, H}; query i sits at position p = i + query_offset; key j has offset r = j - p and
 // table row t(r) = clamp(r, -K, K) + K.
 //

@@ -1,0 +1,161 @@
+"""What every backend shares: the validated call, the declaration of what a backend serves, the one function that
+turns a declaration into refusal reasons, and the plumbing of a ``torch.library`` custom op with a saved
+log-sum-exp (fake kernels, gradient layout, autograd setup).
+
+Notation: ``B`` batch, ``H`` heads, ``N`` queries, ``M`` keys, ``D``/``Dv`` head dims, ``K`` max relative
+position; tables arrive as ``(Hr, 2K+1, D|Dv)`` with ``Hr`` in ``{1, H}``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics (max, log-sum-exp) are kept in float32 for 16-bit inputs."""
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """The validated, canonical inputs of one call: what a backend receives.
+
+    q (B,H,N,D), k (B,H,M,D), v (B,H,M,Dv); tables (Hr,2K+1,D|Dv) or None, clipped symmetrically to [-K, K]
+    (:func:`relattn.functional.validate` brings asymmetric windows and zero-beyond tables to this form);
+    ``mask`` None or an additive float tensor of 4 dims broadcastable to (B,H,N,M).
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    rel_k: Tensor | None
+    rel_v: Tensor | None
+    max_relative_position: int
+    mask: Tensor | None
+    is_causal: bool
+    dropout_p: float
+    scale: float
+    query_offset: int
+
+
+@dataclass(frozen=True)
+class Serves:
+    """What a backend serves, as data. ``None`` for ``devices`` means any device."""
+
+    devices: frozenset[str] | None = None
+    dtypes: frozenset[torch.dtype] = FLOATS
+    dropout: bool = False
+    mask: bool = True
+    mask_grad: bool = False
+    max_head_dim: int | None = None
+    head_dims_differ: bool = True  # D != Dv
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend: ``run(call)`` returns the (B,H,N,Dv) output; ``serves`` says for which calls;
+    ``unavailable()`` says why it cannot run on this machine at all (a missing compiler or package), else None."""
+
+    name: str
+    run: Callable[[AttentionCall], Tensor]
+    serves: Serves
+    doc: str
+    unavailable: Callable[[], str | None] = lambda: None
+
+
+def not_supported_reasons(backend: Backend, call: AttentionCall) -> list[str]:
+    """Every reason ``backend`` cannot serve ``call``; empty when it can."""
+    s, q = backend.serves, call.q
+    reasons = []
+    if s.devices is not None and q.device.type not in s.devices:
+        reasons.append(f"device {q.device.type} (serves {', '.join(sorted(s.devices))})")
+    if q.dtype not in s.dtypes:
+        reasons.append(f"dtype {q.dtype} (serves {', '.join(sorted(str(d) for d in s.dtypes))})")
+    if call.dropout_p > 0.0 and not s.dropout:
+        reasons.append("dropout_p > 0 (no dropout; 'blocked' and 'dense' take it)")
+    if call.mask is not None and not s.mask:
+        reasons.append("an attn_mask (takes none; use is_causal, or 'blocked')")
+    if call.mask is not None and call.mask.requires_grad and not s.mask_grad:
+        reasons.append("attn_mask requires grad (only 'dense' differentiates the mask)")
+    d, dv = q.shape[-1], call.v.shape[-1]
+    if s.max_head_dim is not None and max(d, dv) > s.max_head_dim:
+        reasons.append(f"head dim {max(d, dv)} (at most {s.max_head_dim})")
+    if d != dv and not s.head_dims_differ:
+        reasons.append(f"D = {d} != Dv = {dv} (needs equal head dims)")
+    if not reasons and (why := backend.unavailable()) is not None:
+        reasons.append(why)
+    return reasons
+
+
+def no_autocast(fn):
+    """Run a kernel with autocast off: it computes in its inputs' dtype (16-bit inputs keep float32 softmax
+    statistics), instead of autocast re-typing its inner matmuls behind its back."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+# ------------------------------------------------------------------ custom-op plumbing (outputs out and lse)
+
+
+def stats_fake(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """The fake forward of an op returning (out (B,H,N,Dv), lse (B,H,N))."""
+    b, h, n, _ = q.shape
+    return q.new_empty(b, h, n, v.shape[-1]), q.new_empty(b, h, n, dtype=stats_dtype(q.dtype))
+
+
+def grads_fake(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None) -> tuple[Tensor, ...]:
+    """The fake backward: (dq, dk, dv, d_rel_k, d_rel_v), a table's an empty tensor when the table is None."""
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty(0) if rel_k is None else torch.empty_like(rel_k),
+            q.new_empty(0) if rel_v is None else torch.empty_like(rel_v))
+
+
+def _laid_out_like(grad: Tensor, like: Tensor) -> Tensor:
+    """``grad`` with the strides of ``empty_like(like)``, as the fake kernels promise (and as the compilers
+    expect of an input's gradient): free for contiguous inputs, one copy for a strided view."""
+    if grad.stride() == like.stride():
+        return grad
+    return torch.empty_like(like).copy_(grad)
+
+
+def grads_laid_out(inputs, grads) -> tuple[Tensor, ...]:
+    """A backward op's results for ``inputs = (q, k, v, rel_k, rel_v)``: each gradient laid out like its input;
+    a table's an empty tensor when the table is None (ops cannot return None)."""
+    return tuple(inputs[0].new_empty(0) if t is None else _laid_out_like(g, t)
+                 for g, t in zip(grads, inputs, strict=True))
+
+
+def register_stats_autograd(forward_op, backward_op, *, tensor_inputs: int, n_args: int) -> None:
+    """Autograd for ``forward_op(q, k, v, rel_k, rel_v, *more tensors, *args) -> (out, lse, ...)``, whose first
+    ``tensor_inputs`` inputs are tensors (or None) to save and whose backward is
+    ``backward_op(grad_out, *those tensors, *saved outputs, *args)``. Only ``out`` gets a gradient; none is
+    materialised for the statistics."""
+
+    def setup(ctx, inputs, output):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*inputs[:tensor_inputs], *output)
+        ctx.args = inputs[tensor_inputs:]
+        ctx.has_tables = (inputs[3] is not None, inputs[4] is not None)
+
+    def backward(ctx, grad_out, *ignored):
+        if grad_out is None:  # grads are not materialised: no gradient reached the output
+            return (None,) * n_args
+        saved = ctx.saved_tensors
+        dq, dk, dv, drk, drv = backward_op(grad_out, *saved, *ctx.args)
+        return (dq, dk, dv, drk if ctx.has_tables[0] else None, drv if ctx.has_tables[1] else None,
+                *(None,) * (n_args - 5))
+
+    forward_op.register_autograd(backward, setup_context=setup)
