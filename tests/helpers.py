@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from relattn import reference as ref
+from relattn import relative_attention
 
 
 def random_inputs(b, h, n, m, d, dv, k, *, dtype=torch.float64, tables="shared", seed=0, requires_grad=False):
@@ -32,3 +34,20 @@ def reference_output(q, k, v, rel_k, rel_v, **kwargs):
         ref.relative_attention(np64(q), np64(k), np64(v), np64(rel_k), np64(rel_v), attn_mask=np64(mask)
                                if mask is not None and mask.dtype != torch.bool else
                                (None if mask is None else mask.numpy()), **kwargs)))
+
+
+def require_backend(name):
+    """Skip the calling test, with the backend's own reason, when ``name`` serves nothing here at all.
+
+    Probes the public op with the plainest inputs (float64 on the CPU, no mask, no dropout): a backend that
+    refuses those is unavailable as a whole (e.g. "native" with ``RELATTN_NATIVE=0`` or without a compiler).
+    A backend that serves them must serve every such input; tests then call it directly, so a refusal of
+    a particular input is a failure, never a silent pass.
+    """
+    q, k, v, rel_k, rel_v = random_inputs(1, 1, 2, 2, 2, 2, 1)
+    try:
+        relative_attention(q, k, v, rel_k, rel_v, max_relative_position=1, backend=name)
+    except ValueError as exc:
+        if "cannot serve" not in str(exc):
+            raise
+        pytest.skip(f"unavailable here: {exc}")

@@ -158,3 +158,86 @@ def test_tables_and_tying_follow_the_config():
     assert lm.head.weight is not lm.embed.weight
     lm = TransformerLM(tiny("relative", relative_values=False))
     assert lm.encoder.blocks[0].attn.rel_k is not None and lm.encoder.blocks[0].attn.rel_v is None
+
+
+@pytest.mark.parametrize("positions", ["relative", "absolute"])
+def test_kv_cache_reorder_continues_the_reordered_sequences(positions):
+    """Beam-search style: after ``reorder`` every cache holds the chosen rows, so decoding continues exactly as a
+    full forward pass over the reordered prompts followed by the new tokens."""
+    model = _model(tiny(positions))
+    g = torch.Generator().manual_seed(5)
+    prompts, cont = torch.randint(0, 256, (3, 6), generator=g), torch.randint(0, 256, (3, 5), generator=g)
+    index = torch.tensor([2, 0, 0])
+    caches = model.new_caches()
+    model(prompts, kv_caches=caches)
+    for cache in caches:
+        cache.reorder(index)
+    assert all(len(c) == 6 for c in caches)
+    got = torch.cat([model(cont[:, :1], kv_caches=caches), model(cont[:, 1:], kv_caches=caches)], 1)
+    want = model(torch.cat([prompts[index], cont], 1))[:, 6:]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    unordered = model(torch.cat([prompts, cont], 1))[:, 6:]
+    assert (want - unordered).abs().max() > 1e-3  # guard: the order of the rows matters here
+
+
+LOGITS = torch.tensor([0.3, 2.0, -1.0, 1.6, 0.0, 1.2, -0.5, 1.9, 0.8, -2.0, 0.5, 1.4], dtype=torch.float64)
+
+
+def _fixed_logits_model():
+    """A real TransformerLM whose next-token logits are ``LOGITS`` whatever the input: the final LayerNorm's gain
+    is zero, so its output is its bias e_0, and column 0 of the (untied) output projection is ``LOGITS``."""
+    model = _model(tiny("relative", vocab_size=len(LOGITS), tie_embeddings=False, n_layers=1))
+    with torch.no_grad():
+        model.encoder.ln_f.weight.zero_()
+        model.encoder.ln_f.bias.zero_()
+        model.encoder.ln_f.bias[0] = 1.0
+        model.head.weight.zero_()
+        model.head.weight[:, 0] = LOGITS
+    tokens = torch.randint(0, len(LOGITS), (2, 5), generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(model(tokens), LOGITS.expand(2, 5, -1), rtol=0, atol=1e-12)
+    return model
+
+
+def _draws(model, temperature, top_k, seed=0):
+    """4000 sampled ids: 400 rows of 10 new tokens each (every step sees the same logits)."""
+    prompt = torch.zeros(400, 1, dtype=torch.long)
+    out = model.generate(prompt, 10, temperature=temperature, top_k=top_k,
+                         generator=torch.Generator().manual_seed(seed))
+    return out[:, 1:].reshape(-1)
+
+
+def _expected(temperature, top_k):
+    logits = LOGITS / temperature
+    if top_k is not None:
+        logits = logits.masked_fill(LOGITS < LOGITS.topk(top_k).values[-1], float("-inf"))
+    return torch.softmax(logits, -1)
+
+
+@pytest.mark.parametrize(("temperature", "top_k"), [(1.0, None), (0.5, None), (2.5, None), (1.0, 4), (0.5, 4),
+                                                    (3.0, 2)])
+def test_generate_samples_the_tempered_top_k_distribution(temperature, top_k):
+    """Empirical frequencies of 4000 draws against softmax(logits / T) restricted to the top k (within 4
+    standard errors): a sampler that ignores T or keeps a different number of ids fails."""
+    draws = _draws(_fixed_logits_model(), temperature, top_k)
+    freq = torch.bincount(draws, minlength=len(LOGITS)).double() / draws.numel()
+    p = _expected(temperature, top_k)
+    bound = 4 * (p * (1 - p) / draws.numel()).sqrt() + 1e-3
+    assert ((freq - p).abs() <= bound).all(), (freq, p)
+    if top_k is not None:
+        top = set(LOGITS.topk(top_k).indices.tolist())
+        assert set(draws.tolist()) == top  # nothing outside the top k, and every one of the top k drawn
+
+
+def test_generate_temperature_limits():
+    """T -> 0 approaches greedy; a higher T spreads the draws (more entropy, more distinct ids)."""
+    model = _fixed_logits_model()
+    assert set(_draws(model, 1e-3, None).tolist()) == {int(LOGITS.argmax())}
+    assert set(_draws(model, 1e-3, 5).tolist()) == {int(LOGITS.argmax())}
+
+    def entropy(draws):
+        f = torch.bincount(draws, minlength=len(LOGITS)).double() / draws.numel()
+        return -(f[f > 0] * f[f > 0].log()).sum().item()
+
+    cold, warm, hot = (entropy(_draws(model, t, None)) for t in (0.5, 1.0, 3.0))
+    assert cold + 0.2 < warm < hot - 0.2
+    assert len(set(_draws(model, 3.0, None).tolist())) == len(LOGITS)

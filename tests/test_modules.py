@@ -157,3 +157,21 @@ def test_forward_errors():
         mod(torch.randn(1, 3, 8), key_padding_mask=torch.zeros(1, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"attn_mask 3-D must be \(B\*num_heads, N, M\)"):
         mod(torch.randn(1, 3, 8), attn_mask=torch.zeros(3, 3, 3, dtype=torch.bool))
+
+
+def test_kv_cache_reorder_keeps_the_chosen_rows():
+    """After ``reorder(index)`` the next call attends to the cached keys and values of rows ``index``: the same
+    as a full causal pass over the reordered prefix followed by the new inputs."""
+    mod = module(k=2)
+    g = torch.Generator().manual_seed(3)
+    prefix, new = torch.randn(3, 5, E, generator=g, dtype=torch.float64), torch.randn(3, 4, E, generator=g,
+                                                                                      dtype=torch.float64)
+    index = torch.tensor([1, 2, 1])
+    cache = KVCache()
+    mod(prefix, is_causal=True, kv_cache=cache)
+    cache.reorder(index)
+    assert len(cache) == 5
+    got = mod(new, is_causal=True, kv_cache=cache)[0]
+    want = mod(torch.cat([prefix[index], new], 1), is_causal=True)[0][:, 5:]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert (want - mod(torch.cat([prefix, new], 1), is_causal=True)[0][:, 5:]).abs().max() > 1e-3
