@@ -1,4 +1,4 @@
-"""Atomic writes: a file is either the old one or the complete new one, never half written."""
+"""Writing outputs: atomic writes (a file is either the old one or the complete new one) and output-folder checks."""
 
 from __future__ import annotations
 
@@ -47,3 +47,26 @@ def save_figure(fig, path: str | os.PathLike) -> Path:
         fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
     plt.close(fig)
     return Path(path)
+
+
+class OutputPathError(ValueError):
+    """An output folder the command cannot create or write into (reported as one line, exit status 2)."""
+
+
+def check_output_dir(path: str | os.PathLike, *, option: str = "--out") -> Path:
+    """Return ``path`` as a :class:`~pathlib.Path` if it can be a folder to write into, before any work is done.
+
+    ``path`` may exist as a folder or not exist yet; :class:`OutputPathError` (naming ``option``) if it, or
+    the nearest existing folder above it, is a file, or if that folder is not writable.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputPathError(f"{option} {path}: exists and is not a folder")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OutputPathError(f"{option} {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputPathError(f"{option} {path}: {existing} is not writable")
+    return path

@@ -2,6 +2,8 @@
 
 Each command lives in its own module, which exposes ``register(subparsers)``; that adds the
 subcommand's arguments and sets ``func`` to a function of the parsed arguments returning an exit code.
+An output folder that cannot be one (:class:`~relattn._io.OutputPathError`) is one line on stderr and
+exit status 2, whichever command meets it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ import argparse
 import importlib
 import sys
 
+from . import __version__
+from ._io import OutputPathError
+
 COMMAND_MODULES = ("relattn.demo", "relattn.bench", "relattn.train", "relattn.compare")
 
 
@@ -17,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="relattn", description="Self-attention with relative position representations (Shaw et al., 2018)."
     )
+    parser.add_argument("--version", action="version", version=f"relattn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -25,7 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except OutputPathError as e:
+        print(f"relattn {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

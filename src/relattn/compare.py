@@ -12,27 +12,31 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ._io import atomic_write_text, save_figure
+from ._io import atomic_write_text, check_output_dir, save_figure
 from .model import POSITIONS, TransformerConfig
-from .train import TrainOptions, add_model_arguments, add_train_arguments, configs_from_args, run_command, train
+from .train import TrainOptions, train
+from .train_cli import add_model_arguments, add_train_arguments, configs_from_args, run_command
 
-COMPARE_STEPS = 700
+COMPARE_DEFAULTS = TrainOptions(out="relattn-runs/compare", steps=700, sample_bytes=120)
+"""The options of ``relattn compare`` (it has no --sample-bytes; each run checkpoints once, at its end)."""
 
 
 def compare(config: TransformerConfig, options: TrainOptions, positions=POSITIONS) -> dict:
-    """Train one model per ``positions`` value (otherwise identical) and return the comparison."""
-    out = Path(options.out)
+    """Train one model per ``positions`` value (otherwise identical) and return the comparison.
+
+    Each run is ``train(replace(config, positions=pos), replace(options, out=OUT/pos, resume="latest"))``.
+    """
+    out = check_output_dir(options.out)
     results = {}
     for pos in positions:
         print(f"\n=== positions={pos} ===")
         run = train(replace(config, positions=pos), replace(options, out=str(out / pos), resume="latest"))
         m = run.metrics
         results[pos] = {"val_loss_by_context": m["val_loss_by_context"], "parameters": m["parameters"],
-                        "final_train_loss_mean_last_50": m["final_train_loss_mean_last_50"],
+                        "final_train_loss": m["final_train_loss"],
                         "tokens_per_s": m["tokens_per_s"], "train_seconds": m["train_seconds"]}
     summary = {"config": config.to_dict(), "steps": options.steps, "batch_size": options.batch_size,
                "seed": options.seed, "data": options.data or "pydoc_data.topics", "machine": machine(),
@@ -65,7 +69,7 @@ def markdown_table(summary: dict) -> str:
         for n in lengths:
             v = r["val_loss_by_context"][n]
             cells.append(f"**{v:.4f}**" if v == best[n] else f"{v:.4f}")
-        rows.append(f"| {pos} | {r['parameters']:,} | {r['final_train_loss_mean_last_50']:.4f} | "
+        rows.append(f"| {pos} | {r['parameters']:,} | {r['final_train_loss']:.4f} | "
                     + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -84,6 +88,7 @@ def plot(summary: dict, path: Path) -> Path:
     ax.axvline(ctx, color="gray", ls="--", lw=1, label="training context")
     ax.set_xscale("log", base=2)
     ax.set_xticks(n, [str(c) for c in n])
+    ax.set_ylim(bottom=0)  # differences at the scale of the losses themselves
     ax.set(xlabel="evaluation context (bytes)", ylabel="validation loss (nats/byte)",
            title=f"Length generalisation, {summary['steps']} steps, seed {summary['seed']}")
     ax.grid(alpha=0.3)
@@ -96,21 +101,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Train the same model with relative, absolute (sinusoidal) and no positions, "
                                    "same budget and seed; tabulate and plot validation loss at 1x, 2x, 4x, 8x the "
                                    "training context. Rerunning continues unfinished runs.")
-    add_train_arguments(p, out_default="relattn-runs/compare")
-    add_model_arguments(p)
+    add_train_arguments(p, COMPARE_DEFAULTS)
+    add_model_arguments(p, leave_out=("positions",))  # what compare varies
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.positions is not None:
-        print("relattn compare: error: --positions is what compare varies; leave it out", file=sys.stderr)
-        return 2
-    if args.steps is None:
-        args.steps = COMPARE_STEPS
-    args.resume = None
-
     def body():
-        config, options = configs_from_args(args)
-        compare(config, replace(options, sample_bytes=120, checkpoint_every=options.steps))
+        config, options = configs_from_args(args, COMPARE_DEFAULTS)
+        compare(config, replace(options, checkpoint_every=options.steps))
 
     return run_command(args, body)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from . import reference as ref
-from ._io import save_figure
+from ._io import check_output_dir, save_figure
 from .functional import relative_attention, relative_attention_weights
 from .modules import RelativeMultiheadAttention
 from .positions import relative_position_index
@@ -94,7 +94,9 @@ def _heatmap(matrix, title, xlabel, ylabel, path, *, yticks=None, annotate=False
 
 
 def run_demo(out_dir: Path) -> list[Path]:
-    out_dir = Path(out_dir)
+    """Print the walkthrough and save its three heatmaps in ``out_dir`` (checked first:
+    :class:`~relattn._io.OutputPathError` if it cannot be a folder)."""
+    out_dir = check_output_dir(out_dir)
     print("== 1. Clipping relative positions (spec: query position 5, k = 4, ten positions)\n")
     print(clipping_table() + "\n")
 

@@ -1,0 +1,327 @@
+"""The training loop as a recipe: :class:`TrainingRecipe` holds one run's state (``setup``, ``step``,
+``evaluate``, ``save_checkpoint``, ``resume``, ``train``, ``cleanup``).
+
+Determinism: the batch of step ``s`` is drawn from ``(seed, s)`` alone, and dropout's RNG is reseeded
+from ``(seed, s, rank)`` at every step, so a resumed run replays exactly the uninterrupted one. Under
+``torchrun`` each rank takes its slice of the global batch, gradients are averaged by
+DistributedDataParallel, and only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ._io import check_output_dir
+from .checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    prune,
+    restore,
+    save_checkpoint,
+    set_rng_state,
+)
+from .data import ByteData, get_batch, load_corpus, step_seed
+from .evaluation import eval_plan, evaluate, first_key_table
+from .model import TransformerConfig, TransformerLM
+from .train_options import TrainOptions, UsageError
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
+@dataclass
+class Dist:
+    """Where this process stands in a distributed run (from torchrun's environment variables)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    enabled: bool = False
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls) -> Dist:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls()
+        return cls(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")), True)
+
+
+@dataclass
+class TrainResult:
+    model: TransformerLM
+    metrics: dict
+    out: Path
+    train_loss: list = field(default_factory=list)
+
+
+def lr_at(step: int, options: TrainOptions) -> float:
+    """Learning rate of the update that completes step ``step + 1``: linear warm-up, then cosine to lr/10."""
+    warmup = options.warmup_steps
+    if step < warmup:
+        return options.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, options.steps - warmup)
+    return options.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def parameter_groups(model: TransformerLM, weight_decay: float) -> list[dict]:
+    """Weight decay on linear weights only: relative tables must not decay, the causal LM never updates
+    their future rows, and decaying those would fake 'learned' structure."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        is_table = name.endswith(("rel_k", "rel_v"))
+        (decay if p.dim() == 2 and not is_table and not name.startswith("embed") else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def fresh_model(config: TransformerConfig, seed: int) -> TransformerLM:
+    """The untrained model of a run: ``TransformerLM(config)`` initialised from ``seed``."""
+    torch.manual_seed(seed)
+    return TransformerLM(config)
+
+
+class TrainingRecipe:
+    """One training run of ``config`` as ``options`` say.
+
+    ``setup()`` checks everything and builds the run (data, model, optimizer, a checkpoint to resume);
+    ``train()`` runs the remaining steps and the final evaluation; ``cleanup()`` leaves the process group.
+    """
+
+    def __init__(self, config: TransformerConfig, options: TrainOptions):
+        self.config, self.options = config, options
+        self.start, self.train_loss, self.val_loss = 0, [], []
+        self.prior_s, self.train_s, self.session_tokens = 0.0, 0.0, 0
+        self.resumed_from: str | None = None
+
+    # ------------------------------------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        """Everything before the first step. Bad inputs raise :class:`UsageError`,
+        :class:`~relattn.data.DataError`, :class:`~relattn.checkpoint.CheckpointError` or
+        :class:`~relattn._io.OutputPathError` here, before any training."""
+        config, options = self.config, self.options
+        options.validate()
+        self.out = check_output_dir(options.out)
+        raw, data_name = load_corpus(options.data)
+        self.data = ByteData.from_bytes(raw, context=config.context, val_fraction=options.val_fraction,
+                                        name=data_name)
+        self.data_sha = hashlib.sha256(raw).hexdigest()
+        self.dist = dist = Dist.from_env()
+        if options.batch_size % dist.world_size:
+            raise UsageError(f"--batch-size {options.batch_size} must be divisible by the number of processes "
+                             f"({dist.world_size})")
+        self.eval_total, self.eval_lengths, self.contexts_skipped = eval_plan(len(self.data.val), config.context,
+                                                                              options.eval_tokens)
+        # validation at the training context during training: up to 4096 bytes
+        self.eval_during = min((len(self.data.val) - 1) // config.context,
+                               max(1, 4096 // config.context)) * config.context
+        self.ckpt_dir = self.out / "checkpoints"
+        ckpt = self._checkpoint_to_resume()
+
+        use_cuda = options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cpu") if not use_cuda else \
+            torch.device("cuda", dist.local_rank if dist.enabled else torch.cuda.current_device())
+        self.model = fresh_model(config, options.seed)
+        self.initial_table = first_key_table(self.model)
+        self.model.to(self.device)
+        self.optimizer = torch.optim.AdamW(parameter_groups(self.model, options.weight_decay), lr=options.lr,
+                                           betas=(0.9, 0.95))
+        if ckpt is not None:
+            self.resume(ckpt)
+        if dist.enabled:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            torch.distributed.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+
+    def _say(self, *args) -> None:
+        if self.dist.main:
+            print(*args)
+
+    def _checkpoint_to_resume(self) -> Checkpoint | None:
+        """The checkpoint that ``options.resume`` names (or None), saying which on rank 0."""
+        resume, ckpt_dir = self.options.resume, self.ckpt_dir
+        if resume is None:
+            existing = list_checkpoints(ckpt_dir)
+            if existing:
+                raise UsageError(f"{ckpt_dir} already holds checkpoints (latest {existing[0].name}); pass --resume "
+                                 f"to continue that run, or choose another --out")
+            return None
+        if resume != "latest":
+            ckpt = load_checkpoint(resume)
+        else:
+            ckpt, refused = latest_checkpoint(ckpt_dir)
+            for line in refused:
+                print(f"relattn train: warning: refusing {line}", file=sys.stderr)
+            if ckpt is None:
+                if refused:
+                    raise CheckpointError(f"no valid checkpoint in {ckpt_dir} (all {len(refused)} refused)")
+                self._say(f"resume: no checkpoint in {ckpt_dir}, starting from step 0")
+                return None
+        self._say(f"resume: continuing from {ckpt.path} (step {ckpt.step})")
+        return ckpt
+
+    # ------------------------------------------------------------------------------------------------ resume
+
+    def resume(self, ckpt: Checkpoint) -> None:
+        """Continue from ``ckpt``: refuse one of another model or run, then restore weights, optimizer, RNG, history."""
+        saved = ckpt.meta.get("config", {})
+        mine = self.config.to_dict()
+        for key in sorted(set(saved) | set(mine)):
+            if saved.get(key) != mine.get(key):
+                raise CheckpointError(f"checkpoint {ckpt.path} was trained with {key}={saved.get(key)!r}, "
+                                      f"this run asks for {mine.get(key)!r} (drop the option or use another --out)")
+        saved_opts = ckpt.meta.get("options", {})
+        mine_opts = {**asdict(self.options), "data_sha256": self.data_sha}
+        for key in TrainOptions.FIXED:
+            if saved_opts.get(key) != mine_opts.get(key):
+                what = "the training data" if key == "data_sha256" else f"{key}={saved_opts.get(key)!r}"
+                raise CheckpointError(f"checkpoint {ckpt.path} was trained with {what}; this run differs "
+                                      f"({mine_opts.get(key)!r})")
+        restore(ckpt, self.model, self.optimizer)
+        set_rng_state(ckpt.meta["rng"])
+        self.start = ckpt.step
+        self.train_loss, self.val_loss = ckpt.meta["train_loss"], ckpt.meta["val_loss"]
+        self.prior_s = ckpt.meta.get("train_seconds", 0.0)
+        self.resumed_from = str(ckpt.path)
+
+    # ------------------------------------------------------------------------------------------------ the loop
+
+    @property
+    def options_record(self) -> dict:
+        """The options as stored in checkpoints and metrics.json, with the data's name and hash."""
+        return {**asdict(self.options), "data_sha256": self.data_sha, "data_name": self.data.name}
+
+    def step(self, step: int) -> float:
+        """One optimizer step: the update that completes step ``step + 1``. Returns its (rank-averaged) loss."""
+        options, dist = self.options, self.dist
+        t0 = time.perf_counter()
+        torch.manual_seed(step_seed(options.seed, step) + 104_729 * dist.rank)  # dropout: a function of the step
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, options)
+        x, y = get_batch(self.data.train, step=step, seed=options.seed, batch_size=options.batch_size,
+                         context=self.config.context, rank=dist.rank, world_size=dist.world_size)
+        logits = self.wrapped(x.to(self.device))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(self.device).flatten())
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if options.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), options.grad_clip)
+        self.optimizer.step()
+        loss = loss.detach()
+        if dist.enabled:
+            torch.distributed.all_reduce(loss)
+            loss /= dist.world_size
+        value = loss.item()
+        self.train_s += time.perf_counter() - t0
+        self.session_tokens += options.batch_size * self.config.context
+        if not math.isfinite(value):
+            raise TrainingDiverged(f"loss became {value} at step {step + 1}; try a smaller --lr")
+        self.train_loss.append([step + 1, value])
+        return value
+
+    def evaluate(self, length: int, total: int) -> float:
+        """Validation loss (nats/byte) of the first ``total`` validation predictions in windows of ``length``."""
+        return evaluate(self.model, self.data.val, length, total, dist=self.dist)
+
+    def save_checkpoint(self, step: int) -> None:
+        """Write the checkpoint of ``step`` (rank 0 only) and prune old ones."""
+        if self.dist.main:
+            meta = {"config": self.config.to_dict(), "options": self.options_record, "train_loss": self.train_loss,
+                    "val_loss": self.val_loss,
+                    "data": {"sampler": "batch of step s drawn from (seed, s)", "next_step": step},
+                    "train_seconds": self.prior_s + self.train_s}
+            save_checkpoint(self.ckpt_dir, step, self.model, self.optimizer, meta)
+            prune(self.ckpt_dir, self.options.keep_checkpoints)
+
+    def train(self) -> TrainResult:
+        """Run the steps from the resumed one up to ``options.steps``, then evaluate; returns the result."""
+        from tqdm.auto import tqdm
+
+        config, options, dist = self.config, self.options, self.dist
+        self.wrapped = self.model
+        if dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.wrapped = DistributedDataParallel(self.model, device_ids=[self.device.index]
+                                                   if self.device.type == "cuda" else None)
+        if dist.main:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            prune(self.ckpt_dir, options.keep_checkpoints)
+        self._say(f"relattn train: {self.model.num_parameters():,} parameters, positions={config.positions}, "
+                  f"context {config.context}, corpus {self.data.name} ({len(self.data.train):,} train / "
+                  f"{len(self.data.val):,} validation bytes), {options.steps} steps of "
+                  f"{options.batch_size * config.context:,} bytes, device {self.device}"
+                  + (f", {dist.world_size} processes" if dist.enabled else ""))
+        bar = tqdm(total=options.steps, initial=self.start, unit="step", dynamic_ncols=True, mininterval=0.5,
+                   disable=not (options.progress and dist.main), file=sys.stderr)
+        self.model.train()
+        for step in range(self.start, options.steps):
+            value = self.step(step)
+            speed = f"{self.session_tokens / self.train_s:,.0f} tok/s"
+            bar.update(1)
+            bar.set_postfix_str(f"loss {value:.3f}, {speed}", refresh=False)
+            done = step + 1
+            if options.eval_every and done % options.eval_every == 0 and done < options.steps:
+                self.val_loss.append([done, self.evaluate(config.context, self.eval_during)])
+                bar.set_postfix_str(f"loss {value:.3f}, val {self.val_loss[-1][1]:.3f}, {speed}", refresh=False)
+            if done % options.checkpoint_every == 0 or done == options.steps:
+                self.save_checkpoint(done)
+        bar.close()
+        if self.start >= options.steps:
+            self._say(f"checkpoint is already at step {self.start} >= --steps {options.steps}; evaluating it")
+        return TrainResult(self.model, self.final_metrics(), self.out, self.train_loss)
+
+    def final_metrics(self) -> dict:
+        """Validation loss at every evaluation context and the run's record, as written to metrics.json."""
+        config, options = self.config, self.options
+        by_context = {str(n): self.evaluate(n, self.eval_total) for n in self.eval_lengths}
+        last = max(self.start, options.steps)
+        if not self.val_loss or self.val_loss[-1][0] != last:
+            self.val_loss.append([last, self.evaluate(config.context, self.eval_during)])
+        tail = [v for _, v in self.train_loss[-50:]]
+        return {
+            "steps": last,
+            "train_loss": self.train_loss,
+            "val_loss": self.val_loss,
+            "val_loss_by_context": by_context,
+            "val_eval_bytes": self.eval_total,
+            "contexts_skipped_val_too_short": self.contexts_skipped,
+            "final_train_loss": sum(tail) / len(tail) if tail else None,
+            "final_train_loss_steps": len(tail),
+            "final_val_loss": by_context[str(config.context)],
+            "tokens_per_s": (self.session_tokens / self.train_s) if self.train_s > 0 else None,
+            "train_seconds": self.prior_s + self.train_s,
+            "parameters": self.model.num_parameters(),
+            "config": config.to_dict(),
+            "options": self.options_record,
+            "data": {"name": self.data.name, "train_bytes": len(self.data.train), "val_bytes": len(self.data.val)},
+            "device": str(self.device),
+            "world_size": self.dist.world_size,
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "resumed_from": self.resumed_from,
+        }
+
+    def cleanup(self) -> None:
+        """Leave the process group of a distributed run."""
+        if getattr(self, "dist", None) is not None and self.dist.enabled and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+__all__ = ["Dist", "TrainResult", "TrainingDiverged", "TrainingRecipe", "fresh_model", "lr_at", "parameter_groups"]
