@@ -1,20 +1,37 @@
 """What pyproject.toml promises: names, entry points, dependencies, typing marker."""
 
 import importlib.metadata as md
+import importlib.util
 from pathlib import Path
 
 import relattn
+from relattn import cli
 
 
 def test_distribution_metadata():
     meta = md.metadata("relattn")
     assert meta["Name"] == "relattn" and meta["Requires-Python"] == ">=3.10"
     requires = md.requires("relattn")
-    for dep in ("numpy", "torch", "matplotlib"):
-        assert any(r.split(">")[0].split("=")[0].strip() == dep and "extra" not in r for r in requires), dep
-    dev = [r for r in requires if 'extra == "dev"' in r]
-    for dep in ("pytest", "hypothesis", "ruff"):
-        assert any(r.startswith(dep) for r in dev), dep
+    def name(r):
+        return r.split(">")[0].split("=")[0].split("[")[0].strip()
+
+    core = {name(r) for r in requires if "extra" not in r}
+    assert core == {"numpy", "torch", "ninja"}  # an op-only user needs nothing else
+    extra = {e: {name(r) for r in requires if f'extra == "{e}"' in r} for e in ("cli", "hf", "gpu", "dev")}
+    assert extra["cli"] == set(cli.CLI_EXTRA)
+    assert "transformers" in extra["hf"] and extra["gpu"] == {"triton"}
+    assert {"pytest", "hypothesis", "ruff", "relattn"} <= extra["dev"]
+    dev_self = next(r for r in requires if 'extra == "dev"' in r and name(r) == "relattn")
+    assert all(e in dev_self for e in ("cli", "gpu", "hf")), dev_self  # CI installs and tests every extra
+
+
+def test_commands_without_the_cli_extra_stop_first_and_say_how_to_install_it(monkeypatch, tmp_path, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a))
+    assert cli.main(["demo", "--out", str(tmp_path / "demo")]) == 2
+    err = capsys.readouterr().err
+    assert err == "relattn demo: error: needs matplotlib (the 'cli' extra): pip install 'relattn[cli]'\n"
+    assert not (tmp_path / "demo").exists()  # no work done
 
 
 def test_console_script_and_module_entry():
