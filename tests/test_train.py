@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,14 +13,22 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import matplotlib
 import pytest
 import torch
 
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
 from relattn import cli
+from relattn._io import OutputPathError
 from relattn.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
+from relattn.compare import COMPARE_DEFAULTS
 from relattn.data import ByteData, DataError, eval_windows, get_batch, load_corpus
 from relattn.model import TransformerConfig
-from relattn.train import TrainOptions, eval_plan, key_table_stats, lr_at, train
+from relattn.plots import UNIFORM_LOSS, context_figure, key_table_figure
+from relattn.recipe import fresh_model
+from relattn.train import TrainOptions, eval_plan, evaluate, key_table_stats, lr_at, train
 
 PY = sys.executable
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -27,6 +36,7 @@ TINY = TransformerConfig(d_model=16, n_heads=2, n_layers=2, d_ff=32, max_relativ
 TINY_ARGS = ["--d-model", "16", "--heads", "2", "--layers", "2", "--d-ff", "32", "--max-relative-position", "4",
              "--context", "16", "--batch-size", "8", "--eval-tokens", "512", "--eval-every", "5",
              "--sample-bytes", "20", "--no-plots", "--no-progress"]
+COMPARE_ARGS = [a for a in TINY_ARGS if a not in ("--sample-bytes", "20")]  # compare sets its own sample size
 
 
 @pytest.fixture
@@ -61,6 +71,8 @@ def test_resume_replays_the_uninterrupted_run_exactly(tmp_path, one_thread, caps
     cfg = replace(TINY, dropout=0.1)  # dropout exercises the RNG handling too
     full = train(cfg, opts(tmp_path / "full", sample_bytes=30, plots=True))
     assert [s for s, _ in full.train_loss] == list(range(1, 13))
+    mean_12 = sum(v for _, v in full.train_loss) / 12
+    assert f"train loss {mean_12:.4f} (mean of the last 12 steps)" in capsys.readouterr().out
 
     part = train(cfg, opts(tmp_path / "part", checkpoint_every=4, keep_checkpoints=10))
     ckpts = tmp_path / "part" / "checkpoints"
@@ -83,7 +95,14 @@ def test_resume_replays_the_uninterrupted_run_exactly(tmp_path, one_thread, caps
     m = json.loads((out / "metrics.json").read_text())
     assert m["steps"] == 12 and m["train_loss"] == [[s, v] for s, v in full.train_loss]
     assert list(m["val_loss_by_context"]) == ["16", "32", "64", "128"]
-    assert all(2.0 < v < 7.0 for v in m["val_loss_by_context"].values())
+    assert m["final_train_loss"] == mean_12 and m["final_train_loss_steps"] == 12
+    # Evaluation scores the returned model, and training helped: the same bytes scored the same way by the
+    # untrained model of the same seed lose clearly more (12 tiny steps: about 5.2 -> 5.0 nats/byte).
+    val = ByteData.from_bytes(load_corpus(None)[0], context=16).val
+    untrained = fresh_model(cfg, seed=0)
+    for n, v in m["val_loss_by_context"].items():
+        assert v == evaluate(full.model, val, int(n), 512)
+        assert v < evaluate(untrained, val, int(n), 512) - 0.1, n
     assert m["tokens_per_s"] > 0 and m["val_eval_bytes"] == 512
     assert set(m["key_table"]) >= {"trained", "initial", "prediction_holds"}
     assert m["key_table"]["future_rows_max_change"] == 0.0  # a causal LM never touches offsets > 0
@@ -212,7 +231,7 @@ def test_ddp_two_processes_match_a_single_process_run(tmp_path, one_thread):
     assert json.loads((tmp_path / "ddp" / "metrics.json").read_text())["world_size"] == 2
 
 
-def test_torchrun_two_processes(tmp_path):
+def test_torchrun_two_processes(tmp_path, one_thread):
     out = tmp_path / "tr"
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "relattn", "train",
            "--steps", "10", "--checkpoint-every", "5", "--out", str(out), "--device", "cpu", *TINY_ARGS]
@@ -221,6 +240,12 @@ def test_torchrun_two_processes(tmp_path):
     m = json.loads((out / "metrics.json").read_text())
     assert m["steps"] == 10 and m["world_size"] == 2
     assert res.stdout.count("saved") >= 1 and res.stdout.count("relattn train:") == 1  # rank 0 speaks alone
+    # ... and it is the single-process run with the same global batch: the same losses, to rounding.
+    single = train(TINY, opts(tmp_path / "single", steps=10, checkpoint_every=5, eval_every=5))
+    close = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(m["train_loss"], dtype=torch.float64),
+                               torch.tensor(single.train_loss, dtype=torch.float64), **close)
+    torch.testing.assert_close(m["val_loss_by_context"], single.metrics["val_loss_by_context"], **close)
 
 
 # ------------------------------------------------------------------------------------------------ bad inputs
@@ -311,8 +336,7 @@ def test_key_table_stats_detects_sharper_rows_near_zero():
 
 
 def test_compare_runs_three_models_and_tabulates(tmp_path, one_thread, capsys):
-    args = ["compare", "--out", str(tmp_path), "--steps", "3", *[a for a in TINY_ARGS if a != "--sample-bytes"
-                                                                 and a != "20"]]
+    args = ["compare", "--out", str(tmp_path), "--steps", "3", *COMPARE_ARGS]
     assert cli.main(args) == 0
     summary = json.loads((tmp_path / "compare.json").read_text())
     assert list(summary["results"]) == ["relative", "absolute", "none"]
@@ -320,4 +344,111 @@ def test_compare_runs_three_models_and_tabulates(tmp_path, one_thread, capsys):
     assert len(table) == 5 and table[0].count("val @") == 4
     assert summary["results"]["relative"]["parameters"] > summary["results"]["none"]["parameters"]
     assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    # The table reports the runs compare made: each run differs from the others in its positions only, and
+    # every cell is that run's own metric (bold: the column's best).
+    runs = {pos: json.loads((tmp_path / pos / "metrics.json").read_text()) for pos in summary["results"]}
+    for pos, run in runs.items():
+        assert run["config"] == {**summary["config"], "positions": pos} and run["steps"] == 3
+        assert run["options"]["seed"] == 0 and run["options"]["batch_size"] == 8
+        r = summary["results"][pos]
+        assert r["val_loss_by_context"] == run["val_loss_by_context"]
+        assert r["final_train_loss"] == sum(v for _, v in run["train_loss"]) / 3
+        row = next(line for line in table if line.startswith(f"| {pos} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == f"{run['parameters']:,}" and float(cells[2]) == round(r["final_train_loss"], 4)
+        for cell, (n, v) in zip(cells[3:], run["val_loss_by_context"].items(), strict=True):
+            best = min(x["val_loss_by_context"][n] for x in runs.values())
+            assert cell == (f"**{v:.4f}**" if v == best else f"{v:.4f}")
+    assert len({json.dumps(run["val_loss_by_context"]) for run in runs.values()}) == 3
     assert cli.main(args) == 0  # rerunning reuses the finished runs
+    again = json.loads((tmp_path / "compare.json").read_text())
+    for pos, run in runs.items():
+        assert again["results"][pos]["val_loss_by_context"] == run["val_loss_by_context"]
+        assert json.loads((tmp_path / pos / "metrics.json").read_text())["train_loss"] == run["train_loss"]
+
+
+# ------------------------------------------------------------------------------------------------ trip-ups
+
+
+@pytest.mark.parametrize("command", ["train", "compare"])
+@pytest.mark.parametrize("where", ["file", "below-a-file"])
+def test_out_naming_a_file_is_refused_before_any_work(tmp_path, command, where, capsys):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("keep me")
+    out = taken if where == "file" else taken / "run"
+    assert cli.main([command, "--out", str(out), "--steps", "2", *COMPARE_ARGS]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing trained, nothing printed
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"relattn {command}: error: --out {out}") and "not a folder" in err[0]
+    assert taken.read_text() == "keep me" and sorted(tmp_path.iterdir()) == [taken]
+    with pytest.raises(OutputPathError, match="not a folder"):
+        train(TINY, opts(out))
+
+
+def _parser(command):
+    sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    return sub.choices[command]
+
+
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_help_states_the_defaults_the_command_uses(command):
+    """Every "default: X" in a command's help is the value a run without that option gets."""
+    from relattn.train_cli import MODEL_ARGS, configs_from_args
+
+    parser = _parser(command)
+    args = parser.parse_args([])
+    args.command = command
+    defaults = TrainOptions() if command == "train" else COMPARE_DEFAULTS
+    config, options = configs_from_args(args, defaults)
+    checked = 0
+    for action in parser._actions:
+        said = re.search(r"default: ([^)]+)\)?$", action.help or "")
+        if not said or action.dest in ("data", "warmup", "out", "help"):
+            continue
+        value = getattr(config, MODEL_ARGS[action.dest]) if action.dest in MODEL_ARGS else getattr(options, action.dest)
+        assert said.group(1) in (str(value), repr(value)), (action.dest, said.group(1), value)
+        checked += 1
+    assert checked >= 18
+    assert options.steps == (1000 if command == "train" else 700)
+    text = " ".join(parser.format_help().split())
+    assert f"--steps STEPS default: {options.steps}" in text
+    assert args.out == options.out and f"(default: {options.out})" in text
+
+
+def test_compare_does_not_offer_positions(capsys):
+    assert "--positions" not in _parser("compare").format_help()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["compare", "--positions", "none"])
+    assert e.value.code == 2 and "unrecognized arguments: --positions" in capsys.readouterr().err
+
+
+def test_context_plot_shows_the_loss_scale():
+    # a short run's losses differ in the third decimal; the axis must not magnify that into structure
+    metrics = {"val_loss_by_context": {"16": 2.301, "32": 2.305, "64": 2.309, "128": 2.310}}
+    fig = context_figure(metrics, TINY)
+    bottom, top = fig.axes[0].get_ylim()
+    assert bottom == 0.0 and UNIFORM_LOSS <= top < 1.2 * UNIFORM_LOSS
+    assert any(list(line.get_ydata()) == [UNIFORM_LOSS, UNIFORM_LOSS] for line in fig.axes[0].get_lines())
+    plt.close(fig)
+    fig = context_figure({"val_loss_by_context": {"16": 7.5}}, TINY)  # worse than guessing: still on the axis
+    assert fig.axes[0].get_ylim()[1] >= 7.5
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_key_table_plot_has_integer_ticks(per_head):
+    k, d = 4, 5
+    g = torch.Generator().manual_seed(0)
+    shape = (2, 2 * k + 1, d) if per_head else (2 * k + 1, d)
+    initial = torch.randn(shape, generator=g)
+    fig = key_table_figure(initial + 0.1 * torch.randn(shape, generator=g), initial, k)
+    tables, curve = fig.axes[:2], fig.axes[2]
+    for ax in (*tables, curve):
+        lo, hi = sorted(ax.get_xlim())
+        xs = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert len(xs) >= 2 and all(float(t).is_integer() for t in xs), (ax.get_title(), xs)
+    for ax in tables:
+        assert [t.get_text() for t in ax.get_yticklabels()] == [f"{o:+d}" for o in range(-k, k + 1)]
+    assert [float(t) for t in curve.get_lines()[0].get_xdata()] == [-3.0, -2.0, -1.0, 0.0]
+    plt.close(fig)

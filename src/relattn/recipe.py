@@ -99,8 +99,10 @@ def fresh_model(config: TransformerConfig, seed: int) -> TransformerLM:
 class TrainingRecipe:
     """One training run of ``config`` as ``options`` say.
 
-    ``setup()`` checks everything and builds the run (data, model, optimizer, a checkpoint to resume);
-    ``train()`` runs the remaining steps and the final evaluation; ``cleanup()`` leaves the process group.
+    ``setup()`` checks everything and builds the run (data, model, optimizer, a checkpoint to resume,
+    the process group under torchrun); ``train()`` runs the remaining steps and the final evaluation;
+    ``cleanup()`` leaves the process group (safe to call whether or not ``setup()`` got that far).
+    ``step(s)``, ``evaluate(length, total)`` and ``save_checkpoint(s)`` are its parts, usable on their own.
     """
 
     def __init__(self, config: TransformerConfig, options: TrainOptions):
@@ -148,6 +150,12 @@ class TrainingRecipe:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             torch.distributed.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.wrapped = self.model  # what a step calls: the model, or its DistributedDataParallel wrapper
+        if dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.wrapped = DistributedDataParallel(self.model, device_ids=[self.device.index]
+                                                   if self.device.type == "cuda" else None)
 
     def _say(self, *args) -> None:
         if self.dist.main:
@@ -254,12 +262,6 @@ class TrainingRecipe:
         from tqdm.auto import tqdm
 
         config, options, dist = self.config, self.options, self.dist
-        self.wrapped = self.model
-        if dist.enabled:
-            from torch.nn.parallel import DistributedDataParallel
-
-            self.wrapped = DistributedDataParallel(self.model, device_ids=[self.device.index]
-                                                   if self.device.type == "cuda" else None)
         if dist.main:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
             prune(self.ckpt_dir, options.keep_checkpoints)

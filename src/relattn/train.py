@@ -29,8 +29,8 @@ def train(config: TransformerConfig, options: TrainOptions) -> TrainResult:
     :class:`TrainingDiverged` if the loss stops being finite.
     """
     recipe = TrainingRecipe(config, options)
-    recipe.setup()
     try:
+        recipe.setup()
         result = recipe.train()
         if recipe.dist.main:
             report_run(recipe, result)
