@@ -201,6 +201,8 @@ def relative_attention_output_vectorized(attention_weights, V, rel_embed, *, que
 
 def softmax(scores):
     """Row softmax; a row that is ``-inf`` everywhere (nothing to attend to) gives zeros, not NaN."""
+    if scores.shape[-1] == 0:  # no keys: nothing to attend to
+        return np.zeros_like(scores, dtype=np.float64)
     peak = scores.max(axis=-1, keepdims=True)
     peak = np.where(np.isfinite(peak), peak, 0.0)
     e = np.exp(scores - peak)
