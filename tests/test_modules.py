@@ -149,8 +149,8 @@ def test_constructor_errors(ctor, match):
 
 def test_forward_errors():
     mod = RelativeMultiheadAttention(8, 2, 2)
-    with pytest.raises(ValueError, match=r"query must be \(B, N, 8\); got \(3, 8\)"):
-        mod(torch.randn(3, 8))
+    with pytest.raises(ValueError, match=r"query must be \(B, N, 8\) or unbatched \(N, 8\); got \(1, 3, 4\)"):
+        mod(torch.randn(1, 3, 4))
     with pytest.raises(ValueError, match=r"key must be \(B=1, M, 8\); got \(1, 4, 6\)"):
         mod(torch.randn(1, 3, 8), torch.randn(1, 4, 6))
     with pytest.raises(ValueError, match=r"key_padding_mask must be \(B, M\) = \(1, 3\); got \(1, 4\)"):

@@ -145,9 +145,13 @@ class TransformerEncoder(nn.Module):
         self.ln_f = nn.LayerNorm(config.d_model)
         self.drop = nn.Dropout(config.dropout)
 
-    def new_caches(self) -> list[KVCache]:
-        """One empty :class:`relattn.KVCache` per layer, for incremental (causal) decoding."""
-        return [KVCache() for _ in self.blocks]
+    def new_caches(self, max_len: int | None = None) -> list[KVCache]:
+        """One empty :class:`relattn.KVCache` per layer, for incremental (causal) decoding.
+
+        ``max_len=None`` gives growing caches; an int gives static ones, preallocated for ``max_len``
+        positions and written in place (inference only).
+        """
+        return [KVCache(max_len) for _ in self.blocks]
 
     def forward(
         self,
@@ -197,8 +201,9 @@ class TransformerLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def new_caches(self) -> list[KVCache]:
-        return self.encoder.new_caches()
+    def new_caches(self, max_len: int | None = None) -> list[KVCache]:
+        """See :meth:`TransformerEncoder.new_caches`."""
+        return self.encoder.new_caches(max_len)
 
     def forward(self, tokens: torch.Tensor, *, kv_caches: list[KVCache] | None = None) -> torch.Tensor:
         """Logits (B, N, V) for ids ``tokens`` (B, N); with ``kv_caches``, ``tokens`` continue the cached ones."""
@@ -223,9 +228,10 @@ class TransformerLM(nn.Module):
     ) -> torch.Tensor:
         """Continue ``prompt`` (N,) or (B, N) by ``max_new_tokens`` sampled ids; returns prompt + new ids.
 
-        The prompt is encoded once into one KV cache per layer, then each step feeds only the new
-        token. ``temperature=0`` is greedy decoding; ``top_k`` keeps the k most likely ids.
-        Runs in eval mode (no dropout) and restores the previous mode.
+        The prompt is encoded once into one static KV cache per layer (preallocated for the prompt and
+        the new tokens, written in place), then each step feeds only the new token. ``temperature=0`` is
+        greedy decoding; ``top_k`` keeps the k most likely ids. Runs in eval mode (no dropout) and restores
+        the previous mode.
         """
         squeeze = prompt.dim() == 1
         tokens = prompt[None] if squeeze else prompt
@@ -243,7 +249,7 @@ class TransformerLM(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            caches = self.new_caches()
+            caches = self.new_caches(max_len=tokens.shape[1] + max_new_tokens)
             logits = self(tokens, kv_caches=caches)[:, -1]
             out = [tokens]
             for step in range(max_new_tokens):

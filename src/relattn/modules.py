@@ -1,4 +1,4 @@
-"""``RelativeMultiheadAttention``: a drop-in for ``nn.MultiheadAttention(batch_first=True)`` with Shaw attention."""
+"""``RelativeMultiheadAttention``: Shaw attention shaped like ``nn.MultiheadAttention``; ``from_mha`` upgrades one."""
 
 from __future__ import annotations
 
@@ -7,38 +7,9 @@ import math
 import torch
 from torch import nn
 
+from .cache import KVCache
 from .functional import additive_mask, relative_attention
 from .positions import check_max_relative_position
-
-
-class KVCache:
-    """Keys and values seen so far, (B, H, L, D), for incremental decoding.
-
-    Pass the same cache to every call of one layer; each call appends its keys and values, and the
-    queries of that call sit at positions ``L_before .. L_before + N - 1``.
-    """
-
-    def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append (B, H, L_new, D) keys and values; return everything cached."""
-        if self.k is None:
-            self.k, self.v = k, v
-        else:
-            if k.shape[:2] != self.k.shape[:2]:
-                raise ValueError(f"cache holds (B, H) = {tuple(self.k.shape[:2])}, got keys {tuple(k.shape)}")
-            self.k, self.v = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)
-        return self.k, self.v
-
-    def reorder(self, index: torch.Tensor) -> None:
-        """Keep batch rows ``index`` (for beam search)."""
-        if self.k is not None:
-            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
 
 
 def _mha_mask_to_allowed(name: str, mask: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
@@ -64,11 +35,18 @@ def _combine(a: torch.Tensor | None, b: torch.Tensor | None, dtype) -> torch.Ten
     return additive_mask(a, dtype) + additive_mask(b, dtype)
 
 
-class RelativeMultiheadAttention(nn.Module):
-    """Multi-head self-attention with relative position representations, batch-first.
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
 
-    Shaped like ``nn.MultiheadAttention(embed_dim, num_heads, batch_first=True)``: inputs (B, N, E),
-    output (B, N, E). Head dim ``D = embed_dim // num_heads``.
+
+class RelativeMultiheadAttention(nn.Module):
+    """Multi-head attention with relative position representations, shaped like ``nn.MultiheadAttention``.
+
+    Inputs ``query`` (B, N, E), ``key`` (B, M, kdim), ``value`` (B, M, vdim) with ``batch_first=True``
+    (the default here), (N, B, E) ... with ``batch_first=False``, or unbatched (N, E), (M, kdim),
+    (M, vdim); the output has the query's layout. Head dim ``D = embed_dim // num_heads``.
 
     Args:
         embed_dim: model width ``E``.
@@ -76,6 +54,11 @@ class RelativeMultiheadAttention(nn.Module):
         max_relative_position: ``K``; offsets are clipped to ``[-K, K]``, so tables have ``2K + 1`` rows.
         dropout: dropout on the attention weights, in training mode only.
         bias: biases on the four projections.
+        add_bias_kv, add_zero_attn: accepted for signature parity, but only ``False``: the extra key they
+            append has no position, so its relative term is undefined (a ``ValueError`` names the argument).
+        kdim, vdim: features of ``key`` and ``value`` (default ``embed_dim``); the relative tables apply
+            as in self-attention (query ``i`` at position ``i``, key ``j`` at ``j``).
+        batch_first: (B, N, E) if True (the default: this module was always batch-first), (N, B, E) if False.
         relative_keys: learn the key-side table ``rel_k`` (``a^K``).
         relative_values: learn the value-side table ``rel_v`` (``a^V``).
         share_heads: one (2K+1, D) table per side shared by all heads (Shaw et al.), else (H, 2K+1, D).
@@ -84,6 +67,27 @@ class RelativeMultiheadAttention(nn.Module):
     Initialisation: the query, key and value projections are Xavier-uniform with zero bias and the
     output projection is ``nn.Linear``'s default with zero bias (as ``nn.MultiheadAttention``);
     the tables are ``N(0, 1) * sqrt(2 / (2K + 1 + D))``, the spec's Glorot-normal scale.
+    :meth:`from_mha` instead takes an ``nn.MultiheadAttention``'s weights and starts the tables at zero.
+
+    Differences from ``nn.MultiheadAttention`` (everything else, with both tables at zero, computes
+    what it computes, outputs and gradients):
+
+    1. The third positional constructor argument is ``max_relative_position``; the rest are keyword-only.
+    2. ``batch_first`` defaults to True (nn.MultiheadAttention: False).
+    3. ``need_weights`` defaults to False, so ``forward`` returns ``(out, None)`` and the fast backends
+       run; pass ``need_weights=True`` for the weights (computed by the "dense" backend).
+    4. ``key`` and ``value`` may be omitted: ``key = query``, ``value = key`` (self-attention).
+    5. ``is_causal=True`` forbids later keys by itself (no ``attn_mask`` needed); with an ``attn_mask``
+       both apply. In nn.MultiheadAttention it is only a hint about ``attn_mask``.
+    6. A query row with no key to attend to gives zeros before ``out_proj`` (so ``out_proj.bias``), and
+       zero weights and gradients, where nn.MultiheadAttention gives NaN.
+    7. ``add_bias_kv=True`` and ``add_zero_attn=True`` are refused (see above).
+    8. Parameters are the ``nn.Linear`` modules ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` and the
+       tables ``rel_k``, ``rel_v``, not ``in_proj_weight`` / ``in_proj_bias`` / ``q_proj_weight``...; so
+       state-dict keys differ. Bring an nn.MultiheadAttention (or its state dict, loaded into one) over
+       with :meth:`from_mha`.
+    9. ``attn_mask`` may also be (B, H, N, M); ``forward`` takes a keyword-only ``kv_cache``.
+    10. No nested-tensor fast path, and dropout draws different random numbers.
     """
 
     def __init__(
@@ -94,6 +98,11 @@ class RelativeMultiheadAttention(nn.Module):
         *,
         dropout: float = 0.0,
         bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = True,
         relative_keys: bool = True,
         relative_values: bool = True,
         share_heads: bool = True,
@@ -106,17 +115,25 @@ class RelativeMultiheadAttention(nn.Module):
             raise ValueError(f"embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        for name, flag in (("add_bias_kv", add_bias_kv), ("add_zero_attn", add_zero_attn)):
+            if flag:
+                raise ValueError(f"{name}=True is not supported: the key it appends has no position, so its "
+                                 f"relative term is undefined")
+        if not isinstance(batch_first, bool):
+            raise TypeError(f"batch_first must be a bool, got {type(batch_first).__name__}")
         from .backends import check_name
 
         check_name(backend)
         factory = {"device": device, "dtype": dtype}
-        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.embed_dim, self.num_heads, self.batch_first = embed_dim, num_heads, batch_first
+        self.kdim = embed_dim if kdim is None else _positive("kdim", kdim)
+        self.vdim = embed_dim if vdim is None else _positive("vdim", vdim)
         self.head_dim = embed_dim // num_heads
         self.max_relative_position = check_max_relative_position(max_relative_position)
         self.dropout, self.backend, self.share_heads = dropout, backend, share_heads
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        self.v_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(self.kdim, embed_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(self.vdim, embed_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         table = (2 * self.max_relative_position + 1, self.head_dim)
         if not share_heads:
@@ -124,6 +141,54 @@ class RelativeMultiheadAttention(nn.Module):
         self.rel_k = nn.Parameter(torch.empty(table, **factory)) if relative_keys else None
         self.rel_v = nn.Parameter(torch.empty(table, **factory)) if relative_values else None
         self.reset_parameters()
+
+    @classmethod
+    def from_mha(
+        cls,
+        mha: nn.MultiheadAttention,
+        max_relative_position: int = 16,
+        *,
+        relative_keys: bool = True,
+        relative_values: bool = True,
+        share_heads: bool = True,
+        backend: str = "auto",
+    ) -> RelativeMultiheadAttention:
+        """A module with ``mha``'s sizes, layout, dropout, weights (copied), device, dtype and mode.
+
+        The tables start at zero, so until they are trained it computes what ``mha`` computes. To
+        upgrade a model in place: ``model.attn = RelativeMultiheadAttention.from_mha(model.attn, 16)``.
+        For a saved nn.MultiheadAttention state dict, load it into an ``nn.MultiheadAttention`` of the
+        same sizes first (``mha.load_state_dict(sd)``), then call this.
+        """
+        if not isinstance(mha, nn.MultiheadAttention):
+            raise TypeError(f"mha must be an nn.MultiheadAttention, got {type(mha).__name__}")
+        if mha.bias_k is not None:
+            raise ValueError("mha has add_bias_kv=True, which RelativeMultiheadAttention does not support")
+        if mha.add_zero_attn:
+            raise ValueError("mha has add_zero_attn=True, which RelativeMultiheadAttention does not support")
+        out_w = mha.out_proj.weight
+        mod = cls(mha.embed_dim, mha.num_heads, max_relative_position, dropout=mha.dropout,
+                  bias=mha.in_proj_bias is not None, kdim=mha.kdim, vdim=mha.vdim, batch_first=mha.batch_first,
+                  relative_keys=relative_keys, relative_values=relative_values, share_heads=share_heads,
+                  backend=backend, device=out_w.device, dtype=out_w.dtype)
+        if mha.in_proj_weight is not None:
+            weights = mha.in_proj_weight.chunk(3)
+        else:
+            weights = (mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight)
+        projections = (mod.q_proj, mod.k_proj, mod.v_proj)
+        with torch.no_grad():
+            for proj, w in zip(projections, weights, strict=True):
+                proj.weight.copy_(w)
+            if mha.in_proj_bias is not None:
+                for proj, b in zip(projections, mha.in_proj_bias.chunk(3), strict=True):
+                    proj.bias.copy_(b)
+            mod.out_proj.weight.copy_(out_w)
+            if mod.out_proj.bias is not None:
+                mod.out_proj.bias.copy_(mha.out_proj.bias)
+            for table in (mod.rel_k, mod.rel_v):
+                if table is not None:
+                    table.zero_()
+        return mod.train(mha.training)
 
     def reset_parameters(self) -> None:
         for proj in (self.q_proj, self.k_proj, self.v_proj):
@@ -138,61 +203,88 @@ class RelativeMultiheadAttention(nn.Module):
                 nn.init.normal_(table, std=std)
 
     def extra_repr(self) -> str:
-        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+        dims = "" if self.kdim == self.vdim == self.embed_dim else f"kdim={self.kdim}, vdim={self.vdim}, "
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, {dims}"
                 f"max_relative_position={self.max_relative_position}, share_heads={self.share_heads}, "
                 f"relative_keys={self.rel_k is not None}, relative_values={self.rel_v is not None}, "
-                f"backend={self.backend!r}")
+                f"batch_first={self.batch_first}, backend={self.backend!r}")
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, _ = x.shape
-        return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+    def _check_inputs(self, query, key, value) -> bool:
+        """Shapes of the three inputs; returns whether they are batched."""
+        layout = "(B, N, E)" if self.batch_first else "(N, B, E)"
+        if query.dim() not in (2, 3) or query.shape[-1] != self.embed_dim:
+            raise ValueError(f"query must be {layout.replace('E', str(self.embed_dim))} or unbatched "
+                             f"(N, {self.embed_dim}); got {tuple(query.shape)}")
+        batched = query.dim() == 3
+        batch = query.shape[0 if self.batch_first else 1] if batched else None
+        for name, t, dim in (("key", key, self.kdim), ("value", value, self.vdim)):
+            if batched:
+                ok = t.dim() == 3 and t.shape[-1] == dim and t.shape[0 if self.batch_first else 1] == batch
+                want = f"(B={batch}, M, {dim})" if self.batch_first else f"(M, B={batch}, {dim})"
+            else:
+                ok, want = t.dim() == 2 and t.shape[-1] == dim, f"unbatched (M, {dim}) like query"
+            if not ok:
+                raise ValueError(f"{name} must be {want}; got {tuple(t.shape)}")
+        at = 1 if batched and self.batch_first else 0
+        if key.shape[at] != value.shape[at]:
+            raise ValueError(f"key and value must have the same length; got {key.shape[at]} and {value.shape[at]}")
+        return batched
+
+    def _split(self, x: torch.Tensor, batch_first: bool) -> torch.Tensor:
+        """A projection, (B, L, E) or (L, B, E), as heads (B, H, L, D) (a view)."""
+        if batch_first:
+            return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+        return x.unflatten(-1, (self.num_heads, self.head_dim)).permute(1, 2, 0, 3)
 
     def forward(
         self,
         query: torch.Tensor,
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
-        *,
         key_padding_mask: torch.Tensor | None = None,
-        attn_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
         need_weights: bool = False,
+        attn_mask: torch.Tensor | None = None,
         average_attn_weights: bool = True,
+        is_causal: bool = False,
+        *,
         kv_cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attend ``query`` (B, N, E) to ``key`` (B, M, E) / ``value`` (B, M, E); self-attention if None.
+        """Attend ``query`` to ``key`` / ``value``; self-attention if they are None.
 
-        Masks follow ``nn.MultiheadAttention``: ``key_padding_mask`` (B, M) and ``attn_mask``
-        ((N, M), (B*H, N, M) or (B, H, N, M)) are bool with True = *not allowed*, or float (added).
-        ``is_causal=True`` forbids attending to later positions (no mask needed, unlike
+        Shapes (``batch_first=True``): ``query`` (B, N, E), ``key`` (B, M, kdim), ``value`` (B, M, vdim);
+        with ``batch_first=False`` the first two dims swap; unbatched inputs drop B.
+        Masks follow ``nn.MultiheadAttention``: ``key_padding_mask`` (B, M) ((M,) unbatched) and
+        ``attn_mask`` ((N, M), (B*H, N, M) or (B, H, N, M)) are bool with True = *not allowed*, or
+        float (added). ``is_causal=True`` forbids attending to later positions (no mask needed, unlike
         nn.MultiheadAttention where it is only a hint). With ``kv_cache``, this call's keys and values
         are appended to the cache and queries are placed after the cached positions, so ``M`` and the
         masks count cached keys too.
 
-        Returns ``(output (B, N, E), weights)``; weights are None unless ``need_weights``, then
-        (B, N, M) averaged over heads or (B, H, N, M) (computed by the dense path).
+        Returns ``(output, weights)``: output shaped like ``query``; weights None unless
+        ``need_weights``, then (B, N, M) averaged over heads or (B, H, N, M) ((N, M) or (H, N, M)
+        unbatched), computed by the dense path.
         """
-        if query.dim() != 3 or query.shape[-1] != self.embed_dim:
-            raise ValueError(f"query must be (B, N, {self.embed_dim}); got {tuple(query.shape)}")
         key = query if key is None else key
         value = key if value is None else value
-        for name, t in (("key", key), ("value", value)):
-            if t.dim() != 3 or t.shape[-1] != self.embed_dim or t.shape[0] != query.shape[0]:
-                raise ValueError(f"{name} must be (B={query.shape[0]}, M, {self.embed_dim}); got {tuple(t.shape)}")
-        if key.shape[1] != value.shape[1]:
-            raise ValueError(f"key and value must have the same length; got {key.shape[1]} and {value.shape[1]}")
-        b = query.shape[0]
-        q, k, v = self._heads(self.q_proj(query)), self._heads(self.k_proj(key)), self._heads(self.v_proj(value))
+        batched = self._check_inputs(query, key, value)
+        if not batched:
+            query, key, value = query[None], key[None], value[None]
+        bf = self.batch_first or not batched
+        q = self._split(self.q_proj(query), bf)
+        k, v = self._split(self.k_proj(key), bf), self._split(self.v_proj(value), bf)
         offset = 0
         if kv_cache is not None:
             offset = len(kv_cache)
             k, v = kv_cache.update(k, v)
+        b, _, n, _ = q.shape
         m = k.shape[2]
         mask = None
         if key_padding_mask is not None:
-            if key_padding_mask.shape != (b, m):
-                raise ValueError(f"key_padding_mask must be (B, M) = ({b}, {m}); got {tuple(key_padding_mask.shape)}")
-            mask = _mha_mask_to_allowed("key_padding_mask", key_padding_mask[:, None, None, :], b, self.num_heads)
+            want = (b, m) if batched else (m,)
+            if key_padding_mask.shape != want:
+                raise ValueError(f"key_padding_mask must be {'(B, M)' if batched else '(M,)'} = {want}; "
+                                 f"got {tuple(key_padding_mask.shape)}")
+            mask = _mha_mask_to_allowed("key_padding_mask", key_padding_mask.reshape(b, 1, 1, m), b, self.num_heads)
         if attn_mask is not None:
             mask = _combine(mask, _mha_mask_to_allowed("attn_mask", attn_mask, b, self.num_heads), q.dtype)
         dropout = self.dropout if self.training else 0.0
@@ -209,10 +301,13 @@ class RelativeMultiheadAttention(nn.Module):
             out, weights = dense_attention(call, need_weights=True)
             if average_attn_weights:
                 weights = weights.mean(1)
+            if not batched:
+                weights = weights[0]
         else:
             out = relative_attention(q, k, v, rel_k, rel_v, dropout_p=dropout, backend=self.backend, **common)
-        out = self.out_proj(out.transpose(1, 2).reshape(b, -1, self.embed_dim))
-        return out, weights
+        out = out.transpose(1, 2) if bf else out.permute(2, 0, 1, 3)
+        out = self.out_proj(out.flatten(2))
+        return (out if batched else out[0]), weights
 
 
 __all__ = ["KVCache", "RelativeMultiheadAttention"]

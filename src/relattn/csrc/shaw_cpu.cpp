@@ -89,9 +89,10 @@ V exp_of(V y) {
 }
 
 constexpr auto add = [](auto a, auto b) { return a + b; };
+// NaN-propagating, as ATen's vectorized maximum: a row's NaN score must make its max NaN (see ``row_is_nan``).
 constexpr auto max = [](auto a, auto b) {
   if constexpr (std::is_arithmetic_v<decltype(a)>) {
-    return std::max(a, b);
+    return (b > a || b != b) ? b : a;
   } else {
     return at::vec::maximum(a, b);
   }
@@ -125,6 +126,13 @@ T transform_reduce(T* s, int64_t n, T init, T identity, F f, R reduce) {
 
 template <typename T>
 constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+
+// A row whose max score is NaN or +inf has NaN softmax weights (the reference's, as any softmax's): the kernel
+// writes NaN for it instead of running the exp (ATen's vectorized exp clamps NaN to a finite value).
+template <typename T>
+bool row_is_nan(T row_max) {
+  return !(row_max <= std::numeric_limits<T>::max());
+}
 
 // s[0:n] += c; returns max(running, max s[0:n]).
 template <typename T>
@@ -238,15 +246,11 @@ void add_mask(T* s, const T* row, int64_t n, int64_t key_stride) {
 }
 
 // Adds the relative key term to the row's scores s[0:valid] (qa: the row's R scores, or null) and returns
-// their max (-inf if valid == 0).
+// their max (-inf if valid == 0, NaN if one is NaN).
 template <typename T>
 T add_key_term(T* s, const Runs& r, const T* qa, int64_t last) {
-  T mx = neg_inf<T>;
-  if (qa == nullptr) {
-    for (int64_t x = 0; x < r.valid; ++x) mx = std::max(mx, s[x]);
-    return mx;
-  }
-  mx = add_const_max(s, r.left, qa[0], mx);
+  if (qa == nullptr) return add_const_max(s, r.valid, T(0), neg_inf<T>);
+  T mx = add_const_max(s, r.left, qa[0], neg_inf<T>);
   mx = add_vec_max(s + r.left, qa + r.left + r.band0, r.right - r.left, mx);
   return add_const_max(s + r.right, r.valid - r.right, qa[last], mx);
 }
@@ -310,7 +314,8 @@ void forward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q,
           T* s = S.data() + a * tile_k;
           const Runs& r = runs[a];
           const T bmax = rmax[a];
-          if (r.valid == 0 || bmax == neg_inf<T>) {
+          if (row_is_nan(bmax)) mx[a] = sm[a] = std::numeric_limits<T>::quiet_NaN();
+          if (r.valid == 0 || bmax == neg_inf<T> || sm[a] != sm[a]) {  // nothing to add, or a NaN row
             std::fill(s, s + r.valid, T(0));
             continue;
           }
@@ -334,8 +339,11 @@ void forward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q,
       for (int64_t a = 0; a < tq; ++a) {
         T* o = out + (bh * g.N + m0 + a) * g.Dv;
         const T* src = acc.data() + a * g.Dv;
-        if (sm[a] == T(0)) {  // no key: zeros, lse -inf
-          std::fill(o, o + g.Dv, T(0));
+        if (sm[a] != sm[a]) {  // a NaN reached the row's scores
+          std::fill(o, o + g.Dv, sm[a]);
+          lse[bh * g.N + m0 + a] = sm[a];
+        } else if (sm[a] == T(0)) {  // no key: zeros (NaN where a NaN value met the zero weights), lse -inf
+          for (int64_t x = 0; x < g.Dv; ++x) o[x] = src[x] * T(0);
           lse[bh * g.N + m0 + a] = neg_inf<T>;
         } else {
           const T inv = T(1) / sm[a];
@@ -405,6 +413,12 @@ void backward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q
             const Runs& r = runs[a];
             if (r.valid == 0 || rmax[a] == neg_inf<T> || lt[a] == neg_inf<T>) {
               std::fill(s, s + width, T(0));
+              continue;
+            }
+            if (lt[a] != lt[a]) {  // a NaN row (forward): NaN weights, so NaN reaches every gradient it feeds
+              std::fill(s, s + r.valid, lt[a]);
+              std::fill(s + r.valid, s + width, T(0));
+              if (g.has_v) fold_runs(PW.data() + a * R, s, r, last, lt[a], lt[a]);
               continue;
             }
             exp_shift(s, r.valid, -lt[a]);

@@ -1,0 +1,210 @@
+"""Shaw attention on user shapes, side by side with SDPA without positions: one run, interleaved medians, ratios.
+
+Cases (float32 unless said; "auto" backend; both tables, shared by all heads; D = 64):
+
+- ``train``: B=32, H=8, N=128, K=16, causal, forward+backward (training-like: small N, big batch).
+- ``encoder``: B=4, H=12, N=512, K=32, not causal, forward+backward.
+- ``bf16``: B=1, H=8, N=2048, K=64, bfloat16 q, k, v and tables, forward+backward.
+- ``autocast``: the module under ``torch.autocast("cpu", bfloat16)``: ``RelativeMultiheadAttention.from_mha(mha,
+  64)`` against ``mha = nn.MultiheadAttention(512, 8, batch_first=True)`` (SDPA inside), x (1, 2048, 512),
+  forward+backward (gradients of x and the parameters).
+- ``decode_512``, ``decode_4096``: one query (B=1, H=8) against 512 / 4096 cached keys, K=64, forward under
+  ``no_grad`` (each timed sample is ``--decode-calls`` calls).
+- ``generate``: ``TransformerLM.generate`` (default config, greedy, 64-byte prompt, 256 new bytes) against the
+  same model with ``positions="none"`` whose attention calls SDPA; reported also as tokens/s.
+
+``ratio`` is relattn's median time over SDPA's, both measured in the same run, interleaved (lower is better; the
+issue's target is <= 1.1, and generation at >= 0.9x SDPA's tokens/s, i.e. a time ratio <= 1.11).
+
+    PYTHONPATH=src python benchmarks/shapes.py                       # the real sizes, 2 threads
+    PYTHONPATH=src python benchmarks/shapes.py --quick --out /tmp/s.json   # tiny sizes, seconds (for tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import median_ms, time_interleaved  # noqa: E402
+
+from relattn import RelativeMultiheadAttention, relative_attention  # noqa: E402
+from relattn._io import atomic_write_text  # noqa: E402
+from relattn.backends.dense import causal_allowed  # noqa: E402
+from relattn.model import TransformerConfig, TransformerLM  # noqa: E402
+
+# name -> sizes; "quick" keeps every case's structure at sizes a test runs in seconds
+SIZES = {
+    "full": dict(train=(32, 8, 128, 64, 16), encoder=(4, 12, 512, 64, 32), bf16=(1, 8, 2048, 64, 64),
+                 autocast=(1, 2048, 512, 8, 64), decode=(1, 8, 64, 64), decode_lengths=(512, 4096),
+                 generate=dict(config={}, prompt=64, new=256)),
+    "quick": dict(train=(2, 2, 16, 8, 4), encoder=(1, 3, 24, 8, 4), bf16=(1, 2, 32, 8, 4),
+                  autocast=(1, 32, 16, 2, 4), decode=(1, 2, 8, 4), decode_lengths=(16, 48),
+                  generate=dict(config=dict(d_model=16, n_heads=2, n_layers=2, d_ff=32, max_relative_position=4),
+                                prompt=4, new=6)),
+}
+
+
+def _randn(*shape, dtype=torch.float32, g, grad=True):
+    return torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad)
+
+
+def op_case(b, h, n, d, kk, *, causal, dtype=torch.float32):
+    """Forward+backward of the op and of SDPA on the same q, k, v."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, go = (_randn(b, h, n, d, dtype=dtype, g=g) for _ in range(4))
+    rk, rv = (_randn(2 * kk + 1, d, dtype=dtype, g=g) for _ in range(2))
+
+    def relattn():
+        out = relative_attention(q, k, v, rk, rv, max_relative_position=kk, is_causal=causal)
+        return torch.autograd.grad(out, (q, k, v, rk, rv), go)
+
+    def sdpa():
+        return torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=causal), (q, k, v), go)
+
+    return relattn, sdpa, f"B={b} H={h} N={n} D={d} K={kk} {dtype} {'causal' if causal else 'full'} fwd+bwd"
+
+
+def autocast_case(b, n, e, h, kk):
+    """The module under CPU autocast (bfloat16) against the nn.MultiheadAttention it was built from."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(e, h, batch_first=True)
+    rel = RelativeMultiheadAttention.from_mha(mha, kk)
+    g = torch.Generator().manual_seed(1)
+    x = _randn(b, n, e, g=g)
+    go = torch.randn(b, n, e, generator=g)
+
+    def run(module, call):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = call()
+        return torch.autograd.grad(out.float(), (x, *module.parameters()), go)
+
+    return (lambda: run(rel, lambda: rel(x)[0]), lambda: run(mha, lambda: mha(x, x, x, need_weights=False)[0]),
+            f"module, x ({b}, {n}, {e}), H={h} K={kk}, autocast bf16, fwd+bwd")
+
+
+def decode_case(b, h, d, kk, m, calls):
+    """One query at position M-1 against M cached keys, ``calls`` calls per timed sample."""
+    g = torch.Generator().manual_seed(0)
+    q = _randn(b, h, 1, d, g=g, grad=False)
+    k, v = (_randn(b, h, m, d, g=g, grad=False) for _ in range(2))
+    rk, rv = (_randn(2 * kk + 1, d, g=g, grad=False) for _ in range(2))
+
+    @torch.no_grad()
+    def relattn():
+        for _ in range(calls):
+            relative_attention(q, k, v, rk, rv, max_relative_position=kk, query_offset=m - 1)
+
+    @torch.no_grad()
+    def sdpa():
+        for _ in range(calls):
+            F.scaled_dot_product_attention(q, k, v)
+
+    return relattn, sdpa, f"B={b} H={h} 1 query vs M={m} keys, D={d} K={kk}, forward, x{calls} calls"
+
+
+class SDPAAttention(RelativeMultiheadAttention):
+    """The module without positions, SDPA inside: the generate case's baseline (self-attention, KV cache)."""
+
+    def forward(self, query, key=None, value=None, key_padding_mask=None, need_weights=False, attn_mask=None,
+                average_attn_weights=True, is_causal=False, *, kv_cache=None):
+        q, k, v = (self._split(p(query), True) for p in (self.q_proj, self.k_proj, self.v_proj))
+        offset = 0
+        if kv_cache is not None:
+            offset = len(kv_cache)
+            k, v = kv_cache.update(k, v)
+        n, m = q.shape[2], k.shape[2]
+        mask = causal_allowed(n, m, offset, q.device) if is_causal and offset > 0 and n > 1 else None
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and offset == 0)
+        return self.out_proj(out.transpose(1, 2).flatten(2)), None
+
+
+def generate_case(config: dict, prompt: int, new: int):
+    """``TransformerLM.generate`` with relative positions against positions="none" with SDPA attention."""
+    torch.manual_seed(0)
+    rel = TransformerLM(TransformerConfig(**config)).eval()
+    cfg = TransformerConfig(**{**config, "positions": "none"})
+    torch.manual_seed(0)
+    base = TransformerLM(cfg).eval()
+    for block in base.encoder.blocks:
+        block.attn = SDPAAttention(cfg.d_model, cfg.n_heads, relative_keys=False, relative_values=False)
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+    return (lambda: rel.generate(ids, new, temperature=0), lambda: base.generate(ids, new, temperature=0),
+            f"TransformerLM d_model={cfg.d_model} heads={cfg.n_heads} layers={cfg.n_layers} "
+            f"K={cfg.max_relative_position}, prompt {prompt}, {new} new tokens, greedy")
+
+
+def cases(size: str, decode_calls: int) -> dict:
+    s = SIZES[size]
+    out = {
+        "train": op_case(*s["train"], causal=True),
+        "encoder": op_case(*s["encoder"], causal=False),
+        "bf16": op_case(*s["bf16"], causal=False, dtype=torch.bfloat16),
+        "autocast": autocast_case(*s["autocast"]),
+    }
+    for m in s["decode_lengths"]:
+        out[f"decode_{m}"] = decode_case(*s["decode"], m, decode_calls)
+    out["generate"] = generate_case(**s["generate"])
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes (seconds), for tests: same cases, same JSON")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=7, help="timed rounds per case (median reported)")
+    p.add_argument("--decode-calls", type=int, default=100, help="calls per timed decode sample")
+    p.add_argument("--only", nargs="+", help="run only these cases")
+    p.add_argument("--out", default="shapes.json", help="JSON file to write (default: %(default)s)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    size = "quick" if args.quick else "full"
+    all_cases = cases(size, 2 if args.quick else args.decode_calls)
+    unknown = sorted(set(args.only or ()) - set(all_cases))
+    if unknown:
+        p.error(f"unknown cases {unknown}; choose from {sorted(all_cases)}")
+    print(f"torch {torch.__version__}, {args.threads} threads, CPU {torch.backends.cpu.get_cpu_capability()}; "
+          f"median of {args.reps} interleaved rounds; ratio = relattn / SDPA (lower is better)")
+    print(f"{'case':<12} {'relattn ms':>11} {'sdpa ms':>9} {'ratio':>6}  shape")
+    results = {}
+    for name, (relattn, sdpa, shape) in all_cases.items():
+        if args.only and name not in args.only:
+            continue
+        times = time_interleaved({"relattn": relattn, "sdpa": sdpa}, args.reps)
+        a, b = median_ms(times["relattn"]), median_ms(times["sdpa"])
+        row = {"shape": shape, "relattn_ms": a, "sdpa_ms": b, "ratio": a / b,
+               "relattn_all_ms": [t * 1e3 for t in times["relattn"]], "sdpa_all_ms": [t * 1e3 for t in times["sdpa"]]}
+        extra = ""
+        if name == "generate":
+            new = SIZES[size]["generate"]["new"]
+            row["relattn_tokens_per_s"], row["sdpa_tokens_per_s"] = new / (a / 1e3), new / (b / 1e3)
+            row["tokens_per_s_ratio"] = b / a
+            extra = f"  ({row['relattn_tokens_per_s']:.0f} vs {row['sdpa_tokens_per_s']:.0f} tokens/s)"
+        results[name] = row
+        print(f"{name:<12} {a:11.3f} {b:9.3f} {a / b:6.2f}  {shape}{extra}", flush=True)
+    worst = max(results.values(), key=lambda r: r["ratio"]) if results else None
+    report = {
+        "meta": {"torch": torch.__version__, "threads": args.threads, "cpu": platform.processor() or platform.machine(),
+                 "cpu_capability": torch.backends.cpu.get_cpu_capability(), "size": size, "reps": args.reps,
+                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "command": " ".join(sys.argv)},
+        "cases": results,
+        "worst_ratio": None if worst is None else worst["ratio"],
+    }
+    assert all(math.isfinite(r["ratio"]) for r in results.values())
+    atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
