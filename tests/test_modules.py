@@ -175,3 +175,61 @@ def test_kv_cache_reorder_keeps_the_chosen_rows():
     want = mod(torch.cat([prefix[index], new], 1), is_causal=True)[0][:, 5:]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert (want - mod(torch.cat([prefix, new], 1), is_causal=True)[0][:, 5:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("window,beyond,share_heads", [((4, 1), "clip", True), ((0, 3), "zero", False),
+                                                       (2, "zero", True)])
+def test_module_variants_equal_the_reference(window, beyond, share_heads):
+    """Asymmetric windows and zero-beyond tables in the module: its heads' output is the numpy reference's."""
+    from helpers import reference_output
+
+    mod = module(k=window, beyond=beyond, share_heads=share_heads)
+    left, right = (window, window) if isinstance(window, int) else window
+    assert mod.rel_k.shape[-2] == left + right + 1
+    x = torch.randn(2, 7, E, dtype=torch.float64)
+
+    def split(t):
+        return t.view(2, 7, H, E // H).transpose(1, 2)
+
+    q, k, v = split(mod.q_proj(x)), split(mod.k_proj(x)), split(mod.v_proj(x))
+    o = reference_output(q, k, v, mod.rel_k, mod.rel_v, max_relative_position=window, beyond=beyond,
+                         is_causal=True)
+    want = mod.out_proj(o.transpose(1, 2).reshape(2, 7, E))
+    got, _ = mod(x, is_causal=True)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    _, weights = mod(x, is_causal=True, need_weights=True, average_attn_weights=False)
+    from relattn.reference import relative_attention as ref_attention
+
+    _, ref_w = ref_attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(),
+                             mod.rel_k.detach().numpy(), None, max_relative_position=window, beyond=beyond,
+                             is_causal=True, return_weights=True)
+    torch.testing.assert_close(weights, torch.from_numpy(ref_w), rtol=1e-10, atol=1e-12)
+
+
+def test_tied_tables_are_one_parameter_used_on_both_sides():
+    tied = module(tie_tables=True)
+    assert tied.rel_v is tied.rel_k
+    assert sum(p is tied.rel_k for p in tied.parameters()) == 1
+    assert {"rel_k", "rel_v"} <= set(tied.state_dict())
+    untied = module()
+    untied.load_state_dict(tied.state_dict())  # the same table on both sides, as two parameters
+    assert torch.equal(untied.rel_k, untied.rel_v)
+    x = torch.randn(2, 6, E, dtype=torch.float64)
+    torch.testing.assert_close(tied(x, is_causal=True)[0], untied(x, is_causal=True)[0], rtol=0, atol=0)
+    tied(x, is_causal=True)[0].square().sum().backward()
+    untied(x, is_causal=True)[0].square().sum().backward()
+    torch.testing.assert_close(tied.rel_k.grad, untied.rel_k.grad + untied.rel_v.grad)
+    reloaded = module(tie_tables=True)
+    reloaded.load_state_dict(tied.state_dict())
+    assert reloaded.rel_v is reloaded.rel_k and torch.equal(reloaded.rel_k, tied.rel_k)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(tie_tables=True, relative_values=False), "tie_tables=True needs relative_keys=True and relative_values"),
+    (dict(k=(3,)), r"max_relative_position as a pair must be \(left, right\)"),
+    (dict(k=(2, -1)), "max_relative_position's right must be an int >= 0"),
+    (dict(beyond="edge"), "beyond must be one of"),
+])
+def test_variant_errors_name_the_argument(kw, match):
+    with pytest.raises(ValueError, match=match):
+        module(**kw)

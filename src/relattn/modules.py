@@ -9,7 +9,7 @@ from torch import nn
 
 from .cache import KVCache
 from .functional import additive_mask, relative_attention
-from .positions import check_max_relative_position
+from .positions import check_beyond, check_window, table_rows
 
 
 def _mha_mask_to_allowed(name: str, mask: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
@@ -51,7 +51,10 @@ class RelativeMultiheadAttention(nn.Module):
     Args:
         embed_dim: model width ``E``.
         num_heads: ``H``; must divide ``embed_dim``.
-        max_relative_position: ``K``; offsets are clipped to ``[-K, K]``, so tables have ``2K + 1`` rows.
+        max_relative_position: ``K``; offsets are clipped to ``[-K, K]``, so tables have ``2K + 1`` rows. A pair
+            ``(left, right)`` clips to ``[-left, right]`` (``left + right + 1`` rows).
+        beyond: ``"clip"`` (offsets beyond the window take the edge rows) or ``"zero"`` (no relative term).
+        tie_tables: one table for keys and values (OpenNMT-py, CTranslate2): ``rel_v`` is ``rel_k``.
         dropout: dropout on the attention weights, in training mode only.
         bias: biases on the four projections.
         add_bias_kv, add_zero_attn: accepted for signature parity, but only ``False``: the extra key they
@@ -94,8 +97,10 @@ class RelativeMultiheadAttention(nn.Module):
         self,
         embed_dim: int,
         num_heads: int,
-        max_relative_position: int = 16,
+        max_relative_position: int | tuple[int, int] = 16,
         *,
+        beyond: str = "clip",
+        tie_tables: bool = False,
         dropout: float = 0.0,
         bias: bool = True,
         add_bias_kv: bool = False,
@@ -129,17 +134,24 @@ class RelativeMultiheadAttention(nn.Module):
         self.kdim = embed_dim if kdim is None else _positive("kdim", kdim)
         self.vdim = embed_dim if vdim is None else _positive("vdim", vdim)
         self.head_dim = embed_dim // num_heads
-        self.max_relative_position = check_max_relative_position(max_relative_position)
+        check_window(max_relative_position)
+        self.max_relative_position = max_relative_position
+        self.beyond = check_beyond(beyond)
+        if tie_tables and not (relative_keys and relative_values):
+            raise ValueError("tie_tables=True needs relative_keys=True and relative_values=True (one table for both)")
         self.dropout, self.backend, self.share_heads = dropout, backend, share_heads
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.k_proj = nn.Linear(self.kdim, embed_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(self.vdim, embed_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        table = (2 * self.max_relative_position + 1, self.head_dim)
+        table = (table_rows(max_relative_position), self.head_dim)
         if not share_heads:
             table = (num_heads, *table)
         self.rel_k = nn.Parameter(torch.empty(table, **factory)) if relative_keys else None
-        self.rel_v = nn.Parameter(torch.empty(table, **factory)) if relative_values else None
+        # tied: the same Parameter under both names (state_dict has both keys; parameters() yields it once)
+        self.rel_v = self.rel_k if tie_tables else (
+            nn.Parameter(torch.empty(table, **factory)) if relative_values else None)
+        self.tie_tables = tie_tables
         self.reset_parameters()
 
     @classmethod
@@ -197,7 +209,7 @@ class RelativeMultiheadAttention(nn.Module):
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
             if proj.bias is not None:
                 nn.init.zeros_(proj.bias)
-        std = math.sqrt(2.0 / (2 * self.max_relative_position + 1 + self.head_dim))
+        std = math.sqrt(2.0 / (table_rows(self.max_relative_position) + self.head_dim))
         for table in (self.rel_k, self.rel_v):
             if table is not None:
                 nn.init.normal_(table, std=std)
@@ -205,7 +217,8 @@ class RelativeMultiheadAttention(nn.Module):
     def extra_repr(self) -> str:
         dims = "" if self.kdim == self.vdim == self.embed_dim else f"kdim={self.kdim}, vdim={self.vdim}, "
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, {dims}"
-                f"max_relative_position={self.max_relative_position}, share_heads={self.share_heads}, "
+                f"max_relative_position={self.max_relative_position}, beyond={self.beyond!r}, "
+                f"tie_tables={self.tie_tables}, share_heads={self.share_heads}, "
                 f"relative_keys={self.rel_k is not None}, relative_values={self.rel_v is not None}, "
                 f"batch_first={self.batch_first}, backend={self.backend!r}")
 
@@ -290,8 +303,8 @@ class RelativeMultiheadAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         rel_k = None if self.rel_k is None else self.rel_k.to(q.dtype)
         rel_v = None if self.rel_v is None else self.rel_v.to(q.dtype)
-        common = dict(max_relative_position=self.max_relative_position, attn_mask=mask, is_causal=is_causal,
-                      query_offset=offset)
+        common = dict(max_relative_position=self.max_relative_position, beyond=self.beyond, attn_mask=mask,
+                      is_causal=is_causal, query_offset=offset)
         weights = None
         if need_weights:
             from .backends.dense import dense_attention
