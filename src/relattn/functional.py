@@ -77,7 +77,8 @@ def _autocast(tensors: list) -> list:
     """Under ``torch.autocast``, the inputs as autocast casts SDPA's: 16/32-bit floats to the autocast dtype
     (float64 is left alone, as autocast leaves it). Outside autocast, unchanged."""
     q = tensors[0]
-    if not isinstance(q, torch.Tensor) or not torch.is_autocast_enabled(q.device.type):
+    if (not isinstance(q, torch.Tensor) or not torch.amp.is_autocast_available(q.device.type)
+            or not torch.is_autocast_enabled(q.device.type)):
         return tensors
     dtype = torch.get_autocast_dtype(q.device.type)
     return [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
