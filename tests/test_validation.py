@@ -91,3 +91,13 @@ def test_mask_of_other_float_dtype_is_cast_not_refused():
     mask = torch.zeros(5, 6, dtype=torch.float64)
     out = relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], max_relative_position=2, attn_mask=mask)
     assert out.dtype == torch.float32
+
+
+def test_meta_tensors_pass_validation():
+    """Inputs on the meta device (shape inference, models built without memory) are validated like any other:
+    "dense" computes the (B, H, N, Dv) shape, and a backend that does not serve the device refuses it by name."""
+    t = {name: x.to("meta") for name, x in base().items()}
+    out = relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], max_relative_position=2, backend="dense")
+    assert out.device.type == "meta" and out.shape == (2, 3, 5, 7)
+    with pytest.raises(ValueError, match=r"backend 'native' cannot serve these inputs: device meta \(serves cpu\)"):
+        relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], max_relative_position=2, backend="native")
