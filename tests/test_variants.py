@@ -20,8 +20,16 @@ import torch
 from helpers import assert_close, backend_params, grads, np64, random_inputs, reference_output, require_backend
 from relattn import BACKENDS, relative_attention
 from relattn import reference as ref
+from relattn.backends import native
 
 NAMES = backend_params(["auto", *BACKENDS])
+
+
+@pytest.fixture(autouse=True)
+def small_native_tiles(monkeypatch):
+    """3 queries per tile, 5 keys per block: the window's runs cross tile edges in the native kernel."""
+    monkeypatch.setattr(native, "TILE_Q", 3)
+    monkeypatch.setattr(native, "TILE_K", 5)
 
 # (window, beyond, tables, (b, h, n, m, d, dv), is_causal, query_offset, mask)
 CASES = {
