@@ -103,3 +103,70 @@ def test_softmax_fully_masked_row_is_zero():
     w = ref.softmax(s)
     np.testing.assert_allclose(w[0], np.exp([0, 1]) / np.exp([0, 1]).sum())
     np.testing.assert_array_equal(w[1], [0.0, 0.0])
+
+
+# ----------------------------------------------------------------------------------------- the variants
+
+
+@given(n=st.integers(1, 9), m=st.integers(1, 9), left=st.integers(0, 10), right=st.integers(0, 10),
+       offset=st.integers(-4, 8), beyond=st.sampled_from(["clip", "zero"]), seed=st.integers(0, 2**31 - 1))
+def test_vectorised_equals_loops_for_windows_and_zero_beyond(n, m, left, right, offset, beyond, seed):
+    rng = np.random.default_rng(seed)
+    q, keys, v = rng.normal(size=(n, 5)), rng.normal(size=(m, 5)), rng.normal(size=(m, 3))
+    emb = ref.RelativePositionEmbedding((left, right), 5, 3, rng=rng, beyond=beyond)
+    assert emb.a_K.shape == (left + right + 1, 5) and emb.a_V.shape == (left + right + 1, 3)
+    loop = ref.relative_attention_scores(q, keys, emb, query_offset=offset)
+    vec = ref.relative_attention_scores_vectorized(q, keys, emb, query_offset=offset)
+    np.testing.assert_allclose(vec, loop, rtol=1e-12, atol=1e-12)
+    w = ref.softmax(loop)
+    np.testing.assert_allclose(ref.relative_attention_output_vectorized(w, v, emb, query_offset=offset),
+                               ref.relative_attention_output(w, v, emb, query_offset=offset), rtol=1e-12, atol=1e-12)
+
+
+def test_window_index_clips_to_left_and_right_then_shifts_by_left():
+    emb = ref.RelativePositionEmbedding((3, 1), 2, 2, seed=0)
+    assert emb.a_K.shape == (5, 2)
+    assert [emb.index(r) for r in (-9, -3, -2, 0, 1, 2, 9)] == [0, 0, 1, 3, 4, 4, 4]
+    zero = ref.RelativePositionEmbedding.from_tables(emb.a_K, emb.a_V, (3, 1), beyond="zero")
+    assert [zero.index(r) for r in (-9, -4, -3, 0, 1, 2, 9)] == [None, None, 0, 3, 4, None, None]
+    np.testing.assert_array_equal(zero.get_key_embedding(-4), [0.0, 0.0])
+    np.testing.assert_array_equal(zero.get_value_embedding(1), emb.a_V[4])
+    # index_matrix marks "no embedding" with one past the last row
+    np.testing.assert_array_equal(zero.index_matrix(2, 6), [[3, 4, 5, 5, 5, 5], [2, 3, 4, 5, 5, 5]])
+    np.testing.assert_array_equal(emb.index_matrix(2, 6, query_offset=4), [[0, 0, 1, 2, 3, 4], [0, 0, 0, 1, 2, 3]])
+
+
+def test_an_int_is_the_symmetric_window():
+    a = ref.RelativePositionEmbedding(3, 4, 5, seed=11)
+    b = ref.RelativePositionEmbedding((3, 3), 4, 5, seed=11)
+    np.testing.assert_array_equal(a.a_K, b.a_K)
+    assert a.max_distance == 3 and [a.index(r) for r in range(-5, 6)] == [b.index(r) for r in range(-5, 6)]
+    with pytest.raises(ValueError, match=r"the window \(2, 1\) is not symmetric"):
+        _ = ref.RelativePositionEmbedding((2, 1), 4, 5, seed=0).max_distance
+
+
+def test_zero_beyond_scores_by_hand():
+    """Window (1, 0), zero beyond: a key table of ones adds q_i . 1 only at offsets -1 and 0."""
+    emb = ref.RelativePositionEmbedding.from_tables(np.ones((2, 3)), np.zeros((2, 3)), (1, 0), beyond="zero")
+    q = np.ones((4, 3))
+    s = ref.relative_attention_scores(q, np.zeros((4, 3)), emb, scale=1.0)
+    np.testing.assert_array_equal(s, (np.eye(4) + np.eye(4, k=-1)) * 3.0)
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "match"), [
+    (dict(max_distance=(1, -1)), ValueError, "max_relative_position must be >= 0, got -1"),
+    (dict(max_distance=(1, 2.0)), TypeError, "max_relative_position must be an int, got float"),
+    (dict(max_distance=2, beyond="edge"), ValueError, "beyond must be 'clip' or 'zero', got 'edge'"),
+])
+def test_embedding_rejects_bad_windows_and_beyond(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        ref.RelativePositionEmbedding(d_k=2, d_v=2, seed=0, **kwargs)
+
+
+def test_batched_reference_with_no_keys_gives_zeros():
+    """M = 0: every row has nothing to attend to, so the output is zeros (as for a fully masked row)."""
+    q, v = np.ones((1, 2, 3, 4)), np.ones((1, 2, 0, 5))
+    out = ref.relative_attention(q, np.ones((1, 2, 0, 4)), v, np.ones((5, 4)), np.ones((5, 5)),
+                                 max_relative_position=2)
+    np.testing.assert_array_equal(out, np.zeros((1, 2, 3, 5)))
+    np.testing.assert_array_equal(ref.softmax(np.zeros((3, 0))), np.zeros((3, 0)))

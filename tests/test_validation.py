@@ -52,6 +52,19 @@ KW_CASES = [
     (dict(is_causal=1), TypeError, r"is_causal must be a bool"),
     (dict(query_offset=1.0), TypeError, r"query_offset must be an int"),
     (dict(scale="x"), TypeError, r"scale must be a float"),
+    # windows (left, right) and what lies beyond them
+    (dict(max_relative_position=(1, -1)), ValueError, r"max_relative_position's right must be an int >= 0; got -1"),
+    (dict(max_relative_position=(True, 3)), ValueError, r"max_relative_position's left must be an int >= 0; got True"),
+    (dict(max_relative_position=(2,)), ValueError,
+     r"max_relative_position as a pair must be \(left, right\); got \(2,\)"),
+    (dict(max_relative_position=[1, 2, 1]), ValueError, r"max_relative_position as a pair must be \(left, right\)"),
+    (dict(max_relative_position="2"), TypeError, r"max_relative_position must be an int, got str"),
+    (dict(beyond="edge"), ValueError, r"beyond must be one of \('clip', 'zero'\); got 'edge'"),
+    (dict(beyond=None), ValueError, r"beyond must be one of \('clip', 'zero'\); got None"),
+    # the tables have 5 rows: right for K = 2 and for (3, 1), wrong for (2, 1) and (4, 1)
+    (dict(max_relative_position=(2, 1)), ValueError,
+     r"rel_k must be \(4, 4\) or \(3, 4, 4\) for H=3, 4 table rows, head dim 4; got \(5, 4\)"),
+    (dict(max_relative_position=(4, 1), beyond="zero"), ValueError, r"rel_k must be \(6, 4\) .*got \(5, 4\)"),
 ]
 
 
@@ -63,8 +76,28 @@ def test_bad_arguments(kw, exc, match):
         relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], **kw)
 
 
+def test_table_rows_follow_the_window():
+    """Tables of left + right + 1 rows: a (3, 1) window takes the 5-row tables of K = 2; a wrong value table is
+    named as such."""
+    t = base()
+    out = relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], max_relative_position=(3, 1))
+    assert out.shape == (2, 3, 5, 7)
+    with pytest.raises(ValueError, match=r"rel_v must be \(4, 7\) or \(3, 4, 7\) .* 4 table rows.*got \(5, 7\)"):
+        relative_attention(t["q"], t["k"], t["v"], torch.randn(4, 4), t["rel_v"], max_relative_position=(0, 3))
+
+
 def test_mask_of_other_float_dtype_is_cast_not_refused():
     t = base()
     mask = torch.zeros(5, 6, dtype=torch.float64)
     out = relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], max_relative_position=2, attn_mask=mask)
     assert out.dtype == torch.float32
+
+
+def test_meta_tensors_pass_validation():
+    """Inputs on the meta device (shape inference, models built without memory) are validated like any other:
+    "dense" computes the (B, H, N, Dv) shape, and a backend that does not serve the device refuses it by name."""
+    t = {name: x.to("meta") for name, x in base().items()}
+    out = relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], max_relative_position=2, backend="dense")
+    assert out.device.type == "meta" and out.shape == (2, 3, 5, 7)
+    with pytest.raises(ValueError, match=r"backend 'native' cannot serve these inputs: device meta \(serves cpu\)"):
+        relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], max_relative_position=2, backend="native")
