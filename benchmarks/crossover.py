@@ -22,6 +22,7 @@ from relattn.measure import relattn_names
 
 DEFAULTS = {"full": BenchConfig(lengths=(64, 128, 256, 384, 512, 768, 1024, 1536), repeats=7, forward=False,
                                 memory=False, backends=tuple(relattn_names()[:-1]), peers=())}  # all but "auto"
+KS = (16, 64)
 OPTIONS = ("lengths", "backends", "heads", "head_dim", "batch", "per_head_tables", "causal", "dtype", "device",
            "threads", "repeats", "warmup", "seed")
 
@@ -46,7 +47,7 @@ def spans(winners: list[tuple[int, str | None]]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(p, DEFAULTS, OPTIONS)
-    p.add_argument("--ks", type=int, nargs="+", default=[16, 64], help="values of K (default: 16 64)")
+    p.add_argument("--ks", type=int, nargs="+", default=KS, help=f"values of K (default: {' '.join(map(str, KS))})")
     p.add_argument("--json", metavar="PATH", help="also write every run (one per K) here")
     args = p.parse_args(argv)
     if args.json and os.path.isdir(args.json):
