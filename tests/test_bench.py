@@ -377,3 +377,25 @@ def test_a_long_first_length_is_skipped_from_probed_memory_growth():
     assert rows["relattn:dense"]["reason"].startswith("predicted peak")
     assert rows["sdpa"]["status"] == "ok" and rows["sdpa"]["forward_ms"] is None  # forward=False: fwd+bwd only
     assert rows["sdpa"]["fwdbwd_ms"] > 0 and rows["sdpa"]["forward_ratio"] is None
+
+
+def test_hf_peer_is_skipped_with_the_reason_without_transformers_5(monkeypatch):
+    import sys
+    import types
+
+    from relattn.peers import hf_missing_reason
+
+    monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(__version__="4.57.6"))
+    assert transformers_version() is None
+    assert hf_missing_reason() == "transformers 4.57.6 installed; the peer needs transformers>=5"
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    assert hf_missing_reason() == "transformers>=5 not installed (pip install 'relattn[peers]')"
+    with pytest.raises(ImportError, match="transformers>=5 not installed"):
+        HFWav2Vec2BertRelativeKey(2, 4, 1)
+    config = BenchConfig(lengths=(16,), heads=2, head_dim=8, max_relative_position=2, threads=1, repeats=1,
+                         warmup=0, peers=("hf",), backends=("auto",))
+    rows = {r["implementation"]: r for r in run_bench(config, progress=False)["rows"]}
+    for attn in ("eager", "sdpa"):
+        assert rows[f"hf-w2v-bert:{attn}"]["status"] == "skipped"
+        assert rows[f"hf-w2v-bert:{attn}"]["reason"] == hf_missing_reason()
+    assert rows["relattn:auto"]["status"] == rows["sdpa"]["status"] == "ok"

@@ -24,6 +24,7 @@ import torch
 from .measure import (
     Inputs,
     Runner,
+    calls_per_measurement,
     fmt_bytes,
     machine_info,
     make_inputs,
@@ -202,7 +203,7 @@ def _skip_reason(impl: Impl, inp: Inputs, history: list[Row], config: BenchConfi
     # from the fastest call, not the median: one stall at a short length must not skip the longer ones
     fastest = [(r.n, min(r.fwdbwd_all_ms)) for r in done]
     call_s = (_extrapolate(fastest, inp.n, lo=1.0, hi=2.0, single=2.0) or 0.0) / 1e3
-    secs = call_s * 2 * (max(1, config.warmup) + config.repeats + 1)
+    secs = call_s * calls_per_measurement(config.repeats, config.warmup)
     if secs > config.time_limit_s:
         return f"predicted {secs:.0f} s ({call_s:.1f} s per forward+backward) > limit {config.time_limit_s:g} s"
     return None
