@@ -295,6 +295,10 @@ def test_presets_are_config_values_and_options_replace_their_fields():
     got = config_from_args(p.parse_args(["bench", "--memory-check", "--peers", "--memory-limit", "2"]), PRESETS)
     assert got == replace(PRESETS["memory-check"], peers=(), memory_limit_bytes=2e9)
     assert PRESETS["quick"].lengths != PRESETS["full"].lengths and PRESETS["memory-check"].backends == ("auto",)
+    with pytest.raises(ValueError, match="unknown backend 'nope'; valid: "):
+        BenchConfig(backends=("auto", "nope"))
+    with pytest.raises(ValueError, match="peers must be among"):
+        BenchConfig(peers=("hf-bert",))
 
 
 def test_options_have_no_defaults_of_their_own_and_help_shows_the_presets():
