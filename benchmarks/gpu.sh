@@ -8,7 +8,7 @@
 # dependencies are installed with pip (pinned by constraints.txt) from benchmarks/wheels/ when that folder
 # exists (for machines without an index: fill it here with
 #   pip download -d benchmarks/wheels --only-binary=:all: --python-version 3.X tqdm pytest hypothesis \
-#       matplotlib ninja 'transformers>=4.40,<5'
+#       matplotlib ninja 'transformers>=5'
 # and carry it), else from the index; relattn itself runs from src/ (PYTHONPATH), not installed, so pip
 # never weighs the constraints' CPU torch pin against the CUDA torch already there.
 set -uo pipefail
@@ -35,7 +35,7 @@ need=()
 for mod in numpy matplotlib tqdm pytest hypothesis ninja; do  # ninja: builds the native CPU kernel
     "$PY" -c "import $mod" 2>/dev/null || need+=("$mod")
 done
-"$PY" -c "import transformers" 2>/dev/null || need+=("transformers>=4.40,<5")
+"$PY" -c "import transformers" 2>/dev/null || need+=("transformers>=5")
 if ((${#need[@]})); then
     log "installing ${need[*]}"
     src=()

@@ -1,7 +1,9 @@
-"""The scripts under benchmarks/ still run (tiny sizes; their numbers are not checked here)."""
+"""The scripts under benchmarks/ run at tiny sizes, and what they print is what their JSON holds: the rows they
+claim, with ratios against SDPA from the same run."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -9,17 +11,76 @@ from pathlib import Path
 
 import pytest
 
+from relattn import BACKENDS
+
 ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--lengths", "48", "96", "--heads", "2", "--head-dim", "8", "--repeats", "1", "--threads", "1"]
+K4 = ["--max-relative-position", "4"]
 
 
-@pytest.mark.parametrize("args", [
-    ["fast_vs_sdpa.py", "--lengths", "192", "--k", "8", "--reps", "1", "--no-memory"],
-    ["masked.py", "--lengths", "192", "--k", "8", "--reps", "1"],
-])
-def test_benchmark_script_runs(args):
+def _run(script: str, *args: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / args[0]), *args[1:]], capture_output=True,
-                          text=True, env=env, timeout=300)
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True,
+                          env=env, timeout=300)
     assert done.returncode == 0, done.stderr
-    rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] == ["192"]]
-    assert rows and all(float(x) > 0 for row in rows for x in row[2:] if x.replace(".", "").isdigit())
+    return done.stdout
+
+
+def _check_ratios(rows: list[dict]) -> None:
+    for r in rows:
+        if r["status"] != "ok":
+            assert r["reason"], r
+            continue
+        sdpa = next(s for s in rows if s["n"] == r["n"] and s["implementation"] == "sdpa")
+        assert r["fwdbwd_ms"] > 0 and len(r["fwdbwd_all_ms"]) == 1
+        assert r["fwdbwd_ratio"] == pytest.approx(r["fwdbwd_ms"] / sdpa["fwdbwd_ms"], rel=1e-12)
+
+
+def _printed(stdout: str, first: str) -> list[list[str]]:
+    return [line.split() for line in stdout.splitlines() if line.split()[:1] == [first]]
+
+
+def test_fast_vs_sdpa(tmp_path):
+    out = _run("fast_vs_sdpa.py", *TINY, *K4, "--backends", "auto", "blocked", "--json", str(tmp_path / "r.json"))
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert [run["config"]["causal"] for run in runs] == [False, True]
+    for run in runs:
+        rows = run["rows"]
+        assert [(r["n"], r["implementation"]) for r in rows] == [
+            (n, name) for n in (48, 96) for name in ("sdpa", "relattn:auto", "relattn:blocked")]
+        _check_ratios(rows)
+        assert all(r["status"] == "ok" and r["memory_ratio"] > 0 for r in rows)
+        for cells in _printed(out, "96"):  # N causal sdpa_ms name ms ratio ...
+            if cells[1] == str(run["config"]["causal"]):
+                row = next(r for r in rows if r["n"] == 96 and r["implementation"] == cells[3])
+                assert float(cells[5]) == pytest.approx(row["fwdbwd_ratio"], abs=0.006)
+
+
+def test_masked(tmp_path):
+    out = _run("masked.py", *TINY, *K4, "--json", str(tmp_path / "r.json"))
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["config"]["padded_keys"] == 0.25 and result["config"]["batch"] == 2
+    rows = result["rows"]
+    names = ["sdpa", *(f"relattn:{b}" for b in BACKENDS), "relattn:auto"]
+    assert [(r["n"], r["implementation"]) for r in rows] == [(n, name) for n in (48, 96) for name in names]
+    _check_ratios(rows)
+    for cells in _printed(out, "96"):
+        row = next(r for r in rows if r["n"] == 96 and r["implementation"] == cells[1])
+        if row["status"] == "ok":
+            assert float(cells[3]) == pytest.approx(row["fwdbwd_ratio"], abs=0.006)
+        else:
+            assert " ".join(cells[2:]) == f"{row['status']}: {row['reason']}"
+
+
+def test_crossover(tmp_path):
+    out = _run("crossover.py", *TINY, "--ks", "2", "4", "--json", str(tmp_path / "r.json"))
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert [run["config"]["max_relative_position"] for run in runs] == [2, 4]
+    for run, kk in zip(runs, (2, 4), strict=True):
+        rows = run["rows"]
+        assert {r["implementation"] for r in rows} == {"sdpa", *(f"relattn:{b}" for b in BACKENDS)}
+        _check_ratios(rows)
+        for n in (48, 96):
+            ok = [r for r in rows if r["n"] == n and r["kind"] == "relattn" and r["status"] == "ok"]
+            best = min(ok, key=lambda r: r["fwdbwd_ms"])["implementation"].removeprefix("relattn:")
+            assert [cells[-1] for cells in _printed(out, str(kk)) if cells[1] == str(n)] == [best]
