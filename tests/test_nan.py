@@ -74,10 +74,7 @@ def np_(t):
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("where", ["q", "k", "v", "rel_k", "rel_v"])
-def test_nan_reaches_exactly_the_reference_rows(request, backend, dtype, where):
-    if backend == "fused" and where in ("rel_k", "rel_v"):
-        request.applymarker(pytest.mark.xfail(strict=True, reason="fused: a NaN table row reaches the wrong rows "
-                                              "(its band and its far-field SDPA calls meet different rows)"))
+def test_nan_reaches_exactly_the_reference_rows(backend, dtype, where):
     x, mask = inputs(where, dtype)
     x64, _ = inputs(where, torch.float64)
     want = torch.from_numpy(reference.relative_attention(*map(np_, x64), max_relative_position=K,
