@@ -26,21 +26,19 @@ import argparse
 import datetime
 import json
 import math
-import os
 import platform
+import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import median_ms, time_interleaved  # noqa: E402
-
-from relattn import RelativeMultiheadAttention, relative_attention  # noqa: E402
-from relattn._io import atomic_write_text  # noqa: E402
-from relattn.backends.dense import causal_allowed  # noqa: E402
-from relattn.model import TransformerConfig, TransformerLM  # noqa: E402
+from relattn import RelativeMultiheadAttention, relative_attention
+from relattn._io import atomic_write_text
+from relattn.backends.dense import causal_allowed
+from relattn.measure import time_interleaved
+from relattn.model import TransformerConfig, TransformerLM
 
 # name -> sizes; "quick" keeps every case's structure at sizes a test runs in seconds
 SIZES = {
@@ -180,7 +178,7 @@ def main(argv=None) -> int:
         if args.only and name not in args.only:
             continue
         times = time_interleaved({"relattn": relattn, "sdpa": sdpa}, args.reps)
-        a, b = median_ms(times["relattn"]), median_ms(times["sdpa"])
+        a, b = statistics.median(times["relattn"]), statistics.median(times["sdpa"])
         row = {"shape": shape, "relattn_ms": a, "sdpa_ms": b, "ratio": a / b,
                "relattn_all_ms": [t * 1e3 for t in times["relattn"]], "sdpa_all_ms": [t * 1e3 for t in times["sdpa"]]}
         extra = ""

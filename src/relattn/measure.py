@@ -176,6 +176,22 @@ def time_ms(fn: Callable[[], object], device: torch.device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int, *, warmup: int = 1,
+                     device: torch.device | None = None) -> dict[str, list[float]]:
+    """The one timing loop: every fn ``warmup`` times, then ``repeats`` rounds calling each in turn (so a slow
+    patch of the machine hits all of them alike); ms per call, per name."""
+    device = torch.device("cpu") if device is None else device
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+            _sync(device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(time_ms(fn, device))
+    return times
+
+
 def timing_method(device: torch.device) -> str:
     return ("median of `repeats` calls after `warmup` calls, the implementations interleaved (one call of each "
             "per round); forward = inference under torch.no_grad(); forward+backward = forward with autograd, then "
@@ -302,12 +318,11 @@ def measure(runners: dict[str, Runner], inp: Inputs, *, repeats: int, warmup: in
             return None
 
     def rounds(phase: int, times_of: Callable[[Measured], list[float]]) -> None:
-        for _ in range(repeats):
-            for name, fns in calls.items():
-                if results[name].error is None:
-                    ms = call(name, lambda fn=fns[phase]: time_ms(fn, device))
-                    if ms is not None:
-                        times_of(results[name]).append(ms)
+        # a runner that fails on the way keeps going as a no-op; its times are dropped at the end
+        live = {name: (lambda name=name, fn=fns[phase]: call(name, fn)) for name, fns in calls.items()
+                if results[name].error is None}
+        for name, ms in time_interleaved(live, repeats, warmup=0, device=device).items():
+            times_of(results[name]).extend(ms)
 
     for name, (fwd, _) in calls.items():
         out = call(name, fwd)
