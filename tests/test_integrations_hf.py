@@ -266,3 +266,160 @@ def test_bad_backend_is_refused():
         patch(_vits(), backend="fast")
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         patch("model")
+
+
+# ------------------------------------------------------------------------------------------ BERT relative_key (v4)
+
+V4 = dict(vocab_size=23, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+          max_position_embeddings=12, type_vocab_size=2, layer_norm_eps=1e-12, hidden_act="gelu",
+          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, initializer_range=0.02, pad_token_id=0)
+
+
+def _v4_checkpoint(directory, kind, arch, seed=0):
+    """A transformers-4 checkpoint directory: config.json as v4 wrote it, weights under v4's key names (tied
+    decoder weight and bias left out, as v4's save_pretrained leaves them out)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    h, i, p = V4["hidden_size"], V4["intermediate_size"], V4["max_position_embeddings"]
+    d = h // V4["num_attention_heads"]
+    shapes = {"embeddings.word_embeddings.weight": (V4["vocab_size"], h),
+              "embeddings.position_embeddings.weight": (p, h),
+              "embeddings.token_type_embeddings.weight": (V4["type_vocab_size"], h),
+              "embeddings.LayerNorm.weight": (h,), "embeddings.LayerNorm.bias": (h,)}
+    for n in range(V4["num_hidden_layers"]):
+        layer = f"encoder.layer.{n}."
+        for proj in ("query", "key", "value"):
+            shapes |= {f"{layer}attention.self.{proj}.weight": (h, h), f"{layer}attention.self.{proj}.bias": (h,)}
+        shapes |= {f"{layer}attention.self.distance_embedding.weight": (2 * p - 1, d),
+                   f"{layer}attention.output.dense.weight": (h, h), f"{layer}attention.output.dense.bias": (h,),
+                   f"{layer}attention.output.LayerNorm.weight": (h,), f"{layer}attention.output.LayerNorm.bias": (h,),
+                   f"{layer}intermediate.dense.weight": (i, h), f"{layer}intermediate.dense.bias": (i,),
+                   f"{layer}output.dense.weight": (h, i), f"{layer}output.dense.bias": (h,),
+                   f"{layer}output.LayerNorm.weight": (h,), f"{layer}output.LayerNorm.bias": (h,)}
+    if arch == "BertModel":
+        shapes |= {"pooler.dense.weight": (h, h), "pooler.dense.bias": (h,)}
+    else:
+        shapes = {f"bert.{k}": s for k, s in shapes.items()}
+        shapes |= {"cls.predictions.bias": (V4["vocab_size"],), "cls.predictions.transform.dense.weight": (h, h),
+                   "cls.predictions.transform.dense.bias": (h,), "cls.predictions.transform.LayerNorm.weight": (h,),
+                   "cls.predictions.transform.LayerNorm.bias": (h,)}
+    state = {k: torch.randn(s, generator=g) * (0.3 if len(s) == 2 else 0.1) + (1.0 if "LayerNorm.weight" in k else 0)
+             for k, s in shapes.items()}
+    directory.mkdir(exist_ok=True)
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = dict(V4, architectures=[arch], model_type="bert", position_embedding_type=kind,
+                  transformers_version="4.44.2", use_cache=True, classifier_dropout=None)
+    (directory / "config.json").write_text(json.dumps(config))
+    return {k: v.double().requires_grad_() for k, v in state.items()}
+
+
+def _v4_reference(state, kind, arch, ids, token_types, mask):
+    """transformers 4's BertModel / BertForMaskedLM forward, written from its code, float64."""
+    f = torch.nn.functional
+    pre = "" if arch == "BertModel" else "bert."
+    p, heads = V4["max_position_embeddings"], V4["num_attention_heads"]
+
+    def w(name):
+        return state[name if name.startswith("cls.") else pre + name]
+
+    def ln(x, name):
+        return f.layer_norm(x, x.shape[-1:], w(name + ".weight"), w(name + ".bias"), eps=1e-12)
+
+    def lin(x, name):
+        return x @ w(name + ".weight").T + w(name + ".bias")
+
+    x = ln(w("embeddings.word_embeddings.weight")[ids] + w("embeddings.token_type_embeddings.weight")[token_types],
+           "embeddings.LayerNorm")  # relative_key: no absolute position embeddings
+    b, n, hidden = x.shape
+    extended = (1.0 - mask[:, None, None, :].double()) * torch.finfo(torch.float64).min
+    distance = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+    for layer in range(V4["num_hidden_layers"]):
+        at = f"encoder.layer.{layer}."
+
+        def split(t):
+            return t.view(b, n, heads, -1).transpose(1, 2)
+
+        q, k, v = (split(lin(x, f"{at}attention.self.{proj}")) for proj in ("query", "key", "value"))
+        scores = q @ k.transpose(-1, -2)
+        pos = w(f"{at}attention.self.distance_embedding.weight")[distance + p - 1]
+        scores = scores + torch.einsum("bhld,lrd->bhlr", q, pos)
+        if kind == "relative_key_query":
+            scores = scores + torch.einsum("bhrd,lrd->bhlr", k, pos)
+        scores = scores / (hidden // heads) ** 0.5 + extended
+        ctx = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, hidden)
+        x = ln(lin(ctx, f"{at}attention.output.dense") + x, f"{at}attention.output.LayerNorm")
+        inner = f.gelu(lin(x, f"{at}intermediate.dense"))
+        x = ln(lin(inner, f"{at}output.dense") + x, f"{at}output.LayerNorm")
+    if arch == "BertModel":
+        return x
+    t = ln(f.gelu(lin(x, "cls.predictions.transform.dense")), "cls.predictions.transform.LayerNorm")
+    return t @ w("embeddings.word_embeddings.weight").T + state["cls.predictions.bias"]
+
+
+def _bert_inputs():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, V4["vocab_size"], (2, 11), generator=g)
+    token_types = torch.randint(0, 2, (2, 11), generator=g)
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, 6:] = 0
+    return ids, token_types, mask
+
+
+def _bert_out(model, arch, ids, token_types, mask):
+    out = model(input_ids=ids, token_type_ids=token_types, attention_mask=mask)
+    return out.last_hidden_state if arch == "BertModel" else out.logits
+
+
+@pytest.mark.parametrize("arch", ["BertModel", "BertForMaskedLM"])
+@pytest.mark.parametrize("kind", ["relative_key", "relative_key_query"])
+def test_load_bert_relative_key_gives_transformers4_outputs_and_gradients(kind, arch, tmp_path):
+    from relattn.integrations.bert import load_bert_relative_key
+
+    state = _v4_checkpoint(tmp_path / "v4", kind, arch)
+    model = load_bert_relative_key(tmp_path / "v4").double().eval()
+    assert type(model).__name__ == arch
+    inputs = _bert_inputs()
+    want = _v4_reference(state, kind, arch, *inputs)
+    got = _bert_out(model, arch, *inputs)
+    assert _rel(got, want) <= 1e-10
+    cotangent = torch.randn_like(want)
+    (want * cotangent).sum().backward()
+    (got * cotangent).sum().backward()
+    params = dict(model.named_parameters())
+    for name in ("encoder.layer.0.attention.self.distance_embedding.weight",
+                 "encoder.layer.1.attention.self.key.weight", "encoder.layer.1.attention.self.query.weight"):
+        key = name if arch == "BertModel" else f"bert.{name}"
+        assert _rel(params[key].grad, state[key].grad) <= 1e-9, key
+
+
+def test_load_bert_relative_key_saves_and_reloads(tmp_path):
+    from relattn.integrations.bert import load_bert_relative_key
+
+    _v4_checkpoint(tmp_path / "v4", "relative_key_query", "BertForMaskedLM")
+    model = load_bert_relative_key(tmp_path / "v4").eval()
+    assert "bert.encoder.layer.1.attention.self.distance_embedding.weight" in model.state_dict()
+    model.save_pretrained(tmp_path / "v5")
+    again = load_bert_relative_key(tmp_path / "v5").eval()
+    inputs = _bert_inputs()
+    assert _rel(_bert_out(again, "BertForMaskedLM", *inputs), _bert_out(model, "BertForMaskedLM", *inputs)) <= 1e-6
+
+
+def test_load_bert_relative_key_refuses_pickles_and_other_types(tmp_path):
+    import json
+
+    from relattn.integrations.bert import load_bert_relative_key
+
+    state = _v4_checkpoint(tmp_path, "relative_key", "BertModel")
+    (tmp_path / "model.safetensors").unlink()
+    torch.save({k: v.detach().float() for k, v in state.items()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"pickle checkpoint \(pytorch_model.bin\).*save_file"):
+        load_bert_relative_key(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(dict(V4, architectures=["BertModel"],
+                                                          position_embedding_type="absolute")))
+    with pytest.raises(ValueError, match="position_embedding_type must be one of"):
+        load_bert_relative_key(tmp_path)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_bert_relative_key(tmp_path / "missing")
