@@ -23,6 +23,7 @@ A variant predicted to need more than ``--max-gb`` is skipped and says so.
 
     PYTHONPATH=src python benchmarks/hf_models.py --out hf_models.json
     PYTHONPATH=src python benchmarks/hf_models.py --quick --out /tmp/hf_quick.json
+    PYTHONPATH=src python benchmarks/hf_models.py --only w2v-bert --lengths 1500 --layers 1 --reps 3
 """
 
 from __future__ import annotations
@@ -296,10 +297,17 @@ def plan(quick: bool, layers: int) -> dict[str, list[int]]:
     return {"w2v-bert": [1500, 6000], "vits": [100, 500], "speecht5": [500, 1500], "bert": [512]}
 
 
-def build_cases(quick: bool, layers: int) -> list[Case]:
-    lengths = plan(quick, layers)
-    return (w2v_cases(quick, layers, lengths["w2v-bert"]) + vits_cases(quick, lengths["vits"])
-            + speecht5_cases(quick, layers, lengths["speecht5"]) + bert_cases(quick, layers, lengths["bert"]))
+FAMILIES = ("w2v-bert", "vits", "speecht5", "bert")
+
+
+def build_cases(quick: bool, layers: int, only=FAMILIES, lengths: list[int] | None = None) -> list[Case]:
+    """The cases of the families in ``only``, at their lengths (or at ``lengths``, for all of them)."""
+    at = {f: lengths or n for f, n in plan(quick, layers).items()}
+    builders = {"w2v-bert": lambda: w2v_cases(quick, layers, at["w2v-bert"]),
+                "vits": lambda: vits_cases(quick, at["vits"]),
+                "speecht5": lambda: speecht5_cases(quick, layers, at["speecht5"]),
+                "bert": lambda: bert_cases(quick, layers, at["bert"])}
+    return [case for family in only for case in builders[family]()]
 
 
 def _machine() -> dict:
@@ -322,6 +330,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--max-gb", type=float, default=None, help="skip a variant predicted to need more (default: "
                    "half of MemAvailable)")
+    p.add_argument("--only", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="model families to run")
+    p.add_argument("--lengths", type=int, nargs="+", default=None, help="lengths for every family run "
+                   "(default: each family's own)")
     p.add_argument("--out", default="hf_models.json", help="JSON results")
     args = p.parse_args(argv)
     import transformers
@@ -333,7 +344,7 @@ def main(argv=None) -> int:
     max_gb = args.max_gb or _available_gb() / 2
     torch.manual_seed(0)
     rows = []
-    for case in build_cases(args.quick, layers):
+    for case in build_cases(args.quick, layers, args.only, args.lengths):
         rows.extend(measure(case, reps, args.warmup, max_gb))
     result = {"machine": _machine(), "torch": torch.__version__, "transformers": transformers.__version__,
               "quick": args.quick, "layers": layers, "reps": reps, "max_gb": max_gb, "command": sys.argv,

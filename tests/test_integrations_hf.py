@@ -181,6 +181,18 @@ def test_dropout_still_trains(name):
     assert _rel(_run(patched, name, inputs)[0], _run(plain, name, inputs)[0]) <= TOL[torch.float32]
 
 
+def test_seamless_patched_masks_as_sdpa_whatever_the_implementation():
+    """SeamlessM4T-v2's speech encoder gives its attention a bool chunk-and-padding mask; HF's eager path adds it
+    as 0/1, SDPA masks. Patched, the eager-configured model equals the unpatched SDPA one."""
+    plain, patched = _pair("seamless-m4t-v2", torch.float64)
+    patched.set_attn_implementation("eager")
+    inputs = _w2v_inputs(torch.float64)
+    want = _last_hidden(plain.eval(), inputs)
+    assert _rel(_last_hidden(patched.eval(), inputs), want) <= 1e-10
+    unpatch(patched)
+    assert _rel(_last_hidden(patched, inputs), want) > 1e-3  # HF's eager path does not mask
+
+
 def test_state_dict_unchanged_and_round_trips():
     plain, patched = _pair("vits", torch.float32)
     assert list(patched.state_dict()) == list(plain.state_dict())
