@@ -153,6 +153,22 @@ def test_patched_model_matches_unpatched(name, train, dtype):
         assert _rel(got_grads[n], want_grads[n]) <= TOL[dtype] * 10, n
 
 
+def test_gradient_checkpointing_still_matches():
+    """SpeechT5's patched encoder hands the table through checkpointed layers; outputs and gradients unchanged."""
+    plain, patched = _pair("speecht5", torch.float64)
+    for model in (plain, patched):
+        model.gradient_checkpointing_enable()
+        model.train()
+    inputs = dict(_speecht5_inputs(torch.float64), use_cache=False)
+    cotangent = torch.randn(2 * 13 * 24 + 2 * 5 * 24, dtype=torch.float64)
+    want, want_grads = _run(plain, "speecht5", inputs, cotangent)
+    got, got_grads = _run(patched, "speecht5", inputs, cotangent)
+    assert _rel(got, want) <= 1e-10
+    for n in ("encoder.wrapped_encoder.embed_positions.pe_k.weight",
+              "encoder.wrapped_encoder.layers.0.attention.q_proj.weight"):
+        assert _rel(got_grads[n], want_grads[n]) <= 1e-9, n
+
+
 def test_padding_is_masked():
     """Changing the padded frames of a sequence does not change its unpadded outputs (the mask reached the op)."""
     _, patched = _pair("w2v-bert-eager", torch.float64)
@@ -203,6 +219,13 @@ def test_state_dict_unchanged_and_round_trips():
     other.load_state_dict(plain.state_dict(), strict=True)
     inputs = _vits_inputs(torch.float32)
     assert _rel(_vits_text(other.eval(), inputs), _vits_text(plain.eval(), inputs)) <= TOL[torch.float32]
+    clone = copy.deepcopy(other)  # the patched forward is bound to the copy, not to the original
+    attention = clone.text_encoder.encoder.layers[0].attention
+    assert is_patched(attention) and attention.forward.__self__ is attention
+    with torch.no_grad():
+        attention.emb_rel_v.mul_(2.0)
+    assert _rel(_vits_text(other, inputs), _vits_text(plain, inputs)) <= TOL[torch.float32]
+    assert _rel(_vits_text(clone.eval(), inputs), _vits_text(plain, inputs)) > 1e-4
 
 
 @pytest.mark.parametrize("name", ["w2v-bert-eager", "speecht5"])
