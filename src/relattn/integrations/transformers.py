@@ -1,0 +1,242 @@
+"""``patch(model)``: the Shaw attention of Hugging Face transformers-5 models, computed by :func:`relative_attention`.
+
+The recipe is ``model = X.from_pretrained(...)`` then ``patch(model)``. Each supported attention module keeps its
+class, its parameters and its ``state_dict`` names; only its ``forward`` is replaced (an instance attribute, so
+``unpatch`` restores the original). What each model computes, in relattn's terms (offsets ``j - i``, window
+``(left, right)``, see :mod:`relattn.positions`):
+
+- Wav2Vec2-BERT and SeamlessM4T-v2's speech encoder (``position_embeddings_type="relative_key"``): key table
+  ``distance_embedding`` shared by the heads, window ``(left_max_position_embeddings,
+  right_max_position_embeddings)``, clipped, scale ``1/sqrt(D)`` on both terms.
+- SpeechT5's encoder: key table ``embed_positions.pe_k`` of ``2L`` rows indexed by ``clip(i - j, -L, L - 1) + L``,
+  which is the flipped table in window ``(L - 1, L)``. The encoder's (N, N, D) embedding is no longer built: its
+  ``embed_positions`` hands the (2L, D) table to the layers.
+- VITS: key and value tables ``emb_rel_k``, ``emb_rel_v`` (1, 2W+1, D), window ``W``, zero beyond it.
+
+Patched modules return ``None`` as attention weights, except SpeechT5 and VITS with ``output_attentions=True``
+(they return the weights, from :func:`relative_attention_weights`).
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..backends import check_name
+from ..functional import relative_attention, relative_attention_weights
+
+SUPPORTED = ("Wav2Vec2-BERT (relative_key)", "SeamlessM4T-v2 speech encoder (relative_key)", "SpeechT5 encoder",
+             "VITS")
+
+
+@dataclass
+class PatchReport:
+    """What :func:`patch` did: ``patched`` module names, and ``skipped`` attention modules with the reason."""
+
+    patched: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def _attn_mask(attention_mask):
+    """A transformers attention mask as relative_attention's ``attn_mask``: 4-D bool (True = may attend) and float
+    (additive) masks pass through; a 2-D (B, M) padding mask (1 = keep) becomes (B, 1, 1, M) bool."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError("relattn-patched attention takes a tensor attention mask, got "
+                        f"{type(attention_mask).__name__}; load the model with attn_implementation='eager' or 'sdpa'")
+    if attention_mask.dim() == 2:
+        return attention_mask.bool()[:, None, None, :]
+    if attention_mask.dtype != torch.bool and not attention_mask.is_floating_point():
+        return attention_mask.bool()
+    return attention_mask
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, N, H*D) -> (B, H, N, D)."""
+    b, n, _ = x.shape
+    return x.view(b, n, heads, -1).transpose(1, 2)
+
+
+def _merge(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, N, D) -> (B, N, H*D)."""
+    b, _, n, _ = x.shape
+    return x.transpose(1, 2).reshape(b, n, -1)
+
+
+def _dropout(module: nn.Module, p: float) -> float:
+    return float(p) if module.training else 0.0
+
+
+# ------------------------------------------------------------------------------------------ the patched forwards
+
+
+def _conformer_forward(self, hidden_states, attention_mask=None, relative_position_embeddings=None, **kwargs):
+    """Wav2Vec2BertSelfAttention / SeamlessM4Tv2ConformerSelfAttention with position_embeddings_type="relative_key"."""
+    q = _heads(self.linear_q(hidden_states), self.num_heads)
+    k = _heads(self.linear_k(hidden_states), self.num_heads)
+    v = _heads(self.linear_v(hidden_states), self.num_heads)
+    out = relative_attention(
+        q, k, v, self.distance_embedding.weight.to(q.dtype), None,
+        max_relative_position=(self.left_max_position_embeddings, self.right_max_position_embeddings),
+        attn_mask=_attn_mask(attention_mask), dropout_p=_dropout(self, self.dropout.p), scale=self.scaling,
+        backend=self._relattn_backend)
+    return self.linear_out(_merge(out)), None
+
+
+def _speecht5_positions_forward(self, hidden_states):
+    """SpeechT5RelativePositionalEncoding: the (2L, D) table itself instead of the (N, N, D) embedding."""
+    return self.pe_k.weight
+
+
+def _speecht5_forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None,
+                      position_bias=None, output_attentions=False, **kwargs):
+    """SpeechT5Attention of the encoder, handed the (2L, D) table by the patched ``embed_positions``."""
+    if key_value_states is not None or cache is not None or position_bias is None or position_bias.dim() != 2:
+        return type(self).forward(self, hidden_states, key_value_states=key_value_states, cache=cache,
+                                  attention_mask=attention_mask, position_bias=position_bias,
+                                  output_attentions=output_attentions, **kwargs)
+    half = position_bias.shape[0] // 2  # rows r = (i - j) + L for i - j in [-L, L - 1]: flipped, window (L-1, L)
+    q = _heads(self.q_proj(hidden_states), self.num_heads)
+    k = _heads(self.k_proj(hidden_states), self.num_heads)
+    v = _heads(self.v_proj(hidden_states), self.num_heads)
+    args = dict(max_relative_position=(half - 1, half), attn_mask=_attn_mask(attention_mask), scale=self.scaling)
+    rel_k = position_bias.flip(0).to(q.dtype)
+    out = relative_attention(q, k, v, rel_k, None, dropout_p=_dropout(self, self.dropout),
+                             backend=self._relattn_backend, **args)
+    weights = relative_attention_weights(q, k, rel_k, **args) if output_attentions else None
+    return self.out_proj(_merge(out)), weights
+
+
+def _vits_forward(self, hidden_states, key_value_states=None, attention_mask=None, output_attentions=False):
+    """VitsAttention: key and value tables in window ``window_size``, zero beyond it."""
+    q = _heads(self.q_proj(hidden_states), self.num_heads)
+    k = _heads(self.k_proj(hidden_states), self.num_heads)
+    v = _heads(self.v_proj(hidden_states), self.num_heads)
+    args = dict(max_relative_position=self.window_size, beyond="zero", attn_mask=_attn_mask(attention_mask),
+                scale=self.scaling)
+    rel_k, rel_v = self.emb_rel_k.to(q.dtype), self.emb_rel_v.to(q.dtype)
+    out = relative_attention(q, k, v, rel_k, rel_v, dropout_p=_dropout(self, self.dropout),
+                             backend=self._relattn_backend, **args)
+    weights = relative_attention_weights(q, k, rel_k, **args) if output_attentions else None
+    return self.out_proj(_merge(out)), weights
+
+
+# ------------------------------------------------------------------------------------------ what is supported
+
+
+def _conformer_reason(module) -> str | None:
+    kind = module.position_embeddings_type
+    if kind == "relative_key":
+        return None
+    if kind is None:
+        return "no relative positions (adapter or position-free attention): plain attention, left as it is"
+    return (f"position_embeddings_type={kind!r} is not Shaw attention (relattn patches 'relative_key'; "
+            "'relative' is Transformer-XL style, 'rotary' is RoPE)")
+
+
+def _vits_reason(module) -> str | None:
+    if not module.window_size:
+        return f"window_size={module.window_size!r}: no relative positions, left as it is"
+    return None
+
+
+def _speecht5_reason(module) -> str | None:
+    return ("SpeechT5 uses relative positions in its encoder only; this attention (decoder self- or "
+            "cross-attention) has none, left as it is")
+
+
+_HANDLERS = {
+    "transformers.models.wav2vec2_bert.modeling_wav2vec2_bert.Wav2Vec2BertSelfAttention":
+        (_conformer_forward, _conformer_reason),
+    "transformers.models.seamless_m4t_v2.modeling_seamless_m4t_v2.SeamlessM4Tv2ConformerSelfAttention":
+        (_conformer_forward, _conformer_reason),
+    "transformers.models.vits.modeling_vits.VitsAttention": (_vits_forward, _vits_reason),
+}
+_SPEECHT5 = "transformers.models.speecht5.modeling_speecht5."
+
+
+def _qualname(module: nn.Module) -> str:
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _swap(module: nn.Module, forward, backend: str) -> None:
+    module._relattn_backend = backend
+    module.forward = types.MethodType(forward, module)
+
+
+def is_patched(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is one :func:`patch` put there."""
+    return hasattr(module, "_relattn_backend") and "forward" in module.__dict__
+
+
+def patch(model: nn.Module, *, backend: str = "auto") -> PatchReport:
+    """Replace, in place, the forward of every supported attention module of ``model`` with one that calls
+    :func:`relative_attention` on the module's own parameters (``state_dict`` unchanged).
+
+    Supported: Wav2Vec2-BERT and SeamlessM4T-v2 speech-encoder attention with ``relative_key`` positions, the
+    SpeechT5 encoder, VITS. Other attention modules (rotary, Transformer-XL ``relative``, absolute positions,
+    SpeechT5's decoder) are left untouched and listed in ``skipped`` with the reason; a warning names the
+    unsupported position types, and one is raised when nothing could be patched.
+
+    Args:
+        model: a transformers-5 model (any ``nn.Module`` containing the supported attention modules).
+        backend: relattn backend for every patched module (``"auto"`` picks one with dropout when training).
+
+    Returns:
+        A :class:`PatchReport`: ``patched`` module names (``named_modules`` names) and ``skipped`` reasons.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    backend = check_name(backend)
+    report = PatchReport()
+    speecht5_encoder_attention = set()
+    for name, module in model.named_modules():
+        qualname = _qualname(module)
+        if qualname == _SPEECHT5 + "SpeechT5Encoder":
+            _swap(module.embed_positions, _speecht5_positions_forward, backend)
+            report.patched.append(f"{name}.embed_positions" if name else "embed_positions")
+            speecht5_encoder_attention.update(id(layer.attention) for layer in module.layers)
+    for name, module in model.named_modules():
+        qualname = _qualname(module)
+        if qualname == _SPEECHT5 + "SpeechT5Attention":
+            forward, reason = _speecht5_forward, (None if id(module) in speecht5_encoder_attention
+                                                  else _speecht5_reason(module))
+        elif qualname in _HANDLERS:
+            forward, why = _HANDLERS[qualname]
+            reason = why(module)
+        else:
+            if type(module).__name__.endswith("SelfAttention") or qualname.endswith("Attention"):
+                report.skipped[name] = f"{type(module).__name__} is not a supported Shaw attention module"
+            continue
+        if reason is None:
+            _swap(module, forward, backend)
+            report.patched.append(name)
+        else:
+            report.skipped[name] = reason
+    odd = sorted({r for r in report.skipped.values() if "not Shaw attention" in r})
+    if odd:
+        warnings.warn("relattn.patch left attention untouched: " + "; ".join(odd), stacklevel=2)
+    if not report.patched:
+        warnings.warn(f"relattn.patch found no supported attention in {type(model).__name__}; supported: "
+                      + ", ".join(SUPPORTED), stacklevel=2)
+    return report
+
+
+def unpatch(model: nn.Module) -> list[str]:
+    """Undo :func:`patch`: every patched module gets its class's forward back. Returns the restored names."""
+    restored = []
+    for name, module in model.named_modules():
+        if is_patched(module):
+            del module.forward
+            del module._relattn_backend
+            restored.append(name)
+    return restored
+
+
+__all__ = ["SUPPORTED", "PatchReport", "is_patched", "patch", "unpatch"]

@@ -1,0 +1,45 @@
+"""benchmarks/hf_models.py --quick runs and writes every case, with finite ratios (its numbers are not checked)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+EXPECTED = {  # (model, scope, length) -> variants; each in both modes
+    ("w2v-bert", "attention", 40): {"eager", "sdpa", "relattn"},
+    ("w2v-bert", "model (1 layers)", 40): {"eager", "sdpa", "relattn"},
+    ("vits", "text-encoder", 20): {"eager", "relattn"},
+    ("speecht5", "encoder (1 layers)", 30): {"eager", "relattn"},
+    ("bert-relative-key-query", "model (1 layers)", 48): {"v4-eager", "relattn"},
+}
+
+
+def test_hf_models_quick_writes_every_case(tmp_path):
+    out = tmp_path / "hf.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_models.py"), "--quick", "--warmup", "0",
+                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["quick"] is True and result["transformers"]
+    rows = {(r["model"], r["scope"], r["length"], r["mode"]): r for r in result["rows"]}
+    assert set(rows) == {(*key, mode) for key in EXPECTED for mode in ("forward", "forward+backward")}
+    for (model, scope, length, _), row in rows.items():
+        variants = EXPECTED[(model, scope, length)]
+        assert set(row["variants"]) == variants and not row["skipped"]
+        assert all(v["ms"] > 0 and v["peak_mb"] > 0 for v in row["variants"].values())
+        assert set(row["speedup"]) == set(row["memory_ratio"]) == variants - {"relattn"}
+        for ratio in (*row["speedup"].values(), *row["memory_ratio"].values()):
+            assert math.isfinite(ratio) and ratio > 0
+        assert set(row["max_abs_diff"]) == variants - {"relattn"}
+        assert all(diff < 1e-4 for diff in row["max_abs_diff"].values()), row["max_abs_diff"]
