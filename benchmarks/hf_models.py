@@ -33,6 +33,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -40,11 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import median_ms  # noqa: E402
-
-from relattn._io import atomic_write_text  # noqa: E402
-from relattn.bench import peak_extra_bytes  # noqa: E402
+from relattn._io import atomic_write_text
+from relattn.measure import peak_extra_bytes
 
 MODES = ("forward", "forward+backward")
 
@@ -275,7 +273,8 @@ def measure(case: Case, reps: int, warmup: int, max_gb: float) -> list[dict]:
         for name, setter in live.items():
             setter()
             peak = peak_extra_bytes(_step(case, mode, grad), torch.device("cpu"))
-            row["variants"][name] = {"ms": median_ms(times[name]), "times_s": times[name], "peak_mb": peak / 1e6}
+            row["variants"][name] = {"ms": statistics.median(times[name]) * 1e3, "times_s": times[name],
+                                     "peak_mb": peak / 1e6}
         ours = row["variants"]["relattn"]
         for name, v in row["variants"].items():
             if name != "relattn":
@@ -348,7 +347,7 @@ def main(argv=None) -> int:
         rows.extend(measure(case, reps, args.warmup, max_gb))
     result = {"machine": _machine(), "torch": torch.__version__, "transformers": transformers.__version__,
               "quick": args.quick, "layers": layers, "reps": reps, "max_gb": max_gb, "command": sys.argv,
-              "memory_method": "relattn.bench.peak_extra_bytes (torch.profiler CPU allocator events)", "rows": rows}
+              "memory_method": "relattn.measure.peak_extra_bytes (torch.profiler CPU allocator events)", "rows": rows}
     atomic_write_text(args.out, json.dumps(result, indent=1))
     print(f"wrote {args.out}")
     return 0
