@@ -227,3 +227,43 @@ def test_layout_and_dim_errors():
         bf(torch.randn(3, E), key_padding_mask=torch.zeros(1, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"key and value must have the same length; got 4 and 5"):
         bf(torch.randn(1, 3, E), torch.randn(1, 4, E), torch.randn(1, 5, E))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_upgrades_torch_transformer_layers_in_place(training):
+    # The one-line upgrade inside torch's own layers: same outputs and input gradients while the tables are zero
+    # (the encoder layer's inference fast path must not bypass the module), different once a table is not.
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H - 1, 24, dropout=0.0, batch_first=True), 2,
+                                enable_nested_tensor=False).double().train(training)
+    dec = nn.TransformerDecoderLayer(E, H - 1, 24, dropout=0.0).double().train(training)  # seq-first
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(2, 5, E, generator=g, dtype=torch.float64, requires_grad=True)
+    tgt = torch.randn(4, 2, E, generator=g, dtype=torch.float64, requires_grad=True)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    causal = nn.Transformer.generate_square_subsequent_mask(4, dtype=torch.float64)
+
+    def run():
+        memory = enc(src, src_key_padding_mask=pad)
+        out = dec(tgt, memory.transpose(0, 1), tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=pad)
+        return out, torch.autograd.grad(out.square().sum(), (src, tgt))
+
+    def inference():  # no grad: where nn.TransformerEncoderLayer would take its fused fast path in eval mode
+        with torch.no_grad():
+            return enc(src, src_key_padding_mask=pad)
+
+    want, want_grads = run()
+    want_inference = inference()
+    for layer in enc.layers:
+        layer.self_attn = RelativeMultiheadAttention.from_mha(layer.self_attn, 2)
+    dec.self_attn = RelativeMultiheadAttention.from_mha(dec.self_attn, 2)
+    dec.multihead_attn = RelativeMultiheadAttention.from_mha(dec.multihead_attn, 2)
+    got, got_grads = run()
+    torch.testing.assert_close(got, want, **TIGHT)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, **TIGHT)
+    torch.testing.assert_close(inference(), want_inference, **TIGHT)
+    with torch.no_grad():
+        enc.layers[0].self_attn.rel_k.normal_()
+    assert (run()[0] - want).abs().max() > 1e-3
+    assert (inference() - want_inference).abs().max() > 1e-3  # the module ran: no fast path bypassed it

@@ -83,9 +83,11 @@ class RelativeMultiheadAttention(nn.Module):
        zero weights and gradients, where nn.MultiheadAttention gives NaN.
     7. ``add_bias_kv=True`` and ``add_zero_attn=True`` are refused (see above).
     8. Parameters are the ``nn.Linear`` modules ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` and the
-       tables ``rel_k``, ``rel_v``, not ``in_proj_weight`` / ``in_proj_bias`` / ``q_proj_weight``...; so
-       state-dict keys differ. Bring an nn.MultiheadAttention (or its state dict, loaded into one) over
-       with :meth:`from_mha`.
+       tables ``rel_k``, ``rel_v``; ``in_proj_weight`` and ``in_proj_bias`` are None (as
+       ``_qkv_same_embed_dim`` is False), so state-dict keys differ. Bring an nn.MultiheadAttention (or its
+       state dict, loaded into one) over with :meth:`from_mha`. In ``nn.TransformerEncoderLayer`` /
+       ``nn.TransformerDecoderLayer`` this module works as ``self_attn`` / ``multihead_attn``; the layers
+       then skip their fused inference fast path (it would bypass the attention module).
     9. ``attn_mask`` may also be (B, H, N, M); ``forward`` takes a keyword-only ``kv_cache``.
     10. No nested-tensor fast path, and dropout draws different random numbers.
     """
@@ -141,6 +143,13 @@ class RelativeMultiheadAttention(nn.Module):
             table = (num_heads, *table)
         self.rel_k = nn.Parameter(torch.empty(table, **factory)) if relative_keys else None
         self.rel_v = nn.Parameter(torch.empty(table, **factory)) if relative_values else None
+        # nn.MultiheadAttention's attributes that torch.nn.Transformer*Layer inspect: with no packed in-projection
+        # they never take their fused fast path (which would read in_proj_weight and bypass this module).
+        self.register_parameter("in_proj_weight", None)
+        self.register_parameter("in_proj_bias", None)
+        self._qkv_same_embed_dim = False
+        self.bias_k = self.bias_v = None
+        self.add_zero_attn = False
         self.reset_parameters()
 
     @classmethod
