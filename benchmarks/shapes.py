@@ -117,7 +117,7 @@ class SDPAAttention(RelativeMultiheadAttention):
 
     def forward(self, query, key=None, value=None, key_padding_mask=None, need_weights=False, attn_mask=None,
                 average_attn_weights=True, is_causal=False, *, kv_cache=None):
-        q, k, v = (self._split(p(query), True) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (self._heads(p(query)) for p in (self.q_proj, self.k_proj, self.v_proj))
         offset = 0
         if kv_cache is not None:
             offset = len(kv_cache)

@@ -240,7 +240,7 @@ class RelativeMultiheadAttention(nn.Module):
             raise ValueError(f"key and value must have the same length; got {key.shape[at]} and {value.shape[at]}")
         return batched
 
-    def _split(self, x: torch.Tensor, batch_first: bool) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor, batch_first: bool = True) -> torch.Tensor:
         """A projection, (B, L, E) or (L, B, E), as heads (B, H, L, D) (a view)."""
         if batch_first:
             return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
@@ -280,8 +280,8 @@ class RelativeMultiheadAttention(nn.Module):
         if not batched:
             query, key, value = query[None], key[None], value[None]
         bf = self.batch_first or not batched
-        q = self._split(self.q_proj(query), bf)
-        k, v = self._split(self.k_proj(key), bf), self._split(self.v_proj(value), bf)
+        q = self._heads(self.q_proj(query), bf)
+        k, v = self._heads(self.k_proj(key), bf), self._heads(self.v_proj(value), bf)
         offset = 0
         if kv_cache is not None:
             offset = len(kv_cache)
