@@ -267,3 +267,19 @@ def test_upgrades_torch_transformer_layers_in_place(training):
         enc.layers[0].self_attn.rel_k.normal_()
     assert (run()[0] - want).abs().max() > 1e-3
     assert (inference() - want_inference).abs().max() > 1e-3  # the module ran: no fast path bypassed it
+
+
+def test_a_row_with_no_key_gives_the_output_bias_where_mha_gives_nan():
+    # Difference 6 of the class docstring, as written there.
+    mha = make_mha()
+    mod = RelativeMultiheadAttention.from_mha(mha, 2)
+    x = torch.randn(1, 4, E, dtype=torch.float64)
+    mask = torch.zeros(4, 4, dtype=torch.bool)
+    mask[2] = True  # query 2 may attend to nothing
+    want, want_w = mha(x, x, x, attn_mask=mask)
+    got, w = mod(x, x, x, attn_mask=mask, need_weights=True)
+    assert want[0, 2].isnan().all() and want_w[0, 2].isnan().all()
+    torch.testing.assert_close(got[0, 2], mod.out_proj.bias, rtol=0, atol=0)
+    assert torch.equal(w[0, 2], torch.zeros(4, dtype=torch.float64))
+    keep = torch.tensor([0, 1, 3])
+    torch.testing.assert_close(got[0, keep], want[0, keep], **TIGHT)
