@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from relattn import RelativeMultiheadAttention, relative_attention
+from relattn.modules import upgrade_mha
 
 E, H = 12, 3
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -283,3 +284,28 @@ def test_a_row_with_no_key_gives_the_output_bias_where_mha_gives_nan():
     assert torch.equal(w[0, 2], torch.zeros(4, dtype=torch.float64))
     keep = torch.tensor([0, 1, 3])
     torch.testing.assert_close(got[0, keep], want[0, keep], **TIGHT)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_upgrade_mha_swaps_every_attention_of_a_default_transformer():
+    # nn.Transformer with its defaults (nested-tensor fast path on): after upgrade_mha, eval with padding, with and
+    # without grad, computes what it did; the names and the other parameters are kept.
+    torch.manual_seed(0)
+    model = nn.Transformer(E, H - 1, 2, 1, 24, dropout=0.0, batch_first=True).double().eval()
+    g = torch.Generator().manual_seed(1)
+    src, tgt = (torch.randn(2, n, E, generator=g, dtype=torch.float64) for n in (5, 4))
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+
+    def run():
+        out = model(src, tgt, src_key_padding_mask=pad, memory_key_padding_mask=pad)
+        with torch.no_grad():
+            return out, model(src, tgt, src_key_padding_mask=pad, memory_key_padding_mask=pad)
+
+    want, want_no_grad = run()
+    names = {n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
+    assert upgrade_mha(model, 3) is model
+    assert names == {n for n, m in model.named_modules() if isinstance(m, RelativeMultiheadAttention)}
+    assert len(names) == 2 + 2 * 1 and not any(isinstance(m, nn.MultiheadAttention) for m in model.modules())
+    got, got_no_grad = run()
+    torch.testing.assert_close(got, want, **TIGHT)
+    torch.testing.assert_close(got_no_grad, want_no_grad, **TIGHT)

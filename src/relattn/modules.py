@@ -87,7 +87,8 @@ class RelativeMultiheadAttention(nn.Module):
        ``_qkv_same_embed_dim`` is False), so state-dict keys differ. Bring an nn.MultiheadAttention (or its
        state dict, loaded into one) over with :meth:`from_mha`. In ``nn.TransformerEncoderLayer`` /
        ``nn.TransformerDecoderLayer`` this module works as ``self_attn`` / ``multihead_attn``; the layers
-       then skip their fused inference fast path (it would bypass the attention module).
+       then skip their fused inference fast path (it would bypass the attention module). An
+       ``nn.TransformerEncoder`` also needs ``use_nested_tensor = False``, which :func:`upgrade_mha` sets.
     9. ``attn_mask`` may also be (B, H, N, M); ``forward`` takes a keyword-only ``kv_cache``.
     10. No nested-tensor fast path, and dropout draws different random numbers.
     """
@@ -166,7 +167,8 @@ class RelativeMultiheadAttention(nn.Module):
         """A module with ``mha``'s sizes, layout, dropout, weights (copied), device, dtype and mode.
 
         The tables start at zero, so until they are trained it computes what ``mha`` computes. To
-        upgrade a model in place: ``model.attn = RelativeMultiheadAttention.from_mha(model.attn, 16)``.
+        upgrade a model in place: ``model.attn = RelativeMultiheadAttention.from_mha(model.attn, 16)``, or
+        :func:`upgrade_mha` for every ``nn.MultiheadAttention`` in a model.
         For a saved nn.MultiheadAttention state dict, load it into an ``nn.MultiheadAttention`` of the
         same sizes first (``mha.load_state_dict(sd)``), then call this.
         """
@@ -323,4 +325,21 @@ class RelativeMultiheadAttention(nn.Module):
         return (out if batched else out[0]), weights
 
 
-__all__ = ["KVCache", "RelativeMultiheadAttention"]
+def upgrade_mha(model: nn.Module, max_relative_position: int = 16, **from_mha_kwargs) -> nn.Module:
+    """Replace, in place, every ``nn.MultiheadAttention`` inside ``model`` (``model`` itself excepted) by
+    :meth:`RelativeMultiheadAttention.from_mha` of it, under the same name; returns ``model``.
+
+    With the tables at zero the model computes what it did. ``nn.TransformerEncoder`` instances get
+    ``use_nested_tensor = False``: their inference fast path would hand the attention modules nested tensors.
+    """
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.MultiheadAttention):
+                setattr(parent, name, RelativeMultiheadAttention.from_mha(child, max_relative_position,
+                                                                          **from_mha_kwargs))
+        if isinstance(parent, nn.TransformerEncoder):
+            parent.use_nested_tensor = False
+    return model
+
+
+__all__ = ["KVCache", "RelativeMultiheadAttention", "upgrade_mha"]
