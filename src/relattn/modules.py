@@ -284,12 +284,8 @@ class RelativeMultiheadAttention(nn.Module):
         bf = self.batch_first or not batched
         q = self._heads(self.q_proj(query), bf)
         k, v = self._heads(self.k_proj(key), bf), self._heads(self.v_proj(value), bf)
-        offset = 0
-        if kv_cache is not None:
-            offset = len(kv_cache)
-            k, v = kv_cache.update(k, v)
-        b, _, n, _ = q.shape
-        m = k.shape[2]
+        offset = 0 if kv_cache is None else len(kv_cache)
+        b, m = q.shape[0], offset + k.shape[2]
         mask = None
         if key_padding_mask is not None:
             want = (b, m) if batched else (m,)
@@ -299,6 +295,8 @@ class RelativeMultiheadAttention(nn.Module):
             mask = _mha_mask_to_allowed("key_padding_mask", key_padding_mask.reshape(b, 1, 1, m), b, self.num_heads)
         if attn_mask is not None:
             mask = _combine(mask, _mha_mask_to_allowed("attn_mask", attn_mask, b, self.num_heads), q.dtype)
+        if kv_cache is not None:  # after the checks: a refused call leaves the cache as it was
+            k, v = kv_cache.update(k, v)
         dropout = self.dropout if self.training else 0.0
         rel_k = None if self.rel_k is None else self.rel_k.to(q.dtype)
         rel_v = None if self.rel_v is None else self.rel_v.to(q.dtype)
