@@ -119,3 +119,14 @@ def test_generate_decodes_into_static_caches_in_place():
     for _ in range(6):  # the same ids as recomputing everything at every step
         seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(out, seq)
+
+
+@torch.no_grad()
+def test_a_refused_call_leaves_the_cache_unchanged():
+    mod = module()
+    cache = KVCache(max_len=8)
+    mod(torch.randn(1, 3, E, dtype=torch.float64), kv_cache=cache)
+    with pytest.raises(ValueError, match=r"key_padding_mask must be \(B, M\) = \(1, 4\); got \(1, 3\)"):
+        mod(torch.randn(1, 1, E, dtype=torch.float64), key_padding_mask=torch.zeros(1, 3, dtype=torch.bool),
+            kv_cache=cache)
+    assert len(cache) == 3

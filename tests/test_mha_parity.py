@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from relattn import RelativeMultiheadAttention, relative_attention
+from relattn.modules import upgrade_mha
 
 E, H = 12, 3
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -227,3 +228,84 @@ def test_layout_and_dim_errors():
         bf(torch.randn(3, E), key_padding_mask=torch.zeros(1, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"key and value must have the same length; got 4 and 5"):
         bf(torch.randn(1, 3, E), torch.randn(1, 4, E), torch.randn(1, 5, E))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_upgrades_torch_transformer_layers_in_place(training):
+    # The one-line upgrade inside torch's own layers: same outputs and input gradients while the tables are zero
+    # (the encoder layer's inference fast path must not bypass the module), different once a table is not.
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H - 1, 24, dropout=0.0, batch_first=True), 2,
+                                enable_nested_tensor=False).double().train(training)
+    dec = nn.TransformerDecoderLayer(E, H - 1, 24, dropout=0.0).double().train(training)  # seq-first
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(2, 5, E, generator=g, dtype=torch.float64, requires_grad=True)
+    tgt = torch.randn(4, 2, E, generator=g, dtype=torch.float64, requires_grad=True)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    causal = nn.Transformer.generate_square_subsequent_mask(4, dtype=torch.float64)
+
+    def run():
+        memory = enc(src, src_key_padding_mask=pad)
+        out = dec(tgt, memory.transpose(0, 1), tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=pad)
+        return out, torch.autograd.grad(out.square().sum(), (src, tgt))
+
+    def inference():  # no grad: where nn.TransformerEncoderLayer would take its fused fast path in eval mode
+        with torch.no_grad():
+            return enc(src, src_key_padding_mask=pad)
+
+    want, want_grads = run()
+    want_inference = inference()
+    for layer in enc.layers:
+        layer.self_attn = RelativeMultiheadAttention.from_mha(layer.self_attn, 2)
+    dec.self_attn = RelativeMultiheadAttention.from_mha(dec.self_attn, 2)
+    dec.multihead_attn = RelativeMultiheadAttention.from_mha(dec.multihead_attn, 2)
+    got, got_grads = run()
+    torch.testing.assert_close(got, want, **TIGHT)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, **TIGHT)
+    torch.testing.assert_close(inference(), want_inference, **TIGHT)
+    with torch.no_grad():
+        enc.layers[0].self_attn.rel_k.normal_()
+    assert (run()[0] - want).abs().max() > 1e-3
+    assert (inference() - want_inference).abs().max() > 1e-3  # the module ran: no fast path bypassed it
+
+
+def test_a_row_with_no_key_gives_the_output_bias_where_mha_gives_nan():
+    # Difference 6 of the class docstring, as written there.
+    mha = make_mha()
+    mod = RelativeMultiheadAttention.from_mha(mha, 2)
+    x = torch.randn(1, 4, E, dtype=torch.float64)
+    mask = torch.zeros(4, 4, dtype=torch.bool)
+    mask[2] = True  # query 2 may attend to nothing
+    want, want_w = mha(x, x, x, attn_mask=mask)
+    got, w = mod(x, x, x, attn_mask=mask, need_weights=True)
+    assert want[0, 2].isnan().all() and want_w[0, 2].isnan().all()
+    torch.testing.assert_close(got[0, 2], mod.out_proj.bias, rtol=0, atol=0)
+    assert torch.equal(w[0, 2], torch.zeros(4, dtype=torch.float64))
+    keep = torch.tensor([0, 1, 3])
+    torch.testing.assert_close(got[0, keep], want[0, keep], **TIGHT)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_upgrade_mha_swaps_every_attention_of_a_default_transformer():
+    # nn.Transformer with its defaults (nested-tensor fast path on): after upgrade_mha, eval with padding, with and
+    # without grad, computes what it did; the names and the other parameters are kept.
+    torch.manual_seed(0)
+    model = nn.Transformer(E, H - 1, 2, 1, 24, dropout=0.0, batch_first=True).double().eval()
+    g = torch.Generator().manual_seed(1)
+    src, tgt = (torch.randn(2, n, E, generator=g, dtype=torch.float64) for n in (5, 4))
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+
+    def run():
+        out = model(src, tgt, src_key_padding_mask=pad, memory_key_padding_mask=pad)
+        with torch.no_grad():
+            return out, model(src, tgt, src_key_padding_mask=pad, memory_key_padding_mask=pad)
+
+    want, want_no_grad = run()
+    names = {n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
+    assert upgrade_mha(model, 3) is model
+    assert names == {n for n, m in model.named_modules() if isinstance(m, RelativeMultiheadAttention)}
+    assert len(names) == 2 + 2 * 1 and not any(isinstance(m, nn.MultiheadAttention) for m in model.modules())
+    got, got_no_grad = run()
+    torch.testing.assert_close(got, want, **TIGHT)
+    torch.testing.assert_close(got_no_grad, want_no_grad, **TIGHT)

@@ -32,6 +32,7 @@ def test_quick_run_writes_every_case(tmp_path):
         assert math.isclose(row["ratio"], row["relattn_ms"] / row["sdpa_ms"]), name
     gen = report["cases"]["generate"]
     assert math.isclose(gen["tokens_per_s_ratio"], gen["relattn_tokens_per_s"] / gen["sdpa_tokens_per_s"])
+    assert len(gen["none_all_ms"]) == 2 and math.isclose(gen["none_ratio"], gen["none_ms"] / gen["sdpa_ms"])
     assert math.isclose(report["worst_ratio"], max(r["ratio"] for r in report["cases"].values()))
 
 

@@ -36,12 +36,12 @@ class KVCache:
     @property
     def k(self) -> torch.Tensor | None:
         """The cached keys (B, H, L, D), or None before the first call."""
-        return self._k if self._k is None or self.max_len is None else self._k[:, :, :self._len]
+        return self._k if self._k is None or self.max_len is None else self._k.narrow(2, 0, self._len)
 
     @property
     def v(self) -> torch.Tensor | None:
         """The cached values (B, H, L, Dv), or None before the first call."""
-        return self._v if self._v is None or self.max_len is None else self._v[:, :, :self._len]
+        return self._v if self._v is None or self.max_len is None else self._v.narrow(2, 0, self._len)
 
     def _check_like(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
@@ -78,10 +78,10 @@ class KVCache:
             self._v = v.new_empty(b, h, self.max_len, v.shape[3])
         elif k.dtype != self._k.dtype or k.device != self._k.device:
             raise ValueError(f"cache holds {self._k.dtype} on {self._k.device}; got keys {k.dtype} on {k.device}")
-        self._k[:, :, self._len:self._len + new] = k
-        self._v[:, :, self._len:self._len + new] = v
+        self._k.narrow(2, self._len, new).copy_(k)
+        self._v.narrow(2, self._len, new).copy_(v)
         self._len += new
-        return self.k, self.v
+        return self._k.narrow(2, 0, self._len), self._v.narrow(2, 0, self._len)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` (for beam search); a static cache keeps its buffers when B is unchanged."""

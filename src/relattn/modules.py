@@ -86,9 +86,12 @@ class RelativeMultiheadAttention(nn.Module):
        zero weights and gradients, where nn.MultiheadAttention gives NaN.
     7. ``add_bias_kv=True`` and ``add_zero_attn=True`` are refused (see above).
     8. Parameters are the ``nn.Linear`` modules ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` and the
-       tables ``rel_k``, ``rel_v``, not ``in_proj_weight`` / ``in_proj_bias`` / ``q_proj_weight``...; so
-       state-dict keys differ. Bring an nn.MultiheadAttention (or its state dict, loaded into one) over
-       with :meth:`from_mha`.
+       tables ``rel_k``, ``rel_v``; ``in_proj_weight`` and ``in_proj_bias`` are None (as
+       ``_qkv_same_embed_dim`` is False), so state-dict keys differ. Bring an nn.MultiheadAttention (or its
+       state dict, loaded into one) over with :meth:`from_mha`. In ``nn.TransformerEncoderLayer`` /
+       ``nn.TransformerDecoderLayer`` this module works as ``self_attn`` / ``multihead_attn``; the layers
+       then skip their fused inference fast path (it would bypass the attention module). An
+       ``nn.TransformerEncoder`` also needs ``use_nested_tensor = False``, which :func:`upgrade_mha` sets.
     9. ``attn_mask`` may also be (B, H, N, M); ``forward`` takes a keyword-only ``kv_cache``.
     10. No nested-tensor fast path, and dropout draws different random numbers.
     """
@@ -152,6 +155,13 @@ class RelativeMultiheadAttention(nn.Module):
         self.rel_v = self.rel_k if tie_tables else (
             nn.Parameter(torch.empty(table, **factory)) if relative_values else None)
         self.tie_tables = tie_tables
+        # nn.MultiheadAttention's attributes that torch.nn.Transformer*Layer inspect: with no packed in-projection
+        # they never take their fused fast path (which would read in_proj_weight and bypass this module).
+        self.register_parameter("in_proj_weight", None)
+        self.register_parameter("in_proj_bias", None)
+        self._qkv_same_embed_dim = False
+        self.bias_k = self.bias_v = None
+        self.add_zero_attn = False
         self.reset_parameters()
 
     @classmethod
@@ -168,7 +178,8 @@ class RelativeMultiheadAttention(nn.Module):
         """A module with ``mha``'s sizes, layout, dropout, weights (copied), device, dtype and mode.
 
         The tables start at zero, so until they are trained it computes what ``mha`` computes. To
-        upgrade a model in place: ``model.attn = RelativeMultiheadAttention.from_mha(model.attn, 16)``.
+        upgrade a model in place: ``model.attn = RelativeMultiheadAttention.from_mha(model.attn, 16)``, or
+        :func:`upgrade_mha` for every ``nn.MultiheadAttention`` in a model.
         For a saved nn.MultiheadAttention state dict, load it into an ``nn.MultiheadAttention`` of the
         same sizes first (``mha.load_state_dict(sd)``), then call this.
         """
@@ -243,7 +254,7 @@ class RelativeMultiheadAttention(nn.Module):
             raise ValueError(f"key and value must have the same length; got {key.shape[at]} and {value.shape[at]}")
         return batched
 
-    def _split(self, x: torch.Tensor, batch_first: bool) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor, batch_first: bool = True) -> torch.Tensor:
         """A projection, (B, L, E) or (L, B, E), as heads (B, H, L, D) (a view)."""
         if batch_first:
             return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
@@ -283,14 +294,10 @@ class RelativeMultiheadAttention(nn.Module):
         if not batched:
             query, key, value = query[None], key[None], value[None]
         bf = self.batch_first or not batched
-        q = self._split(self.q_proj(query), bf)
-        k, v = self._split(self.k_proj(key), bf), self._split(self.v_proj(value), bf)
-        offset = 0
-        if kv_cache is not None:
-            offset = len(kv_cache)
-            k, v = kv_cache.update(k, v)
-        b, _, n, _ = q.shape
-        m = k.shape[2]
+        q = self._heads(self.q_proj(query), bf)
+        k, v = self._heads(self.k_proj(key), bf), self._heads(self.v_proj(value), bf)
+        offset = 0 if kv_cache is None else len(kv_cache)
+        b, m = q.shape[0], offset + k.shape[2]
         mask = None
         if key_padding_mask is not None:
             want = (b, m) if batched else (m,)
@@ -300,6 +307,8 @@ class RelativeMultiheadAttention(nn.Module):
             mask = _mha_mask_to_allowed("key_padding_mask", key_padding_mask.reshape(b, 1, 1, m), b, self.num_heads)
         if attn_mask is not None:
             mask = _combine(mask, _mha_mask_to_allowed("attn_mask", attn_mask, b, self.num_heads), q.dtype)
+        if kv_cache is not None:  # after the checks: a refused call leaves the cache as it was
+            k, v = kv_cache.update(k, v)
         dropout = self.dropout if self.training else 0.0
         rel_k = None if self.rel_k is None else self.rel_k.to(q.dtype)
         rel_v = None if self.rel_v is None else self.rel_v.to(q.dtype)
@@ -323,4 +332,21 @@ class RelativeMultiheadAttention(nn.Module):
         return (out if batched else out[0]), weights
 
 
-__all__ = ["KVCache", "RelativeMultiheadAttention"]
+def upgrade_mha(model: nn.Module, max_relative_position: int = 16, **from_mha_kwargs) -> nn.Module:
+    """Replace, in place, every ``nn.MultiheadAttention`` inside ``model`` (``model`` itself excepted) by
+    :meth:`RelativeMultiheadAttention.from_mha` of it, under the same name; returns ``model``.
+
+    With the tables at zero the model computes what it did. ``nn.TransformerEncoder`` instances get
+    ``use_nested_tensor = False``: their inference fast path would hand the attention modules nested tensors.
+    """
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.MultiheadAttention):
+                setattr(parent, name, RelativeMultiheadAttention.from_mha(child, max_relative_position,
+                                                                          **from_mha_kwargs))
+        if isinstance(parent, nn.TransformerEncoder):
+            parent.use_nested_tensor = False
+    return model
+
+
+__all__ = ["KVCache", "RelativeMultiheadAttention", "upgrade_mha"]

@@ -482,6 +482,13 @@ Geometry geometry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return g;
 }
 
+// Tiles no larger than the problem: the same tiles and blocks, but a decoding step (N = 1) no longer allocates and
+// zeroes (tile_q, tile_k) score buffers per thread.
+void clamp_tiles(const Geometry& g, int64_t& tile_q, int64_t& tile_k) {
+  tile_q = std::max<int64_t>(1, std::min(tile_q, g.N));
+  tile_k = std::max<int64_t>(1, std::min(tile_k, g.M));
+}
+
 at::Tensor opt(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
 
 // An additive mask of q's dtype, 4-D and broadcastable to (B, H, N, M), keys contiguous or broadcast.
@@ -504,6 +511,7 @@ std::tuple<at::Tensor, at::Tensor> shaw_fwd(const at::Tensor& q_, const at::Tens
   at::Tensor q = rows_contiguous(q_), k = rows_contiguous(k_), v = rows_contiguous(v_);
   at::Tensor tk = opt(rel_k), tv = opt(rel_v), mask = checked_mask(opt(mask_), q, k);
   const Geometry g = geometry(q, k, v, tk, tv, kk, is_causal, query_offset);
+  clamp_tiles(g, tile_q, tile_k);
   at::Tensor out = at::empty({g.B, g.H, g.N, g.Dv}, q.options());
   at::Tensor lse = at::empty({g.B, g.H, g.N}, q.options());
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
@@ -523,6 +531,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> shaw_bwd(
   at::Tensor grad_out = rows_contiguous(grad_out_), out = out_.contiguous(), lse = lse_.contiguous();
   at::Tensor tk = opt(rel_k), tv = opt(rel_v), mask = checked_mask(opt(mask_), q, k);
   const Geometry g = geometry(q, k, v, tk, tv, kk, is_causal, query_offset);
+  clamp_tiles(g, tile_q, tile_k);
   const int64_t threads = at::get_num_threads(), blocks = (g.M + tile_k - 1) / tile_k;
   // Key segments per head: 1 when the heads spread evenly over the threads or there are two per thread, else
   // enough for two tasks per thread (fewer idle threads at the end); kv_splits > 0 forces the number.
