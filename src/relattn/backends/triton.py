@@ -1,0 +1,203 @@
+"""The "triton" backend: Shaw attention as one flash-style Triton kernel, forward and backward, on CUDA.
+
+The kernels (``_triton_kernels.py``) follow ``blocked.py`` tile for tile: per (batch, head, query tile) an
+online softmax over key tiles with float32 statistics; a key tile left of the band of ``2K+1`` offsets (or
+right of it) reads one table row for all its pairs, a band tile loads the window of table rows its offsets
+span, adds ``q @ window^T`` to the scores with a gather, and multiplies its weights, skewed into window
+coordinates, by the window of ``a^V``. The backward is FlashAttention-2's (P recomputed from the saved
+log-sum-exp; one kernel per key tile for dk and dv, one per query tile for dq); the table gradients come
+from per-row sums of P and dS per table row, written once each by the dq kernel and reduced by torch in a
+fixed order: no atomics, two backward passes are bitwise equal.
+
+Serves CUDA tensors when ``triton`` is importable; with ``TRITON_INTERPRET=1`` in the environment when
+relattn is imported, also CPU tensors (the same kernels, interpreted: how CI tests them; slow, so "auto"
+never picks it on the CPU). float16, bfloat16 (float32 statistics, 16-bit matmul inputs as in flash
+attention) and float32 (matmuls in IEEE float32, no TF32); head dims up to 128; any K; any mask that needs
+no gradient; no dropout.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from ._common import (
+    AttentionCall,
+    Backend,
+    Serves,
+    grads_fake,
+    grads_laid_out,
+    register_stats_autograd,
+    stats_fake,
+)
+
+MAX_HEAD_DIM = 128
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Tiles (queries, keys) per program; powers of two, at least 16 (tl.dot's minimum). The interpreter runs every
+# tile operation as numpy calls, so small tiles keep it quick; on a GPU the flash-attention defaults.
+FWD_TILES = (16, 16) if INTERPRET else (64, 64)
+BWD_TILES = (16, 16) if INTERPRET else (32, 32)
+NUM_WARPS = 4
+
+
+def unavailable() -> str | None:
+    """None when triton can be imported, else why not."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install 'relattn[gpu]', Linux)"
+    return None
+
+
+@functools.cache
+def _kernels():
+    from . import _triton_kernels
+
+    return _triton_kernels
+
+
+def _pow2(x: int) -> int:
+    return max(16, 1 << max(0, x - 1).bit_length())
+
+
+def _table_strides(t: Tensor | None) -> tuple[int, int, int]:
+    """(head, row, dim) strides; head stride 0 for a shared (1, 2K+1, d) table."""
+    if t is None:
+        return 0, 0, 0
+    return (0 if t.shape[0] == 1 else t.stride(0)), t.stride(1), t.stride(2)
+
+
+def _launch_args(q, k, v, rel_k, rel_v, mask):
+    """Pointers and strides shared by the three kernels: q, k, v, tables, mask (broadcast dims stride 0)."""
+    b, h, n, _ = q.shape
+    m = k.shape[2]
+    full_mask = None if mask is None else mask.expand(b, h, n, m)
+    ptrs = (q, k, v, q if rel_k is None else rel_k, q if rel_v is None else rel_v,
+            q if full_mask is None else full_mask)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *_table_strides(rel_k), *_table_strides(rel_v),
+               *((0, 0, 0, 0) if full_mask is None else full_mask.stride()))
+    return ptrs, strides
+
+
+def _meta(q, v, rel_k, rel_v, mask, is_causal, tiles):
+    bm, bn = tiles
+    return dict(DP=_pow2(q.shape[-1]), DVP=_pow2(v.shape[-1]), BM=bm, BN=bn, W=_pow2(bm + bn - 1),
+                HAS_RK=rel_k is not None, HAS_RV=rel_v is not None, HAS_MASK=mask is not None, CAUSAL=is_causal,
+                PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS)
+
+
+def _sizes(q, k, v, kk, query_offset, scale):
+    b, h, n, d = q.shape
+    return (h, n, k.shape[2], d, v.shape[3], kk, query_offset, scale)
+
+
+def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
+            query_offset: int) -> tuple[Tensor, Tensor]:
+    """(out (B,H,N,Dv) in q's dtype, lse (B,H,N) float32); rows with no key give zeros and lse -inf."""
+    b, h, n, _ = q.shape
+    out = q.new_empty(b, h, n, v.shape[-1])
+    lse = q.new_empty(b, h, n, dtype=torch.float32)
+    if out.numel() == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    ptrs, strides = _launch_args(q, k, v, rel_k, rel_v, mask)
+    meta = _meta(q, v, rel_k, rel_v, mask, is_causal, FWD_TILES)
+    grid = (math.ceil(n / meta["BM"]), b * h)
+    _kernels()._fwd_kernel[grid](*ptrs, out, lse, *strides, *out.stride(), *lse.stride(),
+                                 *_sizes(q, k, v, max_relative_position, query_offset, scale), **meta)
+    return out, lse
+
+
+def _table_grad(sums: Tensor, x: Tensor, hr: int, dtype: torch.dtype, scale: float = 1.0) -> Tensor:
+    """scale * sum over batch (and heads when shared) of sums^T @ x: (B,H,N,R), (B,H,N,d) -> (Hr, R, d)."""
+    b, h, n, r = sums.shape
+    lhs = sums.permute(1, 3, 0, 2).reshape(h, r, b * n)
+    rhs = x.float().permute(1, 0, 2, 3).reshape(h, b * n, x.shape[-1])
+    g = torch.bmm(lhs, rhs) * scale
+    return (g.sum(0, keepdim=True) if hr == 1 else g).to(dtype)
+
+
+def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
+             scale: float, query_offset: int) -> tuple[Tensor, ...]:
+    """(dq, dk, dv, d_rel_k | None, d_rel_v | None) in their inputs' dtypes, dq, dk, dv contiguous."""
+    b, h, n, _ = q.shape
+    m, kk = k.shape[2], max_relative_position
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    d_rel_k = None if rel_k is None else torch.zeros_like(rel_k)
+    d_rel_v = None if rel_v is None else torch.zeros_like(rel_v)
+    if b * h == 0 or n == 0 or m == 0:
+        return dq, dk, dv, d_rel_k, d_rel_v
+    grad_out = grad_out.to(q.dtype).contiguous()
+    delta = (grad_out.float() * out.float()).sum(-1)
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse).contiguous()  # empty rows: P = 0
+    ptrs, strides = _launch_args(q, k, v, rel_k, rel_v, mask)
+    meta = _meta(q, v, rel_k, rel_v, mask, is_causal, BWD_TILES)
+    sizes = _sizes(q, k, v, kk, query_offset, scale)
+    kern = _kernels()
+    kern._dkdv_kernel[(math.ceil(m / meta["BN"]), b * h)](
+        *ptrs, grad_out, lse, delta, dk, dv, *strides, *grad_out.stride(), *lse.stride(), *sizes, **meta)
+    sums = [torch.zeros(b, h, n, 2 * kk + 1, dtype=torch.float32, device=q.device) if t is not None else lse
+            for t in (rel_v, rel_k)]  # per row, per table row: sums of P (for a^V) and of dS (for a^K)
+    b_strides = sums[0].stride()[:3] if rel_v is not None else sums[1].stride()[:3]
+    kern._dq_kernel[(math.ceil(n / meta["BM"]), b * h)](
+        *ptrs, grad_out, lse, delta, dq, *sums, *strides, *grad_out.stride(), *lse.stride(), *b_strides, *sizes,
+        **meta)
+    if rel_k is not None:
+        d_rel_k = _table_grad(sums[1], q, rel_k.shape[0], rel_k.dtype, scale)
+    if rel_v is not None:
+        d_rel_v = _table_grad(sums[0], grad_out, rel_v.shape[0], rel_v.dtype)
+    return dq, dk, dv, d_rel_k, d_rel_v
+
+
+# ------------------------------------------------------------------------------------ the custom ops
+# relattn::triton_fwd(q, k, v, rel_k?, rel_v?, mask?, K, is_causal, scale, query_offset) -> (out, lse);
+# relattn::triton_bwd -> (dq, dk, dv, d_rel_k, d_rel_v).
+
+
+@torch.library.custom_op("relattn::triton_fwd", mutates_args=())
+def triton_fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None, mask: Tensor | None,
+               max_relative_position: int, is_causal: bool, scale: float,
+               query_offset: int) -> tuple[Tensor, Tensor]:
+    return forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position,
+                   is_causal=is_causal, scale=scale, query_offset=query_offset)
+
+
+@triton_fwd.register_fake
+def _(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset):
+    return stats_fake(q, v)
+
+
+@torch.library.custom_op("relattn::triton_bwd", mutates_args=())
+def triton_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
+               mask: Tensor | None, out: Tensor, lse: Tensor, max_relative_position: int, is_causal: bool,
+               scale: float, query_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grads = backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position=max_relative_position,
+                     is_causal=is_causal, scale=scale, query_offset=query_offset)
+    return grads_laid_out((q, k, v, rel_k, rel_v), grads)
+
+
+@triton_bwd.register_fake
+def _(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position, is_causal, scale, query_offset):
+    return grads_fake(q, k, v, rel_k, rel_v)
+
+
+register_stats_autograd(triton_fwd, triton_bwd, tensor_inputs=6, n_args=10)
+
+
+def triton_attention(call: AttentionCall) -> Tensor:
+    """The output (B, H, N, Dv), in q's dtype."""
+    out, _ = triton_fwd(call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, call.max_relative_position,
+                        call.is_causal, call.scale, call.query_offset)
+    return out
+
+
+BACKEND = Backend("triton", triton_attention,
+                  Serves(devices=frozenset({"cuda", "cpu"} if INTERPRET else {"cuda"}),
+                         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+                         max_head_dim=MAX_HEAD_DIM),
+                  "Triton flash kernel, forward and backward: band tiles add the key term by a gathered window "
+                  "matmul and the value term by a skewed one; CUDA (CPU under TRITON_INTERPRET=1), no dropout",
+                  unavailable=unavailable)
