@@ -14,11 +14,47 @@ the key table's share of dq). Window column ``w`` holds offset ``rmin + w``; pai
 ``w = j - i + BM - 1``.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
 
-@triton.jit
+def _device(fn):
+    """``triton.jit`` for a device function. Under ``TRITON_INTERPRET=1``, Triton 3.9 re-patches
+    ``triton.language`` on every device-function call (about a millisecond each, a dozen calls per tile); the
+    kernel calling it has patched it already, so there the rewritten function is called directly."""
+    jitted = triton.jit(fn)
+    rewrite = getattr(jitted, "rewrite", None)
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") or rewrite is None:
+        return jitted
+    return lambda *args, **kwargs: rewrite()(*args, **kwargs)
+
+
+@_device
+def _dot(a, b, PREC: tl.constexpr):
+    """a @ b accumulated in float32 (float64 for float64). PREC "bf16-upcast": Triton 3.9's interpreter multiplies
+    bfloat16 operands as their raw uint16 bits, so there they go in as float32 (exact: a bf16 product is exact
+    in float32, as on tensor cores)."""
+    if PREC == "bf16-upcast":
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        out = tl.dot(a, b, input_precision=PREC)
+    return out
+
+
+@_device
+def _cast(x, dtype: tl.constexpr, PREC: tl.constexpr):
+    """x (float32) rounded to ``dtype`` to nearest. Triton 3.9's interpreter truncates float32 -> bfloat16 (a GPU
+    rounds to nearest even): a bias the sums over many weights would accumulate. There ("bf16-upcast") the
+    rounding is done on the bits first (ties away from zero), so the truncation that follows is exact."""
+    if PREC == "bf16-upcast":
+        bits = x.to(tl.uint32, bitcast=True)
+        x = ((bits + 0x8000) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@_device
 def _skew(x, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr):
     """(BM, BN) key coordinates -> (BM, W) window coordinates (zeros where no key of the tile lands)."""
     i = tl.arange(0, BM)[:, None]
@@ -27,7 +63,7 @@ def _skew(x, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr):
     return tl.where(ok, tl.gather(x, tl.where(ok, j, 0), axis=1), 0.0)
 
 
-@triton.jit
+@_device
 def _window(T, base, K, dim, s_r, s_d, DP: tl.constexpr, W: tl.constexpr):
     """The (W, DP) table rows t = clip(base + w, -K, K) + K of one head's table ``T``."""
     rows = tl.minimum(tl.maximum(base + tl.arange(0, W), -K), K) + K
@@ -35,55 +71,55 @@ def _window(T, base, K, dim, s_r, s_d, DP: tl.constexpr, W: tl.constexpr):
     return tl.load(T + rows[:, None] * s_r + cols[None, :] * s_d, mask=(cols < dim)[None, :], other=0.0)
 
 
-@triton.jit
-def _edge_row(T, row, dim, s_r, s_d, DP: tl.constexpr):
+@_device
+def _edge_row(T, row, dim, s_r, s_d, DP: tl.constexpr, ACC: tl.constexpr):
     cols = tl.arange(0, DP)
-    return tl.load(T + row * s_r + cols * s_d, mask=cols < dim, other=0.0).to(tl.float32)
+    return tl.load(T + row * s_r + cols * s_d, mask=cols < dim, other=0.0).to(ACC)
 
 
-@triton.jit
+@_device
 def _rel_scores(x, T, rmin, rmax, K, dim, s_r, s_d, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                W: tl.constexpr, PREC: tl.constexpr):
-    """(BM, BN) float32: x_i . T[t(i, j)] for x (BM, DP) (q with a^K, or dO with a^V)."""
+                W: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
+    """(BM, BN) in ACC: x_i . T[t(i, j)] for x (BM, DP) (q with a^K, or dO with a^V)."""
     if rmax <= -K:
-        c = tl.sum(x.to(tl.float32) * _edge_row(T, 0, dim, s_r, s_d, DP)[None, :], 1)
+        c = tl.sum(x.to(ACC) * _edge_row(T, 0, dim, s_r, s_d, DP, ACC)[None, :], 1)
         out = tl.broadcast_to(c[:, None], (BM, BN))
     elif rmin >= K:
-        c = tl.sum(x.to(tl.float32) * _edge_row(T, 2 * K, dim, s_r, s_d, DP)[None, :], 1)
+        c = tl.sum(x.to(ACC) * _edge_row(T, 2 * K, dim, s_r, s_d, DP, ACC)[None, :], 1)
         out = tl.broadcast_to(c[:, None], (BM, BN))
     else:
-        xw = tl.dot(x, tl.trans(_window(T, rmin, K, dim, s_r, s_d, DP, W)), input_precision=PREC)
+        xw = _dot(x, tl.trans(_window(T, rmin, K, dim, s_r, s_d, DP, W)), PREC)
         idx = tl.arange(0, BN)[None, :] - tl.arange(0, BM)[:, None] + (BM - 1)
         out = tl.gather(xw, idx, axis=1)
     return out
 
 
-@triton.jit
+@_device
 def _rel_values(p, T, rmin, rmax, K, dim, s_r, s_d, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                W: tl.constexpr, PREC: tl.constexpr):
-    """(BM, DP) float32: sum_j p_ij T[t(i, j)] for p (BM, BN) float32 (P with a^V, or dS with a^K)."""
+                W: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
+    """(BM, DP) in ACC: sum_j p_ij T[t(i, j)] for p (BM, BN) in ACC (P with a^V, or dS with a^K)."""
     if rmax <= -K:
-        out = tl.sum(p, 1)[:, None] * _edge_row(T, 0, dim, s_r, s_d, DP)[None, :]
+        out = tl.sum(p, 1)[:, None] * _edge_row(T, 0, dim, s_r, s_d, DP, ACC)[None, :]
     elif rmin >= K:
-        out = tl.sum(p, 1)[:, None] * _edge_row(T, 2 * K, dim, s_r, s_d, DP)[None, :]
+        out = tl.sum(p, 1)[:, None] * _edge_row(T, 2 * K, dim, s_r, s_d, DP, ACC)[None, :]
     else:
         win = _window(T, rmin, K, dim, s_r, s_d, DP, W)
-        out = tl.dot(_skew(p, BM, BN, W).to(win.dtype), win, input_precision=PREC)
+        out = _dot(_cast(_skew(p, BM, BN, W), win.dtype, PREC), win, PREC)
     return out
 
 
-@triton.jit
+@_device
 def _scores(q, kt, RK, MASK, oi, oj, N, M, off, K, scale, rmin, rmax, D, s_rk_r, s_rk_d, s_m_n, s_m_m,
             DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, HAS_RK: tl.constexpr,
-            HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
-    """(BM, BN) float32 scores of a tile: (q k^T + q a^K_t) * scale + mask, -inf where no key may be seen."""
-    s = tl.dot(q, kt, input_precision=PREC)
+            HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
+    """(BM, BN) scores (in ACC) of a tile: (q k^T + q a^K_t) * scale + mask, -inf where no key may be seen."""
+    s = _dot(q, kt, PREC)
     if HAS_RK:
-        s += _rel_scores(q, RK, rmin, rmax, K, D, s_rk_r, s_rk_d, DP, BM, BN, W, PREC)
+        s += _rel_scores(q, RK, rmin, rmax, K, D, s_rk_r, s_rk_d, DP, BM, BN, W, PREC, ACC)
     s = s * scale
     if HAS_MASK:
         ok = (oi < N)[:, None] & (oj < M)[None, :]
-        s += tl.load(MASK + oi[:, None] * s_m_n + oj[None, :] * s_m_m, mask=ok, other=0.0).to(tl.float32)
+        s += tl.load(MASK + oi[:, None] * s_m_n + oj[None, :] * s_m_m, mask=ok, other=0.0).to(ACC)
     valid = (oj < M)[None, :]
     if CAUSAL:
         valid = valid & (oj[None, :] <= oi[:, None] + off)
@@ -98,7 +134,7 @@ def _fwd_kernel(Q, Kp, V, RK, RV, MASK, OUT, LSE,
                 H, N, M, D, DV, K, off, scale,
                 DP: tl.constexpr, DVP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr,
                 HAS_RK: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                PREC: tl.constexpr):
+                PREC: tl.constexpr, ACC: tl.constexpr):
     m0 = tl.program_id(0) * BM
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -113,9 +149,9 @@ def _fwd_kernel(Q, Kp, V, RK, RV, MASK, OUT, LSE,
     cd = tl.arange(0, DP)
     cv = tl.arange(0, DVP)
     q = tl.load(Q + oi[:, None] * s_q_n + cd[None, :] * s_q_d, mask=(oi < N)[:, None] & (cd < D)[None, :], other=0.0)
-    m_i = tl.full((BM,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BM,), tl.float32)
-    acc = tl.zeros((BM, DVP), tl.float32)
+    m_i = tl.full((BM,), float("-inf"), ACC)
+    l_i = tl.zeros((BM,), ACC)
+    acc = tl.zeros((BM, DVP), ACC)
     end = M
     if CAUSAL:
         end = tl.minimum(M, m0 + BM + off)
@@ -126,7 +162,7 @@ def _fwd_kernel(Q, Kp, V, RK, RV, MASK, OUT, LSE,
         kt = tl.load(Kp + oj[None, :] * s_k_n + cd[:, None] * s_k_d, mask=(oj < M)[None, :] & (cd < D)[:, None],
                      other=0.0)
         s = _scores(q, kt, RK, MASK, oi, oj, N, M, off, K, scale, rmin, rmax, D, s_rk_r, s_rk_d, s_m_n, s_m_m,
-                    DP, BM, BN, W, HAS_RK, HAS_MASK, CAUSAL, PREC)
+                    DP, BM, BN, W, HAS_RK, HAS_MASK, CAUSAL, PREC, ACC)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
@@ -134,16 +170,16 @@ def _fwd_kernel(Q, Kp, V, RK, RV, MASK, OUT, LSE,
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + oj[:, None] * s_v_n + cv[None, :] * s_v_d, mask=(oj < M)[:, None] & (cv < DV)[None, :],
                     other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        acc = acc * alpha[:, None] + _dot(_cast(p, v.dtype, PREC), v, PREC)
         if HAS_RV:
-            acc += _rel_values(p, RV, rmin, rmax, K, DV, s_rv_r, s_rv_d, DVP, BM, BN, W, PREC)
+            acc += _rel_values(p, RV, rmin, rmax, K, DV, s_rv_r, s_rv_d, DVP, BM, BN, W, PREC, ACC)
         m_i = m_new
     seen = l_i > 0.0
     denom = tl.where(seen, l_i, 1.0)
     out = acc / denom[:, None]
     lse = tl.where(seen, m_i + tl.log(denom), float("-inf"))
     OUT += b * s_o_b + h * s_o_h
-    tl.store(OUT + oi[:, None] * s_o_n + cv[None, :] * s_o_d, out.to(OUT.dtype.element_ty),
+    tl.store(OUT + oi[:, None] * s_o_n + cv[None, :] * s_o_d, _cast(out, OUT.dtype.element_ty, PREC),
              mask=(oi < N)[:, None] & (cv < DV)[None, :])
     tl.store(LSE + b * s_l_b + h * s_l_h + oi * s_l_n, lse, mask=oi < N)
 
@@ -156,7 +192,7 @@ def _dkdv_kernel(Q, Kp, V, RK, RV, MASK, DO, LSE, DELTA, DK, DV_,
                  H, N, M, D, DV, K, off, scale,
                  DP: tl.constexpr, DVP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr,
                  HAS_RK: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, ACC: tl.constexpr):
     """Per key tile, over the query tiles that see it: dv = P^T dO, dk = scale dS^T q. dK/dV are laid out like k/v."""
     n0 = tl.program_id(0) * BN
     bh = tl.program_id(1)
@@ -179,8 +215,8 @@ def _dkdv_kernel(Q, Kp, V, RK, RV, MASK, DO, LSE, DELTA, DK, DV_,
     k = tl.load(Kp + oj[:, None] * s_k_n + cd[None, :] * s_k_d, mask=k_ok, other=0.0)
     v = tl.load(V + oj[:, None] * s_v_n + cv[None, :] * s_v_d, mask=v_ok, other=0.0)
     kt = tl.trans(k)
-    dk = tl.zeros((BN, DP), tl.float32)
-    dv = tl.zeros((BN, DVP), tl.float32)
+    dk = tl.zeros((BN, DP), ACC)
+    dv = tl.zeros((BN, DVP), ACC)
     start = 0
     if CAUSAL:
         start = (tl.maximum(n0 - off, 0) // BM) * BM
@@ -195,22 +231,22 @@ def _dkdv_kernel(Q, Kp, V, RK, RV, MASK, DO, LSE, DELTA, DK, DV_,
         lse = tl.load(LSE + oi * s_l_n, mask=oi < N, other=float("inf"))
         delta = tl.load(DELTA + oi * s_l_n, mask=oi < N, other=0.0)
         s = _scores(q, kt, RK, MASK, oi, oj, N, M, off, K, scale, rmin, rmax, D, s_rk_r, s_rk_d, s_m_n, s_m_m,
-                    DP, BM, BN, W, HAS_RK, HAS_MASK, CAUSAL, PREC)
+                    DP, BM, BN, W, HAS_RK, HAS_MASK, CAUSAL, PREC, ACC)
         p = tl.exp(s - lse[:, None])
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        dv += _dot(tl.trans(_cast(p, do.dtype, PREC)), do, PREC)
+        dp = _dot(do, tl.trans(v), PREC)
         if HAS_RV:
-            dp += _rel_scores(do, RV, rmin, rmax, K, DV, s_rv_r, s_rv_d, DVP, BM, BN, W, PREC)
+            dp += _rel_scores(do, RV, rmin, rmax, K, DV, s_rv_r, s_rv_d, DVP, BM, BN, W, PREC, ACC)
         ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+        dk += _dot(tl.trans(_cast(ds, q.dtype, PREC)), q, PREC)
     dk = dk * scale
     DK += b * s_k_b + h * s_k_h
     DV_ += b * s_v_b + h * s_v_h
-    tl.store(DK + oj[:, None] * s_k_n + cd[None, :] * s_k_d, dk.to(DK.dtype.element_ty), mask=k_ok)
-    tl.store(DV_ + oj[:, None] * s_v_n + cv[None, :] * s_v_d, dv.to(DV_.dtype.element_ty), mask=v_ok)
+    tl.store(DK + oj[:, None] * s_k_n + cd[None, :] * s_k_d, _cast(dk, DK.dtype.element_ty, PREC), mask=k_ok)
+    tl.store(DV_ + oj[:, None] * s_v_n + cv[None, :] * s_v_d, _cast(dv, DV_.dtype.element_ty, PREC), mask=v_ok)
 
 
-@triton.jit
+@_device
 def _bucket_edges(x, r, K, left, right, BM: tl.constexpr, BN: tl.constexpr, rmin, rmax):
     """Running (BM,) sums of ``x`` over the pairs reading row 0 (r <= -K) and row 2K (r >= K, r > -K)."""
     if rmax <= -K:
@@ -223,7 +259,7 @@ def _bucket_edges(x, r, K, left, right, BM: tl.constexpr, BN: tl.constexpr, rmin
     return left, right
 
 
-@triton.jit
+@_device
 def _bucket_flush(B, acc, oi, wbase, K, N, s_b_r, BM: tl.constexpr, W: tl.constexpr, UPTO: tl.constexpr):
     """Store window columns w < UPTO whose row t = wbase + w + K is inside the band (0 < t < 2K)."""
     w = tl.arange(0, W)
@@ -232,7 +268,7 @@ def _bucket_flush(B, acc, oi, wbase, K, N, s_b_r, BM: tl.constexpr, W: tl.conste
     tl.store(B + oi[:, None] * s_b_r + t[None, :], acc, mask=ok)
 
 
-@triton.jit
+@_device
 def _shift(acc, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr):
     """Window columns w + BN moved to w (zeros come in at the right)."""
     w = tl.broadcast_to(tl.arange(0, W)[None, :] + BN, (BM, W))
@@ -247,7 +283,7 @@ def _dq_kernel(Q, Kp, V, RK, RV, MASK, DO, LSE, DELTA, DQ, PB, SB,
                H, N, M, D, DV, K, off, scale,
                DP: tl.constexpr, DVP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr,
                HAS_RK: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, ACC: tl.constexpr):
     """Per query tile, over its key tiles: dq = scale (dS k + sum_j dS_ij a^K_t); and the per-row sums of P
     (PB) and dS (SB) for each table row t, from which the launcher forms the table gradients. A row's sums
     of one band tile sit in a (BM, W) window that slides by BN per tile: the BN columns it leaves are final
@@ -274,13 +310,13 @@ def _dq_kernel(Q, Kp, V, RK, RV, MASK, DO, LSE, DELTA, DQ, PB, SB,
                  other=0.0)
     lse = tl.load(LSE + b * s_l_b + h * s_l_h + oi * s_l_n, mask=oi < N, other=float("inf"))
     delta = tl.load(DELTA + b * s_l_b + h * s_l_h + oi * s_l_n, mask=oi < N, other=0.0)
-    dq = tl.zeros((BM, DP), tl.float32)
-    p_win = tl.zeros((BM, W), tl.float32)
-    s_win = tl.zeros((BM, W), tl.float32)
-    p_left = tl.zeros((BM,), tl.float32)
-    p_right = tl.zeros((BM,), tl.float32)
-    s_left = tl.zeros((BM,), tl.float32)
-    s_right = tl.zeros((BM,), tl.float32)
+    dq = tl.zeros((BM, DP), ACC)
+    p_win = tl.zeros((BM, W), ACC)
+    s_win = tl.zeros((BM, W), ACC)
+    p_left = tl.zeros((BM,), ACC)
+    p_right = tl.zeros((BM,), ACC)
+    s_left = tl.zeros((BM,), ACC)
+    s_right = tl.zeros((BM,), ACC)
     wbase = -K
     end = M
     if CAUSAL:
@@ -294,17 +330,17 @@ def _dq_kernel(Q, Kp, V, RK, RV, MASK, DO, LSE, DELTA, DQ, PB, SB,
         v = tl.load(V + oj[:, None] * s_v_n + cv[None, :] * s_v_d, mask=(oj < M)[:, None] & (cv < DV)[None, :],
                     other=0.0)
         s = _scores(q, tl.trans(k), RK, MASK, oi, oj, N, M, off, K, scale, rmin, rmax, D, s_rk_r, s_rk_d, s_m_n,
-                    s_m_m, DP, BM, BN, W, HAS_RK, HAS_MASK, CAUSAL, PREC)
+                    s_m_m, DP, BM, BN, W, HAS_RK, HAS_MASK, CAUSAL, PREC, ACC)
         p = tl.exp(s - lse[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        dp = _dot(do, tl.trans(v), PREC)
         if HAS_RV:
-            dp += _rel_scores(do, RV, rmin, rmax, K, DV, s_rv_r, s_rv_d, DVP, BM, BN, W, PREC)
+            dp += _rel_scores(do, RV, rmin, rmax, K, DV, s_rv_r, s_rv_d, DVP, BM, BN, W, PREC, ACC)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        dq += _dot(_cast(ds, k.dtype, PREC), k, PREC)
         r = oj[None, :] - (oi[:, None] + off)
         band = (rmax > -K) & (rmin < K)
         if HAS_RK:
-            dq += _rel_values(ds, RK, rmin, rmax, K, D, s_rk_r, s_rk_d, DP, BM, BN, W, PREC)
+            dq += _rel_values(ds, RK, rmin, rmax, K, D, s_rk_r, s_rk_d, DP, BM, BN, W, PREC, ACC)
             s_left, s_right = _bucket_edges(ds, r, K, s_left, s_right, BM, BN, rmin, rmax)
             if band:
                 s_win += _skew(ds, BM, BN, W)
@@ -319,7 +355,7 @@ def _dq_kernel(Q, Kp, V, RK, RV, MASK, DO, LSE, DELTA, DQ, PB, SB,
         if band:
             wbase = rmin + BN
     DQ += b * s_q_b + h * s_q_h
-    tl.store(DQ + oi[:, None] * s_q_n + cd[None, :] * s_q_d, (dq * scale).to(DQ.dtype.element_ty), mask=q_ok)
+    tl.store(DQ + oi[:, None] * s_q_n + cd[None, :] * s_q_d, _cast(dq * scale, DQ.dtype.element_ty, PREC), mask=q_ok)
     if HAS_RK:
         _bucket_flush(SB, s_win, oi, wbase, K, N, s_b_n, BM, W, W)
         _store_edges(SB, s_left, s_right, oi, K, N, s_b_n)
@@ -328,7 +364,7 @@ def _dq_kernel(Q, Kp, V, RK, RV, MASK, DO, LSE, DELTA, DQ, PB, SB,
         _store_edges(PB, p_left, p_right, oi, K, N, s_b_n)
 
 
-@triton.jit
+@_device
 def _store_edges(B, left, right, oi, K, N, s_b_n):
     """Rows 0 and 2K of the sums (one row when K = 0: both edges are row 0)."""
     if K == 0:

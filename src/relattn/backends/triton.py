@@ -11,8 +11,8 @@ fixed order: no atomics, two backward passes are bitwise equal.
 
 Serves CUDA tensors when ``triton`` is importable; with ``TRITON_INTERPRET=1`` in the environment when
 relattn is imported, also CPU tensors (the same kernels, interpreted: how CI tests them; slow, so "auto"
-never picks it on the CPU). float16, bfloat16 (float32 statistics, 16-bit matmul inputs as in flash
-attention) and float32 (matmuls in IEEE float32, no TF32); head dims up to 128; any K; any mask that needs
+never picks it on the CPU). float16 and bfloat16 (float32 statistics, 16-bit matmul inputs as in flash
+attention), float32 (matmuls in IEEE float32, no TF32) and float64 (for tests: gradcheck); head dims up to 128; any K; any mask that needs
 no gradient; no dropout.
 """
 
@@ -27,12 +27,14 @@ import torch
 from torch import Tensor
 
 from ._common import (
+    LOW_PRECISION,
     AttentionCall,
     Backend,
     Serves,
     grads_fake,
     grads_laid_out,
     register_stats_autograd,
+    stats_dtype,
     stats_fake,
 )
 
@@ -40,8 +42,8 @@ MAX_HEAD_DIM = 128
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Tiles (queries, keys) per program; powers of two, at least 16 (tl.dot's minimum). The interpreter runs every
 # tile operation as numpy calls, so small tiles keep it quick; on a GPU the flash-attention defaults.
-FWD_TILES = (16, 16) if INTERPRET else (64, 64)
-BWD_TILES = (16, 16) if INTERPRET else (32, 32)
+FWD_TILES = (64, 64)
+BWD_TILES = (64, 64) if INTERPRET else (32, 32)
 NUM_WARPS = 4
 
 
@@ -82,11 +84,19 @@ def _launch_args(q, k, v, rel_k, rel_v, mask):
     return ptrs, strides
 
 
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision: IEEE for float32 and float64 (no TF32); see ``_dot`` for bf16 interpreted."""
+    if dtype == torch.bfloat16 and INTERPRET:
+        return "bf16-upcast"
+    return "tf32" if dtype in LOW_PRECISION else "ieee"
+
+
 def _meta(q, v, rel_k, rel_v, mask, is_causal, tiles):
     bm, bn = tiles
     return dict(DP=_pow2(q.shape[-1]), DVP=_pow2(v.shape[-1]), BM=bm, BN=bn, W=_pow2(bm + bn - 1),
                 HAS_RK=rel_k is not None, HAS_RV=rel_v is not None, HAS_MASK=mask is not None, CAUSAL=is_causal,
-                PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS)
+                PREC=_precision(q.dtype),
+                ACC=_kernels().tl.float64 if q.dtype == torch.float64 else _kernels().tl.float32, num_warps=NUM_WARPS)
 
 
 def _sizes(q, k, v, kk, query_offset, scale):
@@ -96,10 +106,10 @@ def _sizes(q, k, v, kk, query_offset, scale):
 
 def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
             query_offset: int) -> tuple[Tensor, Tensor]:
-    """(out (B,H,N,Dv) in q's dtype, lse (B,H,N) float32); rows with no key give zeros and lse -inf."""
+    """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros and lse -inf."""
     b, h, n, _ = q.shape
     out = q.new_empty(b, h, n, v.shape[-1])
-    lse = q.new_empty(b, h, n, dtype=torch.float32)
+    lse = q.new_empty(b, h, n, dtype=stats_dtype(q.dtype))
     if out.numel() == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     ptrs, strides = _launch_args(q, k, v, rel_k, rel_v, mask)
@@ -114,7 +124,7 @@ def _table_grad(sums: Tensor, x: Tensor, hr: int, dtype: torch.dtype, scale: flo
     """scale * sum over batch (and heads when shared) of sums^T @ x: (B,H,N,R), (B,H,N,d) -> (Hr, R, d)."""
     b, h, n, r = sums.shape
     lhs = sums.permute(1, 3, 0, 2).reshape(h, r, b * n)
-    rhs = x.float().permute(1, 0, 2, 3).reshape(h, b * n, x.shape[-1])
+    rhs = x.to(sums.dtype).permute(1, 0, 2, 3).reshape(h, b * n, x.shape[-1])
     g = torch.bmm(lhs, rhs) * scale
     return (g.sum(0, keepdim=True) if hr == 1 else g).to(dtype)
 
@@ -131,7 +141,8 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     if b * h == 0 or n == 0 or m == 0:
         return dq, dk, dv, d_rel_k, d_rel_v
     grad_out = grad_out.to(q.dtype).contiguous()
-    delta = (grad_out.float() * out.float()).sum(-1)
+    sdt = stats_dtype(q.dtype)
+    delta = (grad_out.to(sdt) * out.to(sdt)).sum(-1)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse).contiguous()  # empty rows: P = 0
     ptrs, strides = _launch_args(q, k, v, rel_k, rel_v, mask)
     meta = _meta(q, v, rel_k, rel_v, mask, is_causal, BWD_TILES)
@@ -139,7 +150,7 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     kern = _kernels()
     kern._dkdv_kernel[(math.ceil(m / meta["BN"]), b * h)](
         *ptrs, grad_out, lse, delta, dk, dv, *strides, *grad_out.stride(), *lse.stride(), *sizes, **meta)
-    sums = [torch.zeros(b, h, n, 2 * kk + 1, dtype=torch.float32, device=q.device) if t is not None else lse
+    sums = [torch.zeros(b, h, n, 2 * kk + 1, dtype=sdt, device=q.device) if t is not None else lse
             for t in (rel_v, rel_k)]  # per row, per table row: sums of P (for a^V) and of dS (for a^K)
     b_strides = sums[0].stride()[:3] if rel_v is not None else sums[1].stride()[:3]
     kern._dq_kernel[(math.ceil(n / meta["BM"]), b * h)](
@@ -196,7 +207,6 @@ def triton_attention(call: AttentionCall) -> Tensor:
 
 BACKEND = Backend("triton", triton_attention,
                   Serves(devices=frozenset({"cuda", "cpu"} if INTERPRET else {"cuda"}),
-                         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
                          max_head_dim=MAX_HEAD_DIM),
                   "Triton flash kernel, forward and backward: band tiles add the key term by a gathered window "
                   "matmul and the value term by a skewed one; CUDA (CPU under TRITON_INTERPRET=1), no dropout",
