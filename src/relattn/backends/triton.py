@@ -12,8 +12,9 @@ fixed order: no atomics, two backward passes are bitwise equal.
 Serves CUDA tensors when ``triton`` is importable; with ``TRITON_INTERPRET=1`` in the environment when
 relattn is imported, also CPU tensors (the same kernels, interpreted: how CI tests them; slow, so "auto"
 never picks it on the CPU). float16 and bfloat16 (float32 statistics, 16-bit matmul inputs as in flash
-attention), float32 (matmuls in IEEE float32, no TF32) and float64 (for tests: gradcheck); head dims up to 128; any K; any mask that needs
-no gradient; no dropout.
+attention: the weights rounded to 16 bits on their way into a matmul), float32 (IEEE float32 matmuls, no
+TF32) and float64 (gradcheck); head dims up to 128 (D != Dv allowed); any K; any mask that needs no
+gradient; no dropout.
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ from ._common import (
 
 MAX_HEAD_DIM = 128
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-# Tiles (queries, keys) per program; powers of two, at least 16 (tl.dot's minimum). The interpreter runs every
-# tile operation as numpy calls, so small tiles keep it quick; on a GPU the flash-attention defaults.
-FWD_TILES = (64, 64)
-BWD_TILES = (64, 64) if INTERPRET else (32, 32)
+# Tiles (queries, keys) per program: powers of two, at least 16 (tl.dot's minimum). On a GPU flash-attention's
+# sizes. The interpreter pays per tile operation (about 0.2 ms, whatever the tile's size), so there the tiles are
+# large; the tests set small ones where they mean to cross tile edges.
+FWD_TILES = (128, 128) if INTERPRET else (64, 64)
+BWD_TILES = (128, 128) if INTERPRET else (32, 32)
 NUM_WARPS = 4
 
 
