@@ -41,9 +41,9 @@ from ._common import (
 
 MAX_HEAD_DIM = 128
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-# Tiles (queries, keys) per program: powers of two, at least 16 (tl.dot's minimum). On a GPU flash-attention's
-# sizes. The interpreter pays per tile operation (about 0.2 ms, whatever the tile's size), so there the tiles are
-# large; the tests set small ones where they mean to cross tile edges.
+# Largest tiles (queries, keys) per program: powers of two, at least 16 (tl.dot's minimum), cut to the next power of
+# two of N and M. On a GPU flash-attention's sizes. The interpreter pays per tile operation (about 0.2 ms, little
+# more for a larger tile), so there they are large; the tests set small ones where they mean to cross tile edges.
 FWD_TILES = (128, 128) if INTERPRET else (64, 64)
 BWD_TILES = (128, 128) if INTERPRET else (32, 32)
 NUM_WARPS = 4
@@ -93,8 +93,8 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32" if dtype in LOW_PRECISION else "ieee"
 
 
-def _meta(q, v, rel_k, rel_v, mask, is_causal, tiles):
-    bm, bn = tiles
+def _meta(q, k, v, rel_k, rel_v, mask, is_causal, tiles):
+    bm, bn = min(tiles[0], _pow2(q.shape[2])), min(tiles[1], _pow2(k.shape[2]))  # no tile longer than needed
     return dict(DP=_pow2(q.shape[-1]), DVP=_pow2(v.shape[-1]), BM=bm, BN=bn, W=_pow2(bm + bn - 1),
                 HAS_RK=rel_k is not None, HAS_RV=rel_v is not None, HAS_MASK=mask is not None, CAUSAL=is_causal,
                 PREC=_precision(q.dtype),
@@ -115,7 +115,7 @@ def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causa
     if out.numel() == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     ptrs, strides = _launch_args(q, k, v, rel_k, rel_v, mask)
-    meta = _meta(q, v, rel_k, rel_v, mask, is_causal, FWD_TILES)
+    meta = _meta(q, k, v, rel_k, rel_v, mask, is_causal, FWD_TILES)
     grid = (math.ceil(n / meta["BM"]), b * h)
     _kernels()._fwd_kernel[grid](*ptrs, out, lse, *strides, *out.stride(), *lse.stride(),
                                  *_sizes(q, k, v, max_relative_position, query_offset, scale), **meta)
@@ -147,7 +147,7 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     delta = (grad_out.to(sdt) * out.to(sdt)).sum(-1)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse).contiguous()  # empty rows: P = 0
     ptrs, strides = _launch_args(q, k, v, rel_k, rel_v, mask)
-    meta = _meta(q, v, rel_k, rel_v, mask, is_causal, BWD_TILES)
+    meta = _meta(q, k, v, rel_k, rel_v, mask, is_causal, BWD_TILES)
     sizes = _sizes(q, k, v, kk, query_offset, scale)
     kern = _kernels()
     kern._dkdv_kernel[(math.ceil(m / meta["BN"]), b * h)](
