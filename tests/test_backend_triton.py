@@ -92,6 +92,25 @@ def test_output_and_gradients_match_reference(device, case):
         assert torch.count_nonzero(w) == 0 or torch.count_nonzero(a) > 0, name
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n,m,off,kind", [(1, 77, 76, None), (20, 90, 20, "bool")])
+def test_keys_split_across_programs_match_reference(device, n, m, off, kind, monkeypatch):
+    """Decoding's split of the keys: three splits merged by their log-sum-exp (a causal row sees one or two of
+    them, the last split nothing at all for the early rows; row 3 of the mask sees no key anywhere)."""
+    monkeypatch.setattr(tb, "KV_SPLITS", 3)
+    inputs = random_inputs(1, 2, n, m, 8, 8, 5, tables="per_head", seed=19)
+    mask = None if kind is None else _masks(1, 2, n, m)["bool"]
+    kw = dict(is_causal=True, query_offset=off, attn_mask=mask)
+    x = [t.to(device, torch.float32) for t in inputs]
+    out = fn.relative_attention(*x, max_relative_position=5, backend="triton", **kw)
+    assert_close(out, reference_output(*inputs, max_relative_position=5, **kw), torch.float32, "out")
+    go = torch.randn(1, 2, n, 8, dtype=torch.float64)
+    got = run("triton", inputs, 5, go, dtype=torch.float32, device=device, **kw)
+    want = run("dense", inputs, 5, go, dtype=torch.float64, device="cpu", **kw)
+    for name, a, w in zip("q k v rel_k rel_v".split(), got[1], want[1], strict=True):  # lse merged right
+        assert_close(a, w, torch.float32, f"d{name}")
+
+
 def _masks(b, h, n, m):
     """A bool key-padding mask (B, 1, 1, M) with row 3 fully masked by a (N, M) part, and a float per-head mask."""
     g = torch.Generator().manual_seed(7)

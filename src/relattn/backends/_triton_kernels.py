@@ -130,12 +130,16 @@ def _scores(q, kt, RK, MASK, oi, oj, N, M, off, K, scale, rmin, rmax, D, s_rk_r,
 def _fwd_kernel(Q, Kp, V, RK, RV, MASK, OUT, LSE,
                 s_q_b, s_q_h, s_q_n, s_q_d, s_k_b, s_k_h, s_k_n, s_k_d, s_v_b, s_v_h, s_v_n, s_v_d,
                 s_rk_h, s_rk_r, s_rk_d, s_rv_h, s_rv_r, s_rv_d, s_m_b, s_m_h, s_m_n, s_m_m,
-                s_o_b, s_o_h, s_o_n, s_o_d, s_l_b, s_l_h, s_l_n,
+                s_o_b, s_o_h, s_o_n, s_o_d, s_l_b, s_l_h, s_l_n, s_o_s, s_l_s, split_len,
                 H, N, M, D, DV, K, off, scale,
                 DP: tl.constexpr, DVP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr,
                 HAS_RK: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
                 PREC: tl.constexpr, ACC: tl.constexpr):
+    """Per (query tile, batch * head, split of the keys): the online softmax over the split's key tiles. One
+    split: out and lse. Several (decoding: too few query tiles to fill the GPU): each split's normalised out
+    and lse, at split strides s_o_s and s_l_s, merged by the launcher."""
     m0 = tl.program_id(0) * BM
+    start = tl.program_id(2) * split_len
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
@@ -152,10 +156,10 @@ def _fwd_kernel(Q, Kp, V, RK, RV, MASK, OUT, LSE,
     m_i = tl.full((BM,), float("-inf"), ACC)
     l_i = tl.zeros((BM,), ACC)
     acc = tl.zeros((BM, DVP), ACC)
-    end = M
+    end = tl.minimum(M, start + split_len)
     if CAUSAL:
-        end = tl.minimum(M, m0 + BM + off)
-    for n0 in range(0, end, BN):
+        end = tl.minimum(end, m0 + BM + off)
+    for n0 in range(start, end, BN):
         oj = n0 + tl.arange(0, BN)
         rmin = n0 - (m0 + BM - 1) - off
         rmax = n0 + BN - 1 - m0 - off
@@ -178,10 +182,10 @@ def _fwd_kernel(Q, Kp, V, RK, RV, MASK, OUT, LSE,
     denom = tl.where(seen, l_i, 1.0)
     out = acc / denom[:, None]
     lse = tl.where(seen, m_i + tl.log(denom), float("-inf"))
-    OUT += b * s_o_b + h * s_o_h
+    OUT += b * s_o_b + h * s_o_h + tl.program_id(2) * s_o_s
     tl.store(OUT + oi[:, None] * s_o_n + cv[None, :] * s_o_d, _cast(out, OUT.dtype.element_ty, PREC),
              mask=(oi < N)[:, None] & (cv < DV)[None, :])
-    tl.store(LSE + b * s_l_b + h * s_l_h + oi * s_l_n, lse, mask=oi < N)
+    tl.store(LSE + b * s_l_b + h * s_l_h + tl.program_id(2) * s_l_s + oi * s_l_n, lse, mask=oi < N)
 
 
 @triton.jit

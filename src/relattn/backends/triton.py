@@ -47,6 +47,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 FWD_TILES = (128, 128) if INTERPRET else (64, 64)
 BWD_TILES = (128, 128) if INTERPRET else (32, 32)
 NUM_WARPS = 4
+KV_SPLITS = 0  # forward: splits of the keys (0: chosen by kv_splits)
 
 
 def unavailable() -> str | None:
@@ -106,20 +107,48 @@ def _sizes(q, k, v, kk, query_offset, scale):
     return (h, n, k.shape[2], d, v.shape[3], kk, query_offset, scale)
 
 
+def kv_splits(q_tiles: int, heads: int, m: int, bn: int, device: torch.device) -> int:
+    """Splits of the keys for the forward: more than one only when the (query tile, batch * head) programs
+    leave most of a GPU idle (decoding: one query against a long cache), each split at least 4 key tiles."""
+    if KV_SPLITS:
+        return KV_SPLITS
+    if device.type != "cuda":
+        return 1
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    programs = q_tiles * heads
+    if programs >= target // 2:
+        return 1
+    return max(1, min(math.ceil(target / programs), m // (4 * bn)))
+
+
 def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
             query_offset: int) -> tuple[Tensor, Tensor]:
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros and lse -inf."""
     b, h, n, _ = q.shape
-    out = q.new_empty(b, h, n, v.shape[-1])
-    lse = q.new_empty(b, h, n, dtype=stats_dtype(q.dtype))
-    if out.numel() == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
+    m, dv = k.shape[2], v.shape[3]
+    sdt = stats_dtype(q.dtype)
+    if b * h * n == 0:
+        return q.new_zeros(b, h, n, dv), q.new_full((b, h, n), float("-inf"), dtype=sdt)
     ptrs, strides = _launch_args(q, k, v, rel_k, rel_v, mask)
     meta = _meta(q, k, v, rel_k, rel_v, mask, is_causal, FWD_TILES)
-    grid = (math.ceil(n / meta["BM"]), b * h)
-    _kernels()._fwd_kernel[grid](*ptrs, out, lse, *strides, *out.stride(), *lse.stride(),
-                                 *_sizes(q, k, v, max_relative_position, query_offset, scale), **meta)
-    return out, lse
+    q_tiles = math.ceil(n / meta["BM"])
+    splits = kv_splits(q_tiles, b * h, m, meta["BN"], q.device)
+    split_len = math.ceil(math.ceil(max(m, 1) / splits) / meta["BN"]) * meta["BN"]
+    splits = max(1, math.ceil(m / split_len))
+    if splits == 1:
+        out, lse = q.new_empty(b, h, n, dv), q.new_empty(b, h, n, dtype=sdt)
+    else:  # each split's normalised output, in the statistics' dtype, merged below
+        out, lse = q.new_empty(splits, b, h, n, dv, dtype=sdt), q.new_empty(splits, b, h, n, dtype=sdt)
+    o_strides, l_strides = out.stride()[-4:], lse.stride()[-3:]
+    split_strides = (out.stride(0), lse.stride(0)) if splits > 1 else (0, 0)
+    _kernels()._fwd_kernel[(q_tiles, b * h, splits)](
+        *ptrs, out, lse, *strides, *o_strides, *l_strides, *split_strides, split_len,
+        *_sizes(q, k, v, max_relative_position, query_offset, scale), **meta)
+    if splits == 1:
+        return out, lse
+    total = torch.logsumexp(lse, 0)  # fixed order: deterministic
+    weights = torch.exp(lse - torch.where(torch.isfinite(total), total, torch.zeros_like(total)))
+    return (weights[..., None] * out).sum(0).to(q.dtype), total
 
 
 def _table_grad(sums: Tensor, x: Tensor, hr: int, dtype: torch.dtype, scale: float = 1.0) -> Tensor:
