@@ -47,6 +47,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 FWD_TILES = (128, 128) if INTERPRET else (64, 64)
 BWD_TILES = (128, 128) if INTERPRET else (32, 32)
 NUM_WARPS = 4
+NUM_STAGES = 2  # software pipelining depth of the key/value loads
 KV_SPLITS = 0  # forward: splits of the keys (0: chosen by kv_splits)
 
 
@@ -95,11 +96,17 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _meta(q, k, v, rel_k, rel_v, mask, is_causal, tiles):
-    bm, bn = min(tiles[0], _pow2(q.shape[2])), min(tiles[1], _pow2(k.shape[2]))  # no tile longer than needed
-    return dict(DP=_pow2(q.shape[-1]), DVP=_pow2(v.shape[-1]), BM=bm, BN=bn, W=_pow2(bm + bn - 1),
+    dp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
+    # The tiles are sized for 16-bit elements and head dims up to 128; wider elements get proportionally
+    # fewer rows, so the tiles (and the window of table rows) stay within a GPU's shared memory.
+    shrink = max(1, q.element_size() * max(dp, dvp) // 256)
+    bm, bn = (max(16, t // shrink) for t in tiles)
+    bm, bn = min(bm, _pow2(q.shape[2])), min(bn, _pow2(k.shape[2]))  # no tile longer than needed
+    return dict(DP=dp, DVP=dvp, BM=bm, BN=bn, W=_pow2(bm + bn - 1),
                 HAS_RK=rel_k is not None, HAS_RV=rel_v is not None, HAS_MASK=mask is not None, CAUSAL=is_causal,
                 PREC=_precision(q.dtype),
-                ACC=_kernels().tl.float64 if q.dtype == torch.float64 else _kernels().tl.float32, num_warps=NUM_WARPS)
+                ACC=_kernels().tl.float64 if q.dtype == torch.float64 else _kernels().tl.float32,
+                num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
 def _sizes(q, k, v, kk, query_offset, scale):
