@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
-# relattn on a CUDA machine, in at most 8 minutes: the test suite, then `relattn bench --device cuda`.
+# relattn's "triton" backend on a CUDA machine, in at most 8 minutes: its CUDA tests, then `relattn bench --device
+# cuda` in bfloat16 (forward and forward+backward, N = 1k ... 32k, K = 64, D = 64 and 128, causal and not) against
+# SDPA (FlashAttention-2 inside PyTorch), then decoding: one query against 32k cached keys, triton vs SDPA.
 # Nothing else needs this script: CI and the CPU workflow (make test, make bench) never call it.
 #
 #   bash benchmarks/gpu.sh             # results in $OUT if set, else ./gpu-results
 #
-# Assumes python3 with a CUDA build of torch. It never installs or upgrades torch. Missing pure-Python
-# dependencies are installed with pip (pinned by constraints.txt) from benchmarks/wheels/ when that folder
-# exists (for machines without an index: fill it here with
-#   pip download -d benchmarks/wheels --only-binary=:all: --python-version 3.X tqdm pytest hypothesis \
-#       matplotlib ninja 'transformers>=5'
-# and carry it), else from the index; relattn itself runs from src/ (PYTHONPATH), not installed, so pip
-# never weighs the constraints' CPU torch pin against the CUDA torch already there.
+# Assumes python3 with a CUDA build of torch; it never installs or upgrades torch. Missing pure-Python
+# dependencies (and triton, at the version torch asks for, when torch came without it) are installed with pip
+# from benchmarks/wheels/ when that folder exists (a machine without an index), else from the index. relattn
+# runs from src/ (PYTHONPATH), not installed. Results: gpu.log, pytest.txt, bench-*/bench.{json,png},
+# decode.json and decode.png.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/gpu-results}
 PY=${PYTHON:-python3}
-DEADLINE=$((SECONDS + ${GPU_SH_BUDGET_S:-470}))
+DEADLINE=$((SECONDS + ${GPU_SH_BUDGET_S:-460}))
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu.log") 2>&1
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET  # compiled kernels (tests/conftest.py sets it only where there is no CUDA)
 
 log() { echo "[gpu.sh $(date -u +%H:%M:%S) +${SECONDS}s] $*"; }
 left() { echo $((DEADLINE - SECONDS)); }
@@ -32,10 +33,15 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
 
 need=()
-for mod in numpy matplotlib tqdm pytest hypothesis ninja; do  # ninja: builds the native CPU kernel
+for mod in numpy matplotlib tqdm pytest hypothesis; do
     "$PY" -c "import $mod" 2>/dev/null || need+=("$mod")
 done
 "$PY" -c "import transformers" 2>/dev/null || need+=("transformers>=5")
+if ! "$PY" -c "import triton" 2>/dev/null; then  # the triton torch was built against, else any
+    need+=("$("$PY" -c "import importlib.metadata as m
+print(next((r.split(';')[0].replace(' ', '') for r in (m.requires('torch') or []) if r.startswith('triton')),
+           'triton'))")")
+fi
 if ((${#need[@]})); then
     log "installing ${need[*]}"
     src=()
@@ -43,18 +49,14 @@ if ((${#need[@]})); then
     timeout 120 "$PY" -m pip install -q "${src[@]}" -c constraints.txt "${need[@]}" \
         || log "warning: pip could not install all of ${need[*]}; going on with what is there"
 fi
+"$PY" -c "import triton; print('triton', triton.__version__)" || { log "error: no triton"; exit 1; }
 
 status=0
-log "tests (CPU and CUDA), at most 200 s"
-if "$PY" -c "import pytest" 2>/dev/null; then
-    timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.txt" | tail -25
-    rc=${PIPESTATUS[0]}
-    log "pytest exit code $rc"
-    ((rc == 0)) || status=1
-else
-    log "error: no pytest, tests not run"
-    status=1
-fi
+log "CUDA tests of the triton backend (compiled), at most 150 s"
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_backend_triton.py 2>&1 | tee "$OUT/pytest.txt" | tail -25
+rc=${PIPESTATUS[0]}
+log "pytest exit code $rc"
+((rc == 0)) || status=1
 
 bench() {  # bench NAME SECONDS ARGS...: one `relattn bench` run into $OUT/NAME, cut off after SECONDS
     local name=$1 secs=$2
@@ -72,11 +74,86 @@ bench() {  # bench NAME SECONDS ARGS...: one `relattn bench` run into $OUT/NAME,
     ((rc == 0)) || status=1
 }
 
-LENGTHS=(256 512 1024 2048 4096 8192 16384)
-bench bench-cuda 110 --lengths "${LENGTHS[@]}" --repeats 20 --warmup 3 --time-limit 20
-bench bench-cuda-causal 90 --causal --lengths "${LENGTHS[@]}" --repeats 20 --warmup 3 --time-limit 20
-bench bench-cuda-bf16 60 --dtype bfloat16 --peers --lengths 1024 4096 16384 --repeats 20 --warmup 3 --time-limit 20
-bench bench-cuda-memory 40 --memory-check --lengths 16384 32768 65536 --repeats 5
+# SDPA is every run's floor; --peers with no names: no materialised or Hugging Face peer (they need (N, N, D)).
+COMMON=(--dtype bfloat16 --backends triton --max-relative-position 64 --heads 8 --batch 1
+        --lengths 1024 2048 4096 8192 16384 32768 --repeats 10 --warmup 2 --time-limit 15 --peers)
+bench bench-d64 60 --head-dim 64 "${COMMON[@]}"
+bench bench-d64-causal 55 --head-dim 64 --causal "${COMMON[@]}"
+bench bench-d128 60 --head-dim 128 "${COMMON[@]}"
+bench bench-d128-causal 55 --head-dim 128 --causal "${COMMON[@]}"
+
+secs=$(left)
+if ((secs < 20)); then
+    log "skipping decode: out of time"
+    status=1
+else
+    log "decode: one query against 32768 cached keys (at most $((secs > 60 ? 60 : secs)) s)"
+    timeout $((secs > 60 ? 60 : secs)) "$PY" - "$OUT" <<'EOF'
+import json, os, sys
+
+import torch
+import torch.nn.functional as F
+
+from relattn import relative_attention
+
+out_dir, dev = sys.argv[1], torch.device("cuda")
+M, K, reps = 32768, 64, 50
+
+
+def median_ms(fn):
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[reps // 2]
+
+
+rows = []
+g = torch.Generator(device=dev).manual_seed(0)
+for b, h, d in ((1, 16, 64), (1, 16, 128), (8, 16, 64), (8, 16, 128)):
+    q = torch.randn(b, h, 1, d, device=dev, dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(b, h, M, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    rk, rv = (0.3 * torch.randn(2 * K + 1, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    with torch.no_grad():
+        ours = median_ms(lambda: relative_attention(q, k, v, rk, rv, max_relative_position=K, is_causal=True,
+                                                    query_offset=M - 1, backend="triton"))
+        sdpa = median_ms(lambda: F.scaled_dot_product_attention(q, k, v))
+    rows.append({"batch": b, "heads": h, "head_dim": d, "cached_keys": M, "max_relative_position": K,
+                 "triton_ms": ours, "sdpa_ms": sdpa, "ratio": ours / sdpa})
+    print(f"decode B={b} H={h} D={d} M={M}: triton {ours:.3f} ms, SDPA {sdpa:.3f} ms, x{ours / sdpa:.2f}")
+result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": "bfloat16",
+          "timing": f"median of {reps} calls after 10 warm-up calls, CUDA events, torch.no_grad()", "rows": rows}
+tmp = os.path.join(out_dir, "decode.json.tmp")
+with open(tmp, "w") as f:
+    json.dump(result, f, indent=1)
+os.replace(tmp, os.path.join(out_dir, "decode.json"))
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    labels = [f"B={r['batch']} D={r['head_dim']}" for r in rows]
+    ax.bar(labels, [r["ratio"] for r in rows])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_ylabel("triton time / SDPA time")
+    ax.set_title(f"decoding: 1 query vs {M} keys, bf16, K={K} ({result['device']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "decode.png"), dpi=120)
+except ImportError:
+    print("no matplotlib: decode.png not written")
+EOF
+    rc=$?
+    log "decode exit code $rc"
+    ((rc == 0)) || status=1
+fi
 
 log "done, exit code $status; results in $OUT"
 exit $status

@@ -1,6 +1,12 @@
 import os
 
 import torch
+
+# The "triton" backend's kernels are decorated (interpreted or compiled) when first used: without CUDA, run them
+# under Triton's interpreter on CPU tensors (set before relattn is imported, which reads it for what it serves).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(

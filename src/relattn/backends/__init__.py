@@ -8,10 +8,10 @@ and one line in ``_REGISTERED`` below (see docs/architecture.md).
 
 from __future__ import annotations
 
-from . import blocked, dense, native
+from . import blocked, dense, native, triton
 from ._common import AttentionCall, Backend, Serves, not_supported_reasons
 
-_REGISTERED = (dense.BACKEND, blocked.BACKEND, native.BACKEND)
+_REGISTERED = (dense.BACKEND, blocked.BACKEND, native.BACKEND, triton.BACKEND)
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in _REGISTERED}
 
