@@ -23,6 +23,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
@@ -90,13 +91,7 @@ V exp_of(V y) {
 
 constexpr auto add = [](auto a, auto b) { return a + b; };
 // NaN-propagating, as ATen's vectorized maximum: a row's NaN score must make its max NaN (see ``row_is_nan``).
-constexpr auto max = [](auto a, auto b) {
-  if constexpr (std::is_arithmetic_v<decltype(a)>) {
-    return (b > a || b != b) ? b : a;
-  } else {
-    return at::vec::maximum(a, b);
-  }
-};
+constexpr auto max = [](auto a, auto b) { return (b > a || b != b) ? b : a; };
 
 // s[x] = f(s[x], x) for x in [0, n), then returns ``reduce`` of ``init`` and the new values. ``f`` takes and
 // returns a Vec<float> (8 or 16 lanes) or a scalar: float rows run vectorized with a scalar tail, double rows
@@ -134,17 +129,52 @@ bool row_is_nan(T row_max) {
   return !(row_max <= std::numeric_limits<T>::max());
 }
 
+// s[0:n] += b[0:n] (kVec) or c; returns max(running, max s[0:n]), NaN if one is NaN. The max of the scores is on
+// every row's path, so it costs what std::max's (which drops a NaN) did: float rows run vectorized (ATen's maximum
+// keeps a NaN) and their lanes meet by shuffles; the scalar tail keeps std::max's chain and notes a NaN beside it.
+// Double rows (tests only) as scalars.
+template <typename T, bool kVec>
+T add_max(T* s, const T* b, T c, int64_t n, T running) {
+  if constexpr (std::is_same_v<T, float>) {
+    const int64_t w = Vec<T>::size();
+    const Vec<T> cv(c);
+    Vec<T> lanes(neg_inf<T>);
+    int64_t x = 0;
+    for (; x + w <= n; x += w) {
+      const Vec<T> y = Vec<T>::loadu(s + x) + (kVec ? Vec<T>::loadu(b + x) : cv);
+      y.store(s + x);
+      lanes = at::vec::maximum(lanes, y);
+    }
+    T tail = neg_inf<T>;
+    bool nan = false;
+    for (; x < n; ++x) {
+      const T y = s[x] + (kVec ? b[x] : c);
+      s[x] = y;
+      tail = std::max(tail, y);
+      nan |= y != y;
+    }
+    const auto vmax = [](Vec<T>& a, Vec<T>& b) { return at::vec::maximum(a, b); };
+    const T m = max(max(running, at::vec::vec_reduce_all<T>(vmax, lanes)), tail);
+    return nan ? std::numeric_limits<T>::quiet_NaN() : m;
+  } else {
+    for (int64_t x = 0; x < n; ++x) {
+      s[x] += kVec ? b[x] : c;
+      running = max(running, s[x]);
+    }
+    return running;
+  }
+}
+
 // s[0:n] += c; returns max(running, max s[0:n]).
 template <typename T>
 T add_const_max(T* s, int64_t n, T c, T running) {
-  return transform_reduce(s, n, running, neg_inf<T>, [c](auto y, int64_t) { return y + decltype(y)(c); }, max);
+  return add_max<T, false>(s, nullptr, c, n, running);
 }
 
 // s[0:n] += b[0:n]; returns max(running, max s[0:n]).
 template <typename T>
 T add_vec_max(T* s, const T* b, int64_t n, T running) {
-  return transform_reduce(s, n, running, neg_inf<T>,
-                          [b](auto y, int64_t x) { return y + load<decltype(y)>(b + x); }, max);
+  return add_max<T, true>(s, b, T(0), n, running);
 }
 
 // s[0:n] = exp(s[0:n] - m); returns the sum.
@@ -314,8 +344,9 @@ void forward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q,
           T* s = S.data() + a * tile_k;
           const Runs& r = runs[a];
           const T bmax = rmax[a];
-          if (row_is_nan(bmax)) mx[a] = sm[a] = std::numeric_limits<T>::quiet_NaN();
-          if (r.valid == 0 || bmax == neg_inf<T> || sm[a] != sm[a]) {  // nothing to add, or a NaN row
+          if (!(bmax > neg_inf<T> && bmax <= std::numeric_limits<T>::max() && sm[a] == sm[a])) {
+            // no key here (max -inf), or a NaN row: from now on (max NaN or +inf), or already (sm NaN)
+            if (row_is_nan(bmax)) mx[a] = sm[a] = std::numeric_limits<T>::quiet_NaN();
             std::fill(s, s + r.valid, T(0));
             continue;
           }
@@ -411,14 +442,13 @@ void backward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q
           for (int64_t a = 0; a < tq; ++a) {  // P = exp(S - lse)
             T* s = P.data() + a * tile_k;
             const Runs& r = runs[a];
-            if (r.valid == 0 || rmax[a] == neg_inf<T> || lt[a] == neg_inf<T>) {
-              std::fill(s, s + width, T(0));
-              continue;
-            }
-            if (lt[a] != lt[a]) {  // a NaN row (forward): NaN weights, so NaN reaches every gradient it feeds
-              std::fill(s, s + r.valid, lt[a]);
+            if (r.valid == 0 || rmax[a] == neg_inf<T> || !(lt[a] > neg_inf<T>)) {
+              // no key here, or none at all (lse -inf): zeros. A NaN row (lse NaN): NaN weights, so NaN reaches
+              // every gradient the row feeds.
+              const T p = lt[a] == lt[a] || r.valid == 0 ? T(0) : lt[a];
+              std::fill(s, s + r.valid, p);
               std::fill(s + r.valid, s + width, T(0));
-              if (g.has_v) fold_runs(PW.data() + a * R, s, r, last, lt[a], lt[a]);
+              if (g.has_v && p != T(0)) fold_runs(PW.data() + a * R, s, r, last, p, p);
               continue;
             }
             exp_shift(s, r.valid, -lt[a]);
