@@ -1,14 +1,17 @@
 """relattn: self-attention with relative position representations (Shaw, Uszkoreit & Vaswani, 2018).
 
 - :func:`relative_attention`: the op, shaped like ``F.scaled_dot_product_attention``.
-- :class:`RelativeMultiheadAttention`: the module, shaped like ``nn.MultiheadAttention(batch_first=True)``.
-- :func:`relative_position_index`: the clipped, shifted (N, M) index into the 2K+1-row tables.
+- :class:`RelativeMultiheadAttention`: the module, a drop-in for ``nn.MultiheadAttention`` (``from_mha`` upgrades
+  one, :func:`upgrade_mha` every one in a model); :class:`KVCache` for decoding.
+- :func:`relative_position_index`: the (N, M) index into the tables, for a window K or (left, right).
 - :mod:`relattn.reference`: the specification in numpy, float64, the ground truth for every test.
+- :mod:`relattn.integrations`: published Hugging Face models on relattn.
 """
 
 from .backends import BACKENDS
+from .cache import KVCache
 from .functional import relative_attention, relative_attention_weights
-from .modules import KVCache, RelativeMultiheadAttention
+from .modules import RelativeMultiheadAttention, upgrade_mha
 from .positions import relative_position_index
 
 __version__ = "0.1.0"
@@ -20,4 +23,5 @@ __all__ = [
     "relative_attention",
     "relative_attention_weights",
     "relative_position_index",
+    "upgrade_mha",
 ]

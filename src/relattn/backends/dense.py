@@ -28,7 +28,7 @@ def masked_softmax(scores: torch.Tensor) -> torch.Tensor:
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
     e = torch.exp(scores - peak)
     total = e.sum(-1, keepdim=True)
-    return e / torch.where(total > 0, total, torch.ones_like(total))
+    return e / torch.where(total == 0, torch.ones_like(total), total)  # a NaN total stays NaN
 
 
 def dense_weights(q, k, rel_k, *, max_relative_position, mask, is_causal, scale, query_offset):
