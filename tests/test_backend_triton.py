@@ -14,6 +14,8 @@ PyTorch's own bfloat16 error against float64 (flash-attention's rule).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -246,6 +248,28 @@ def test_refusals_name_the_reason(monkeypatch):
     with pytest.raises(ValueError, match="backend 'triton' cannot serve.*triton is not installed"):
         fn.relative_attention(*random_inputs(1, 1, 3, 3, 4, 4, 1, dtype=torch.float32), max_relative_position=1,
                               backend="triton")
+
+
+def test_relattn_imports_and_falls_back_without_a_working_triton(tmp_path):
+    """A triton that fails to import: relattn imports, "auto" works, backend="triton" names the failure."""
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "__init__.py").write_text("raise ImportError('no libcuda here')\n")
+    code = """
+import torch, relattn
+from relattn import relative_attention
+q = torch.randn(1, 1, 4, 8)
+assert relative_attention(q, q, q, max_relative_position=2).shape == (1, 1, 4, 8)
+try:
+    relative_attention(q, q, q, max_relative_position=2, backend="triton")
+except ValueError as exc:
+    print(exc)
+"""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), src]), "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "backend 'triton' cannot serve these inputs: triton cannot be imported (ImportError: no libcuda here)" \
+        in done.stdout
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="checks the CPU route the interpreter opens")

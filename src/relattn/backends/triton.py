@@ -52,10 +52,10 @@ KV_SPLITS = 0  # forward: splits of the keys (0: chosen by kv_splits)
 
 
 def unavailable() -> str | None:
-    """None when triton can be imported, else why not."""
+    """None when triton imports (the kernels are imported then, once), else why not."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed (pip install 'relattn[gpu]', Linux)"
-    return None
+    return _import_error()
 
 
 @functools.cache
@@ -63,6 +63,15 @@ def _kernels():
     from . import _triton_kernels
 
     return _triton_kernels
+
+
+@functools.cache
+def _import_error() -> str | None:
+    try:
+        _kernels()
+    except Exception as exc:  # an installed but broken triton: "auto" falls back, the error names it
+        return f"triton cannot be imported ({type(exc).__name__}: {exc})"
+    return None
 
 
 def _pow2(x: int) -> int:
