@@ -283,8 +283,9 @@ def test_auto_never_picks_triton_on_the_cpu():
 def test_auto_picks_triton_on_cuda():
     call = _call("cuda", torch.bfloat16)
     assert choose(call).name == "triton"
-    assert choose(_call("cuda", dropout_p=0.1)).name == "blocked"
-    assert "dropout_p > 0" in why_not(_call("cuda", dropout_p=0.1))["triton"][0]
+    dropout = _call("cuda", dropout_p=0.1)
+    assert choose(dropout).name in ("dense", "blocked")
+    assert why_not(dropout)["triton"] == ["dropout_p > 0 (no dropout; 'blocked' and 'dense' take it)"]
 
 
 @needs_cuda
