@@ -244,6 +244,7 @@ def test_refusals_name_the_reason(monkeypatch):
     grad_mask = _call(mask=torch.zeros(9, 9, requires_grad=True))
     assert not_supported_reasons(backend, grad_mask) == [
         "attn_mask requires grad (only 'dense' differentiates the mask)"]
+    monkeypatch.setattr(tb, "_state", {})
     monkeypatch.setattr(tb.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match="backend 'triton' cannot serve.*triton is not installed"):
         fn.relative_attention(*random_inputs(1, 1, 3, 3, 4, 4, 1, dtype=torch.float32), max_relative_position=1,
