@@ -166,7 +166,7 @@ def test_head_dims_up_to_128_padded(device):
         assert_close(a, w, torch.float32, f"d{name}")
 
 
-def _plain_bf16(q, k, v, rk, rv, kk, causal):
+def _plain_16(q, k, v, rk, rv, kk, causal):
     """Shaw attention the plain PyTorch way in the inputs' dtype: gathered tables, softmax in float32."""
     n, m = q.shape[-2], k.shape[-2]
     pos = torch.arange(max(n, m), device=q.device)
@@ -180,25 +180,26 @@ def _plain_bf16(q, k, v, rk, rv, kk, causal):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("causal", [False, True])
-def test_bfloat16_within_2x_of_plain_pytorch(device, causal, monkeypatch):
+@pytest.mark.parametrize("dtype,causal", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, True)])
+def test_16_bit_within_2x_of_plain_pytorch(device, dtype, causal, monkeypatch):
+    """Output and every gradient: error against float64 at most twice plain PyTorch's at the same dtype."""
     monkeypatch.setattr(tb, "FWD_TILES", (64, 64))  # cheaper under the interpreter; small tiles are tested above
     monkeypatch.setattr(tb, "BWD_TILES", (64, 64))
     q, k, v, rk, rv = random_inputs(1, 2, 150, 150, 32, 32, 16, seed=12)
     rk, rv = rk * 0.3, rv * 0.3
     go = torch.randn(1, 2, 150, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(13))
     inputs = (q, k, v, rk, rv)
-    ours = run("triton", inputs, 16, go, dtype=torch.bfloat16, device=device, is_causal=causal)
+    ours = run("triton", inputs, 16, go, dtype=dtype, device=device, is_causal=causal)
     ref = run("dense", inputs, 16, go, dtype=torch.float64, device="cpu", is_causal=causal)
-    x = [t.bfloat16().requires_grad_() for t in inputs]
-    plain_out = _plain_bf16(*x, 16, causal)
-    plain = (plain_out, torch.autograd.grad(plain_out, x, go.bfloat16()))
-    assert ours[0].dtype == torch.bfloat16
+    x = [t.to(dtype).requires_grad_() for t in inputs]
+    plain_out = _plain_16(*x, 16, causal)
+    plain = (plain_out, torch.autograd.grad(plain_out, x, go.to(dtype)))
+    assert ours[0].dtype == dtype
     for name, a, p, w in zip(["out", "dq", "dk", "dv", "drel_k", "drel_v"], [ours[0], *ours[1]],
                              [plain[0], *plain[1]], [ref[0], *ref[1]], strict=True):
         err = (a.detach().cpu().double() - w).abs().max().item()
         plain_err = (p.detach().double() - w).abs().max().item()
-        assert 0 < err <= 2 * plain_err, f"{name}: bf16 error {err:.3g} > 2 x plain PyTorch's {plain_err:.3g}"
+        assert 0 < err <= 2 * plain_err, f"{name}: {dtype} error {err:.3g} > 2 x plain PyTorch's {plain_err:.3g}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -324,6 +325,6 @@ def test_long_sequence_on_cuda_within_2x_of_plain_pytorch(causal, monkeypatch):
     lo = [t.bfloat16() for t in inputs]
     got = fn.relative_attention(*lo, max_relative_position=64, is_causal=causal, backend="triton")
     want = fn.relative_attention(*inputs, max_relative_position=64, is_causal=causal, backend="dense")
-    plain = _plain_bf16(*lo, 64, causal)
+    plain = _plain_16(*lo, 64, causal)
     err, plain_err = ((x.double() - want).abs().max().item() for x in (got, plain))
     assert 0 < err <= 2 * plain_err, f"bf16 error {err:.3g} > 2 x plain PyTorch's {plain_err:.3g}"
