@@ -37,6 +37,7 @@ for mod in numpy matplotlib tqdm pytest hypothesis; do
     "$PY" -c "import $mod" 2>/dev/null || need+=("$mod")
 done
 "$PY" -c "import transformers" 2>/dev/null || need+=("transformers>=5")
+"$PY" -c "import xdist" 2>/dev/null || need+=(pytest-xdist)  # the tests compile ~60 kernels: 8 processes
 if ! "$PY" -c "import triton" 2>/dev/null; then  # the triton torch was built against, else any
     need+=("$("$PY" -c "import importlib.metadata as m
 print(next((r.split(';')[0].replace(' ', '') for r in (m.requires('torch') or []) if r.startswith('triton')),
@@ -53,7 +54,10 @@ fi
 
 status=0
 log "CUDA tests of the triton backend (compiled), at most 150 s"
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_backend_triton.py 2>&1 | tee "$OUT/pytest.txt" | tail -25
+par=()
+"$PY" -c "import xdist" 2>/dev/null && par=(-n 8)
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider -rs "${par[@]}" tests/test_backend_triton.py 2>&1 \
+    | tee "$OUT/pytest.txt" | tail -25
 rc=${PIPESTATUS[0]}
 log "pytest exit code $rc"
 ((rc == 0)) || status=1

@@ -119,7 +119,8 @@ def _scores(q, kt, RK, MASK, oi, oj, N, M, off, K, scale, rmin, rmax, D, s_rk_r,
     s = s * scale
     if HAS_MASK:
         ok = (oi < N)[:, None] & (oj < M)[None, :]
-        s += tl.load(MASK + oi[:, None] * s_m_n + oj[None, :] * s_m_m, mask=ok, other=0.0).to(ACC)
+        rows = oi.to(tl.int64)[:, None] * s_m_n  # N * M may pass 2**31
+        s += tl.load(MASK + rows + oj[None, :] * s_m_m, mask=ok, other=0.0).to(ACC)
     valid = (oj < M)[None, :]
     if CAUSAL:
         valid = valid & (oj[None, :] <= oi[:, None] + off)

@@ -19,7 +19,6 @@ gradient; no dropout.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import math
 import os
@@ -49,20 +48,31 @@ BWD_TILES = (128, 128) if INTERPRET else (32, 32)
 NUM_WARPS = 4
 NUM_STAGES = 2  # software pipelining depth of the key/value loads
 KV_SPLITS = 0  # forward: splits of the keys (0: chosen by kv_splits)
+_state: dict = {}  # "kernels": the imported module; "error": None once imported, else why not
 
 
 def unavailable() -> str | None:
-    """None when triton can be imported, else why not."""
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed (pip install 'relattn[gpu]', Linux)"
-    return None
+    """None once the kernels are imported (on the first call), else why they cannot be."""
+    if "error" not in _state:
+        if importlib.util.find_spec("triton") is None:
+            _state["error"] = "triton is not installed (pip install 'relattn[gpu]', Linux)"
+        else:
+            try:
+                _kernels()
+                _state["error"] = None
+            except Exception as exc:  # an installed but broken triton: "auto" falls back, the error names it
+                _state["error"] = f"triton cannot be imported ({type(exc).__name__}: {exc})"
+    return _state["error"]
 
 
-@functools.cache
 def _kernels():
-    from . import _triton_kernels
+    """The ``@triton.jit`` kernels, imported on first use (the module state is a dict, as torch.compile and
+    torch.export trace it fine)."""
+    if "kernels" not in _state:
+        from . import _triton_kernels
 
-    return _triton_kernels
+        _state["kernels"] = _triton_kernels
+    return _state["kernels"]
 
 
 def _pow2(x: int) -> int:
