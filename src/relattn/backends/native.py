@@ -241,8 +241,22 @@ def _(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position, is
 register_stats_autograd(native_fwd, native_bwd, tensor_inputs=6, n_args=10)
 
 
+def _needs_op(call: AttentionCall) -> bool:
+    """Whether the call must go through the custom op: under torch.compile / torch.export (which trace it), or
+    when autograd will ask for a backward. Otherwise (inference, decoding) the kernel is called directly: the
+    op's dispatch and autograd wrappers cost more than a one-query kernel call."""
+    if torch.compiler.is_compiling():
+        return True
+    tensors = (call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask)
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def native_attention(call: AttentionCall) -> Tensor:
     """The output (B, H, N, Dv), in q's dtype."""
+    if not _needs_op(call):
+        return forward(call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask,
+                       max_relative_position=call.max_relative_position, is_causal=call.is_causal, scale=call.scale,
+                       query_offset=call.query_offset)[0]
     out, _ = native_fwd(call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, call.max_relative_position,
                         call.is_causal, call.scale, call.query_offset)
     return out
