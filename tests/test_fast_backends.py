@@ -201,8 +201,10 @@ class _RecordCustomOps(TorchDispatchMode):
 
 
 def _custom_op_calls(backend, *inputs, **kw):
-    """The custom-op calls ``backend`` makes for the op on ``inputs``; a fast backend is at least one custom op
-    (opaque to torch.compile and torch.export, with fake kernels and registered autograd)."""
+    """The custom-op calls ``backend`` makes for the op on ``inputs``, for a call autograd will differentiate; a fast
+    backend is at least one custom op there (opaque to torch.compile and torch.export, with fake kernels and
+    registered autograd). Inference calls may skip the op's wrappers (see test_inference_calls_equal_the_op's)."""
+    inputs = [t.detach().requires_grad_() if isinstance(t, torch.Tensor) else t for t in inputs]
     call = fn.validate(*inputs, attn_mask=kw.pop("attn_mask", None), is_causal=kw.pop("is_causal", False),
                        dropout_p=0.0, scale=kw.pop("scale", None), query_offset=kw.pop("query_offset", 0), **kw)
     with _RecordCustomOps() as rec:
@@ -276,3 +278,15 @@ def test_autocast_casts_the_inputs_as_for_sdpa_and_no_further(backend):
     with pytest.raises(TypeError, match="rel_k has dtype torch.float32 but q has dtype torch.bfloat16"):
         fn.relative_attention(q16, *[t.bfloat16() for t in inputs[1:3]], *inputs[3:], max_relative_position=4,
                               backend=backend)
+
+
+@pytest.mark.parametrize("backend", FAST)
+def test_inference_calls_equal_the_ops(backend):
+    """Without autograd a backend may call its kernel directly (native does, to save the op's wrappers on small
+    decoding calls): the output is bitwise the one the custom op gives."""
+    q, k, v, rk, rv = random_inputs(1, 2, 7, 12, 4, 4, 3, tables="keys_per_head", dtype=torch.float32)
+    kw = dict(max_relative_position=3, is_causal=True, query_offset=5, backend=backend)
+    with torch.no_grad():
+        direct = fn.relative_attention(q, k, v, rk, rv, **kw)
+    through_op = fn.relative_attention(*[t.detach().requires_grad_() for t in (q, k, v, rk, rv)], **kw)
+    assert torch.equal(direct, through_op.detach())
