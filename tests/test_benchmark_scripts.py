@@ -84,3 +84,14 @@ def test_crossover(tmp_path):
             ok = [r for r in rows if r["n"] == n and r["kind"] == "relattn" and r["status"] == "ok"]
             best = min(ok, key=lambda r: r["fwdbwd_ms"])["implementation"].removeprefix("relattn:")
             assert [cells[-1] for cells in _printed(out, str(kk)) if cells[1] == str(n)] == [best]
+
+
+def test_variants(tmp_path):
+    out = _run("variants.py", "--n", "24", "--heads", "2", "--reps", "1", "--threads", "1",
+               "--json", str(tmp_path / "v.json"))
+    medians = json.loads((tmp_path / "v.json").read_text())["median_ms"]
+    assert set(medians) == {"K=36 (73 rows)", "(64, 8) (73 rows)", "K=64 (129 rows)", "(64, 8) keys only", "K=4",
+                            "K=4 zero beyond"}
+    assert all(ms > 0 for ms in medians.values())
+    for name, ms in medians.items():  # every case printed with its ratio to the symmetric 73-row window
+        assert f"{name:>20}: {ms:9.1f} ms  {ms / medians['K=36 (73 rows)']:5.2f}x K=36" in out
