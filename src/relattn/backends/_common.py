@@ -159,3 +159,41 @@ def register_stats_autograd(forward_op, backward_op, *, tensor_inputs: int, n_ar
                 *(None,) * (n_args - 5))
 
     forward_op.register_autograd(backward, setup_context=setup)
+
+
+def define_stats_ops(name: str, forward: Callable, backward: Callable):
+    """The custom ops of a kernel that saves its log-sum-exp, with fake kernels and autograd:
+
+    * ``relattn::{name}_fwd(q, k, v, rel_k?, rel_v?, mask?, K, is_causal, scale, query_offset)`` -> ``(out, lse)``
+      around ``forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position, is_causal, scale, query_offset)``;
+    * ``relattn::{name}_bwd(grad_out, q, k, v, rel_k?, rel_v?, mask?, out, lse, K, is_causal, scale, query_offset)``
+      -> ``(dq, dk, dv, d_rel_k, d_rel_v)`` around ``backward`` (same keywords).
+
+    Returns the forward op. torch.compile and torch.export see each as one opaque, shape-correct op.
+    """
+
+    @torch.library.custom_op(f"relattn::{name}_fwd", mutates_args=())
+    def fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None, mask: Tensor | None,
+            max_relative_position: int, is_causal: bool, scale: float, query_offset: int) -> tuple[Tensor, Tensor]:
+        return forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position,
+                       is_causal=is_causal, scale=scale, query_offset=query_offset)
+
+    @fwd.register_fake
+    def _(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset):
+        return stats_fake(q, v)
+
+    @torch.library.custom_op(f"relattn::{name}_bwd", mutates_args=())
+    def bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
+            mask: Tensor | None, out: Tensor, lse: Tensor, max_relative_position: int, is_causal: bool,
+            scale: float, query_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        grads = backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse,
+                         max_relative_position=max_relative_position, is_causal=is_causal, scale=scale,
+                         query_offset=query_offset)
+        return grads_laid_out((q, k, v, rel_k, rel_v), grads)
+
+    @bwd.register_fake
+    def _(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position, is_causal, scale, query_offset):
+        return grads_fake(q, k, v, rel_k, rel_v)
+
+    register_stats_autograd(fwd, bwd, tensor_inputs=6, n_args=10)
+    return fwd

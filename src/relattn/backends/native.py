@@ -39,10 +39,7 @@ from ._common import (
     AttentionCall,
     Backend,
     Serves,
-    grads_fake,
-    grads_laid_out,
-    register_stats_autograd,
-    stats_fake,
+    define_stats_ops,
 )
 
 log = logging.getLogger("relattn")
@@ -206,39 +203,8 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     return tuple(g if t is None else g.to(t.dtype) for g, t in zip(grads, (q, k, v, rel_k, rel_v), strict=True))
 
 
-# ------------------------------------------------------------------------------------ the custom ops
-# relattn::native_fwd(q, k, v, rel_k?, rel_v?, mask?, K, is_causal, scale, query_offset) -> (out, lse);
-# relattn::native_bwd -> (dq, dk, dv, d_rel_k, d_rel_v).
-
-
-@torch.library.custom_op("relattn::native_fwd", mutates_args=())
-def native_fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None, mask: Tensor | None,
-               max_relative_position: int, is_causal: bool, scale: float,
-               query_offset: int) -> tuple[Tensor, Tensor]:
-    return forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position,
-                   is_causal=is_causal, scale=scale, query_offset=query_offset)
-
-
-@native_fwd.register_fake
-def _(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset):
-    return stats_fake(q, v)
-
-
-@torch.library.custom_op("relattn::native_bwd", mutates_args=())
-def native_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
-               mask: Tensor | None, out: Tensor, lse: Tensor, max_relative_position: int, is_causal: bool,
-               scale: float, query_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    grads = backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position=max_relative_position,
-                     is_causal=is_causal, scale=scale, query_offset=query_offset)
-    return grads_laid_out((q, k, v, rel_k, rel_v), grads)
-
-
-@native_bwd.register_fake
-def _(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position, is_causal, scale, query_offset):
-    return grads_fake(q, k, v, rel_k, rel_v)
-
-
-register_stats_autograd(native_fwd, native_bwd, tensor_inputs=6, n_args=10)
+# relattn::native_fwd / relattn::native_bwd: see _common.define_stats_ops.
+native_fwd = define_stats_ops("native", forward, backward)
 
 
 def _needs_op(call: AttentionCall) -> bool:

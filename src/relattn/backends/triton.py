@@ -31,11 +31,8 @@ from ._common import (
     AttentionCall,
     Backend,
     Serves,
-    grads_fake,
-    grads_laid_out,
-    register_stats_autograd,
+    define_stats_ops,
     stats_dtype,
-    stats_fake,
 )
 
 MAX_HEAD_DIM = 128
@@ -211,39 +208,8 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     return dq, dk, dv, d_rel_k, d_rel_v
 
 
-# ------------------------------------------------------------------------------------ the custom ops
-# relattn::triton_fwd(q, k, v, rel_k?, rel_v?, mask?, K, is_causal, scale, query_offset) -> (out, lse);
-# relattn::triton_bwd -> (dq, dk, dv, d_rel_k, d_rel_v).
-
-
-@torch.library.custom_op("relattn::triton_fwd", mutates_args=())
-def triton_fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None, mask: Tensor | None,
-               max_relative_position: int, is_causal: bool, scale: float,
-               query_offset: int) -> tuple[Tensor, Tensor]:
-    return forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position,
-                   is_causal=is_causal, scale=scale, query_offset=query_offset)
-
-
-@triton_fwd.register_fake
-def _(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset):
-    return stats_fake(q, v)
-
-
-@torch.library.custom_op("relattn::triton_bwd", mutates_args=())
-def triton_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
-               mask: Tensor | None, out: Tensor, lse: Tensor, max_relative_position: int, is_causal: bool,
-               scale: float, query_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    grads = backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position=max_relative_position,
-                     is_causal=is_causal, scale=scale, query_offset=query_offset)
-    return grads_laid_out((q, k, v, rel_k, rel_v), grads)
-
-
-@triton_bwd.register_fake
-def _(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position, is_causal, scale, query_offset):
-    return grads_fake(q, k, v, rel_k, rel_v)
-
-
-register_stats_autograd(triton_fwd, triton_bwd, tensor_inputs=6, n_args=10)
+# relattn::triton_fwd / relattn::triton_bwd: see _common.define_stats_ops.
+triton_fwd = define_stats_ops("triton", forward, backward)
 
 
 def triton_attention(call: AttentionCall) -> Tensor:
