@@ -58,12 +58,11 @@ def choose(call: AttentionCall) -> Backend:
 
 def why_not(call: AttentionCall) -> dict[str, list[str]]:
     """For each backend "auto" would have preferred to the one it chose, why it could not serve ``call``."""
-    chosen = choose(call).name
     reasons = {}
     for name in priority(call):
-        if name == chosen:
+        if not (why := not_supported_reasons(BACKENDS[name], call)):
             break
-        reasons[name] = not_supported_reasons(BACKENDS[name], call)
+        reasons[name] = why
     return reasons
 
 

@@ -30,10 +30,12 @@ import subprocess
 import sys
 import threading
 from importlib import resources
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from .._io import atomic_path
 from ._common import (
     LOW_PRECISION,
     AttentionCall,
@@ -113,14 +115,12 @@ def _build() -> None:
         return
     log.warning("relattn: compiling the native CPU kernel into %s (about 15 s)", build_dir)
     # The build reads a copy of the source kept in its own directory, so the path ninja records never changes.
-    source = os.path.join(build_dir, _SOURCE)
-    if not os.path.exists(source) or open(source, "rb").read() != text:
-        tmp = f"{source}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(text)
-        os.replace(tmp, source)
+    source = Path(build_dir, _SOURCE)
+    if not source.exists() or source.read_bytes() != text:
+        with atomic_path(source) as tmp:
+            tmp.write_bytes(text)
     with _ninja_on_path():
-        load(name, [source], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
+        load(name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
              build_directory=build_dir, verbose=False)
 
 
