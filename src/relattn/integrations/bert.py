@@ -25,7 +25,7 @@ from torch import nn
 from ..backends import check_name
 from ..functional import additive_mask, relative_attention
 from ..positions import relative_position_index
-from .transformers import _attn_mask, _dropout, _heads, _merge
+from .transformers import _attn_mask, _dropout, _merge, _qkv
 
 POSITION_TYPES = ("relative_key", "relative_key_query")
 _TABLE = "distance_embedding.weight"
@@ -49,9 +49,7 @@ def _bert_forward(self, hidden_states, attention_mask=None, cache=None, **kwargs
     """A v5 BertSelfAttention (or family) computing the v4 relative_key(_query) attention."""
     if cache is not None:
         raise NotImplementedError("relattn's BERT relative_key attention is encoder-only (no cache)")
-    q = _heads(self.query(hidden_states), self.num_attention_heads)
-    k = _heads(self.key(hidden_states), self.num_attention_heads)
-    v = _heads(self.value(hidden_states), self.num_attention_heads)
+    q, k, v = _qkv(hidden_states, (self.query, self.key, self.value), self.num_attention_heads)
     table = self.distance_embedding.weight.flip(0).to(q.dtype)  # rows (i - j) + K -> rows (j - i) + K
     kk = self.max_position_embeddings - 1
     mask = _attn_mask(attention_mask)

@@ -62,6 +62,11 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.view(b, n, heads, -1).transpose(1, 2)
 
 
+def _qkv(hidden_states: torch.Tensor, projections, heads: int) -> list[torch.Tensor]:
+    """The query, key and value projections of ``hidden_states`` (B, N, E), each as heads (B, H, N, D)."""
+    return [_heads(proj(hidden_states), heads) for proj in projections]
+
+
 def _merge(x: torch.Tensor) -> torch.Tensor:
     """(B, H, N, D) -> (B, N, H*D)."""
     b, _, n, _ = x.shape
@@ -77,9 +82,7 @@ def _dropout(module: nn.Module, p: float) -> float:
 
 def _conformer_forward(self, hidden_states, attention_mask=None, relative_position_embeddings=None, **kwargs):
     """Wav2Vec2BertSelfAttention / SeamlessM4Tv2ConformerSelfAttention with position_embeddings_type="relative_key"."""
-    q = _heads(self.linear_q(hidden_states), self.num_heads)
-    k = _heads(self.linear_k(hidden_states), self.num_heads)
-    v = _heads(self.linear_v(hidden_states), self.num_heads)
+    q, k, v = _qkv(hidden_states, (self.linear_q, self.linear_k, self.linear_v), self.num_heads)
     out = relative_attention(
         q, k, v, self.distance_embedding.weight.to(q.dtype), None,
         max_relative_position=(self.left_max_position_embeddings, self.right_max_position_embeddings),
@@ -101,9 +104,7 @@ def _speecht5_forward(self, hidden_states, key_value_states=None, cache=None, at
                                   attention_mask=attention_mask, position_bias=position_bias,
                                   output_attentions=output_attentions, **kwargs)
     half = position_bias.shape[0] // 2  # rows r = (i - j) + L for i - j in [-L, L - 1]: flipped, window (L-1, L)
-    q = _heads(self.q_proj(hidden_states), self.num_heads)
-    k = _heads(self.k_proj(hidden_states), self.num_heads)
-    v = _heads(self.v_proj(hidden_states), self.num_heads)
+    q, k, v = _qkv(hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.num_heads)
     args = dict(max_relative_position=(half - 1, half), attn_mask=_attn_mask(attention_mask), scale=self.scaling)
     rel_k = position_bias.flip(0).to(q.dtype)
     out = relative_attention(q, k, v, rel_k, None, dropout_p=_dropout(self, self.dropout),
@@ -114,9 +115,7 @@ def _speecht5_forward(self, hidden_states, key_value_states=None, cache=None, at
 
 def _vits_forward(self, hidden_states, key_value_states=None, attention_mask=None, output_attentions=False):
     """VitsAttention: key and value tables in window ``window_size``, zero beyond it."""
-    q = _heads(self.q_proj(hidden_states), self.num_heads)
-    k = _heads(self.k_proj(hidden_states), self.num_heads)
-    v = _heads(self.v_proj(hidden_states), self.num_heads)
+    q, k, v = _qkv(hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.num_heads)
     args = dict(max_relative_position=self.window_size, beyond="zero", attn_mask=_attn_mask(attention_mask),
                 scale=self.scaling)
     rel_k, rel_v = self.emb_rel_k.to(q.dtype), self.emb_rel_v.to(q.dtype)
