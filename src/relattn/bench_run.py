@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .backends.dense import causal_allowed
 from .measure import (
     Inputs,
     Runner,
@@ -113,7 +114,7 @@ def _hf(attn_implementation: str) -> Callable[[Inputs], Runner | str]:
         peer.layer.requires_grad_(True)
         mask = inp.mask  # the layer has no is_causal: a causal pattern goes in as a mask
         if inp.causal:
-            keep = torch.ones(n, n, dtype=torch.bool, device=inp.q.device).tril()
+            keep = causal_allowed(n, n, 0, inp.q.device)
             mask = keep if mask is None else mask & keep
         return Runner(lambda: peer(inp.q, inp.k, inp.v, attn_mask=mask), (inp.q, inp.k, inp.v, peer.table),
                       detail=f"transformers {transformers_version()}")

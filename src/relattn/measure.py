@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .backends import BACKENDS, choose, not_supported_reasons
+from .backends.dense import causal_allowed
 from .functional import relative_attention, validate
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -99,11 +100,6 @@ def make_inputs(problem: Problem, n: int) -> Inputs:
     return Inputs(q, k, v, rel_k, rel_v, grad_out, mask, problem.causal, kk)
 
 
-def causal_keep(n: int, m: int, device) -> torch.Tensor:
-    """(N, M) bool, True where key ``j <= i`` (may attend)."""
-    return torch.ones(n, m, dtype=torch.bool, device=device).tril()
-
-
 @dataclass
 class Runner:
     """One implementation made ready for one set of inputs: ``fn()`` computes the output, grads go to ``params``."""
@@ -117,7 +113,7 @@ def sdpa_runner(inp: Inputs) -> Runner:
     """``F.scaled_dot_product_attention`` with no positions (the same mask, causal or not)."""
     mask, causal = inp.mask, inp.causal
     if mask is not None and causal:  # SDPA takes one or the other: fold the causal pattern into the mask
-        mask, causal = mask & causal_keep(inp.n, inp.n, inp.q.device), False
+        mask, causal = mask & causal_allowed(inp.n, inp.n, 0, inp.q.device), False
     return Runner(lambda: F.scaled_dot_product_attention(inp.q, inp.k, inp.v, attn_mask=mask, is_causal=causal),
                   (inp.q, inp.k, inp.v))
 
