@@ -27,11 +27,6 @@ __all__ = ["PRESETS", "BenchConfig", "add_arguments", "config_from_args", "forma
            "write_results"]
 
 
-def _backend_name(text: str) -> str:
-    """``text`` if it names a relattn backend or "auto"; else ValueError listing the valid names."""
-    return check_name(text)
-
-
 @dataclass(frozen=True)
 class BenchConfig(Problem):
     """What one bench run measures: the inputs (:class:`relattn.measure.Problem`), then these."""
@@ -50,7 +45,7 @@ class BenchConfig(Problem):
 
     def __post_init__(self) -> None:
         for name in self.backends or ():
-            _backend_name(name)
+            check_name(name)
         unknown = set(self.peers) - set(PEERS)
         if unknown:
             raise ValueError(f"peers must be among {PEERS}; got {sorted(unknown)}")
@@ -206,7 +201,7 @@ _OPTIONS: dict[str, tuple[str, dict, str]] = {
     "forward": ("--forward", {"action": argparse.BooleanOptionalAction},
                 "time the forward alone (inference under torch.no_grad) too"),
     "memory": ("--memory", {"action": argparse.BooleanOptionalAction}, "measure peak memory"),
-    "backends": ("--backends", {"nargs": "+", "type": _checked(_backend_name), "metavar": "NAME"},
+    "backends": ("--backends", {"nargs": "+", "type": _checked(check_name), "metavar": "NAME"},
                  f"relattn backends: any of {', '.join(relattn_names())}"),
     "peers": ("--peers", {"nargs": "*", "choices": PEERS}, "peers besides SDPA (give none for none)"),
     "memory_limit_bytes": ("--memory-limit", {"type": _positive_float, "metavar": "GB"},
