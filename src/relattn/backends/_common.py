@@ -28,7 +28,9 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
 class AttentionCall:
     """The validated, canonical inputs of one call: what a backend receives.
 
-    q (B,H,N,D), k (B,H,M,D), v (B,H,M,Dv); tables (Hr,2K+1,D|Dv) or None, clipped symmetrically to [-K, K]
+    q (B,H,N,D), k (B,Hkv,M,D), v (B,Hkv,M,Dv) with ``H % Hkv == 0`` (grouped-query attention: query head ``h``
+    reads key/value head ``h // (H // Hkv)``; only backends declaring ``Serves(grouped_kv=True)`` ever see
+    ``Hkv < H``, the others get k and v repeated to H heads by the op); tables (Hr,2K+1,D|Dv) or None, clipped symmetrically to [-K, K]
     (:func:`relattn.functional.validate` brings asymmetric windows and zero-beyond tables to this form);
     ``mask`` None or an additive float tensor of 4 dims broadcastable to (B,H,N,M).
     """
@@ -57,6 +59,7 @@ class Serves:
     mask_grad: bool = False
     max_head_dim: int | None = None
     head_dims_differ: bool = True  # D != Dv
+    grouped_kv: bool = False  # takes k, v with fewer heads than q (H % Hkv == 0) without repeating them
 
 
 @dataclass(frozen=True)
