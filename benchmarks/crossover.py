@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from relattn._io import atomic_write_text
 from relattn.bench import BenchConfig, add_arguments, config_from_args, run_bench
-from relattn.measure import relattn_names
+from relattn.bench.measure import relattn_names
 
 DEFAULTS = {"full": BenchConfig(lengths=(64, 128, 256, 384, 512, 768, 1024, 1536), repeats=7, forward=False,
                                 memory=False, backends=tuple(relattn_names()[:-1]), peers=())}  # all but "auto"

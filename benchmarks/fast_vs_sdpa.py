@@ -3,7 +3,7 @@ causal and not, at long N.
 
 Both tables, K = 64, float32, B = 1, H = 8, D = 64, 2 threads by default. Measured by ``relattn.bench.run_bench``
 (interleaved medians in one process, ratios against SDPA from the same run, peak extra memory by
-``relattn.measure.memory_method``), once not causal and once causal.
+``relattn.bench.measure.memory_method``), once not causal and once causal.
 
     PYTHONPATH=src python benchmarks/fast_vs_sdpa.py                  # N = 2048 4096 8192
     PYTHONPATH=src python benchmarks/fast_vs_sdpa.py --lengths 2048 --repeats 5 --no-memory --backends native \
@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from relattn._io import atomic_write_text
 from relattn.bench import BenchConfig, add_arguments, config_from_args, run_bench
-from relattn.measure import fmt_bytes
+from relattn.bench.measure import fmt_bytes
 
 DEFAULTS = {"full": BenchConfig(lengths=(2048, 4096, 8192), repeats=7, forward=False, backends=("auto",), peers=())}
 OPTIONS = ("lengths", "backends", "max_relative_position", "heads", "head_dim", "batch", "dtype", "device",

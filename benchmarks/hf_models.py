@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from relattn._io import atomic_write_text
-from relattn.measure import peak_extra_bytes
+from relattn.bench.measure import peak_extra_bytes
 
 MODES = ("forward", "forward+backward")
 
@@ -347,7 +347,8 @@ def main(argv=None) -> int:
         rows.extend(measure(case, reps, args.warmup, max_gb))
     result = {"machine": _machine(), "torch": torch.__version__, "transformers": transformers.__version__,
               "quick": args.quick, "layers": layers, "reps": reps, "max_gb": max_gb, "command": sys.argv,
-              "memory_method": "relattn.measure.peak_extra_bytes (torch.profiler CPU allocator events)", "rows": rows}
+              "memory_method": "relattn.bench.measure.peak_extra_bytes (torch.profiler CPU allocator events)",
+              "rows": rows}
     atomic_write_text(args.out, json.dumps(result, indent=1))
     print(f"wrote {args.out}")
     return 0

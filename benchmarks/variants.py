@@ -18,7 +18,7 @@ import torch
 
 from relattn import relative_attention
 from relattn._io import atomic_write_text
-from relattn.measure import time_interleaved
+from relattn.bench.measure import time_interleaved
 
 CASES = {  # name: (max_relative_position, beyond, value table)
     "K=36 (73 rows)": (36, "clip", True),

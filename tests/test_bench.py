@@ -14,10 +14,10 @@ from relattn import reference as ref
 from relattn.backends import Backend, Serves, native
 from relattn.backends.dense import dense_attention
 from relattn.bench import PRESETS, BenchConfig, format_table, run_bench, write_results
-from relattn.bench_run import _extrapolate
+from relattn.bench.measure import Problem, Runner, make_inputs, measure, peak_extra_bytes, sdpa_runner
+from relattn.bench.peers import HFWav2Vec2BertRelativeKey, materialised_attention, transformers_version
+from relattn.bench.run import _extrapolate
 from relattn.cli import main
-from relattn.measure import Problem, Runner, make_inputs, measure, peak_extra_bytes, sdpa_runner
-from relattn.peers import HFWav2Vec2BertRelativeKey, materialised_attention, transformers_version
 
 F64 = torch.float64
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -265,7 +265,7 @@ def test_out_naming_an_existing_file_fails_before_any_work(tmp_path, capsys, mon
     def no_work(*args, **kwargs):
         raise AssertionError("measured before checking --out")
 
-    monkeypatch.setattr("relattn.bench.run_bench", no_work)
+    monkeypatch.setattr("relattn.bench.cli.run_bench", no_work)
     out = existing / "sub" if inside else existing
     assert main(["bench", "--lengths", "16", "--no-progress", "--out", str(out)]) == 2
     err = capsys.readouterr().err
@@ -277,7 +277,7 @@ def test_out_naming_an_existing_file_fails_before_any_work(tmp_path, capsys, mon
 def _bench_parser():
     import argparse
 
-    from relattn.bench import register
+    from relattn.bench.cli import register
 
     p = argparse.ArgumentParser()
     register(p.add_subparsers())
@@ -287,7 +287,7 @@ def _bench_parser():
 def test_presets_are_config_values_and_options_replace_their_fields():
     from dataclasses import replace
 
-    from relattn.bench import config_from_args
+    from relattn.bench.cli import config_from_args
 
     p, _ = _bench_parser()
     assert config_from_args(p.parse_args(["bench"]), PRESETS) == PRESETS["full"]
@@ -388,7 +388,7 @@ def test_hf_peer_is_skipped_with_the_reason_without_transformers_5(monkeypatch):
     import sys
     import types
 
-    from relattn.peers import hf_missing_reason
+    from relattn.bench.peers import hf_missing_reason
 
     monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(__version__="4.57.6"))
     assert transformers_version() is None

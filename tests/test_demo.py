@@ -4,7 +4,7 @@ import re
 import subprocess
 import sys
 
-from relattn.demo import run_demo
+from relattn.cli.demo import run_demo
 from test_reference import SPEC_WEIGHTS
 
 PNG = b"\x89PNG\r\n\x1a\n"

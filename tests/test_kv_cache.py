@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from relattn import KVCache, RelativeMultiheadAttention
-from relattn.model import TransformerConfig, TransformerLM
+from relattn.training.model import TransformerConfig, TransformerLM
 
 E, H = 12, 3
 

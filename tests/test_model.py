@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from relattn.model import TransformerConfig, TransformerEncoder, TransformerLM, sinusoidal_positions
+from relattn.training.model import TransformerConfig, TransformerEncoder, TransformerLM, sinusoidal_positions
 
 
 def tiny(positions, **kw):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from relattn.model import TransformerConfig, TransformerLM
+from relattn.training.model import TransformerConfig, TransformerLM
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {"train", "encoder", "bf16", "autocast", "decode_16", "decode_48", "generate"}

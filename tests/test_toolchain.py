@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import relattn
-import relattn.model as model_lib
+import relattn.training.model as model_lib
 from _plain_attention import plain_shaw_forward
 from helpers import unavailable_here
 from relattn import RelativeMultiheadAttention, relative_attention

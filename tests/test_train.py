@@ -22,13 +22,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from relattn import cli
 from relattn._io import OutputPathError
-from relattn.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
-from relattn.compare import COMPARE_DEFAULTS
-from relattn.data import ByteData, DataError, eval_windows, get_batch, load_corpus
-from relattn.model import TransformerConfig
-from relattn.plots import UNIFORM_LOSS, context_figure, key_table_figure
-from relattn.recipe import fresh_model
-from relattn.train import TrainOptions, eval_plan, evaluate, key_table_stats, lr_at, train
+from relattn.training.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
+from relattn.training.compare import COMPARE_DEFAULTS
+from relattn.training.data import ByteData, DataError, eval_windows, get_batch, load_corpus
+from relattn.training.model import TransformerConfig
+from relattn.training.plots import UNIFORM_LOSS, context_figure, key_table_figure
+from relattn.training.recipe import fresh_model
+from relattn.training.train import TrainOptions, eval_plan, evaluate, key_table_stats, lr_at, train
 
 PY = sys.executable
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -394,7 +394,7 @@ def _parser(command):
 @pytest.mark.parametrize("command", ["train", "compare"])
 def test_help_states_the_defaults_the_command_uses(command):
     """Every "default: X" in a command's help is the value a run without that option gets."""
-    from relattn.train_cli import MODEL_ARGS, configs_from_args
+    from relattn.training.arguments import MODEL_ARGS, configs_from_args
 
     parser = _parser(command)
     args = parser.parse_args([])

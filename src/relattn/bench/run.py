@@ -1,12 +1,12 @@
 """``relattn bench``'s run: the implementations it measures, what it skips, one row per implementation and length.
 
 - ``sdpa``: ``F.scaled_dot_product_attention`` with no positions, the floor every ratio is taken against;
-- ``materialised``: the (N, M, D) formulation the peers use (:func:`relattn.peers.materialised_attention`);
+- ``materialised``: the (N, M, D) formulation the peers use (:func:`relattn.bench.peers.materialised_attention`);
 - ``hf-w2v-bert:eager`` and ``hf-w2v-bert:sdpa``: Hugging Face ``Wav2Vec2BertSelfAttention`` with
-  ``relative_key`` (:class:`relattn.peers.HFWav2Vec2BertRelativeKey`), when ``transformers>=5`` is installed;
+  ``relative_key`` (:class:`relattn.bench.peers.HFWav2Vec2BertRelativeKey`), when ``transformers>=5`` is installed;
 - ``relattn:<name>``: every backend in :data:`relattn.backends.BACKENDS`, then ``relattn:auto``.
 
-All of them at one length are measured together by :func:`relattn.measure.measure` (interleaved). An
+All of them at one length are measured together by :func:`relattn.bench.measure.measure` (interleaved). An
 implementation predicted to need more memory than the limit, or more time than the time limit, is skipped.
 """
 
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .backends.dense import causal_allowed
+from ..backends.dense import causal_allowed
 from .measure import (
     Inputs,
     Runner,
@@ -42,9 +42,8 @@ from .measure import (
 from .peers import HFWav2Vec2BertRelativeKey, hf_missing_reason, materialised_attention, transformers_version
 
 if TYPE_CHECKING:
-    from .bench import BenchConfig
+    from .config import BenchConfig
 
-PEERS = ("materialised", "hf")
 HF_IMPLEMENTATIONS = ("eager", "sdpa")  # transformers' attention functions the Hugging Face peer runs with
 
 

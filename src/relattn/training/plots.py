@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ._io import save_figure
+from .._io import save_figure
 from .evaluation import first_key_table, key_table_stats
 from .model import TransformerConfig
 
@@ -100,7 +100,7 @@ def key_table_figure(trained: torch.Tensor, initial: torch.Tensor, k: int, stats
 
 def plot_run(result, config: TransformerConfig, initial_table: torch.Tensor | None) -> list[Path]:
     """Save loss_curve.png, val_loss_vs_context.png and (relative positions, K >= 2) key_table.png of a
-    :class:`~relattn.recipe.TrainResult` into its ``out`` folder; returns the paths."""
+    :class:`~relattn.training.recipe.TrainResult` into its ``out`` folder; returns the paths."""
     out, metrics = result.out, result.metrics
     paths = [save_figure(loss_curve_figure(metrics, config), out / "loss_curve.png"),
              save_figure(context_figure(metrics, config), out / "val_loss_vs_context.png")]

@@ -18,7 +18,7 @@ def evaluate(model: TransformerLM, val: torch.Tensor, length: int, total: int, *
 
     ``val`` is the (T,) uint8 validation split; ``total`` a multiple of ``length`` below ``T``. The model
     is scored in eval mode on its own device. Under DistributedDataParallel (``dist`` a
-    :class:`~relattn.recipe.Dist` that is enabled) each rank scores every ``world_size``-th window and
+    :class:`~relattn.training.recipe.Dist` that is enabled) each rank scores every ``world_size``-th window and
     the sums are all-reduced, so every rank returns the same value.
     """
     x, y = eval_windows(val, length, total)

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import reference as ref
-from ._io import check_output_dir, save_figure
-from .functional import relative_attention, relative_attention_weights
-from .modules import RelativeMultiheadAttention
-from .positions import relative_position_index
+from .. import reference as ref
+from .._io import check_output_dir, save_figure
+from ..functional import relative_attention, relative_attention_weights
+from ..modules import RelativeMultiheadAttention
+from ..positions import relative_position_index
 
 # The spec's "Testing the implementation" example.
 SEQ_LEN, EMBED_DIM, D_K, D_V, MAX_DIST = 6, 8, 4, 4, 3

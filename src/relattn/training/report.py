@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ._io import atomic_write_text
+from .._io import atomic_write_text
 from .evaluation import first_key_table, key_table_stats
 
 
@@ -49,7 +49,7 @@ def sample_text(model, options) -> str:
 
 
 def report_run(recipe, result) -> None:
-    """Print the summary of a finished :class:`~relattn.recipe.TrainingRecipe` run and write its files; adds
+    """Print the summary of a finished :class:`~relattn.training.recipe.TrainingRecipe` run and write its files; adds
     ``key_table`` and ``sample`` to ``result.metrics``."""
     config, options, metrics, out = recipe.config, recipe.options, result.metrics, result.out
     for line in summary_lines(metrics):

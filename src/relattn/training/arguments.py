@@ -1,5 +1,5 @@
 """Command-line plumbing shared by ``relattn train`` and ``relattn compare``: their options, with defaults and
-help taken from :class:`~relattn.model.TransformerConfig` and :class:`~relattn.train_options.TrainOptions`,
+help taken from :class:`~relattn.training.model.TransformerConfig` and :class:`~relattn.training.options.TrainOptions`,
 and one error policy (one line on stderr, exit status 2)."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
-from ._io import OutputPathError
+from .._io import OutputPathError
 from .checkpoint import CheckpointError, list_checkpoints
 from .data import DataError
 from .model import POSITIONS, TransformerConfig
+from .options import TrainOptions, UsageError
 from .recipe import TrainingDiverged
-from .train_options import TrainOptions, UsageError
 
 MODEL_ARGS = {  # CLI flag (argparse dest) -> TransformerConfig field
     "context": "context", "d_model": "d_model", "heads": "n_heads", "layers": "n_layers", "d_ff": "d_ff",

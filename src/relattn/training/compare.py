@@ -15,10 +15,10 @@ import platform
 from dataclasses import replace
 from pathlib import Path
 
-from ._io import atomic_write_text, check_output_dir, save_figure
+from .._io import atomic_write_text, check_output_dir, save_figure
+from .arguments import add_model_arguments, add_train_arguments, configs_from_args, run_command
 from .model import POSITIONS, TransformerConfig
 from .train import TrainOptions, train
-from .train_cli import add_model_arguments, add_train_arguments, configs_from_args, run_command
 
 COMPARE_DEFAULTS = TrainOptions(out="relattn-runs/compare", steps=700, sample_bytes=120)
 """The options of ``relattn compare`` (it has no --sample-bytes; each run checkpoints once, at its end)."""

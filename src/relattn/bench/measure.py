@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .backends import BACKENDS, choose, not_supported_reasons
-from .backends.dense import causal_allowed
-from .functional import relative_attention, validate
+from ..backends import BACKENDS, choose, not_supported_reasons
+from ..backends.dense import causal_allowed
+from ..functional import relative_attention, validate
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -364,7 +364,7 @@ def fmt_bytes(b: float | None) -> str:
 
 def machine_info(device: torch.device, threads: int, **extra) -> dict:
     """The machine a result was measured on: CPU model, threads, versions, date (UTC), GPU if any."""
-    from . import __version__
+    from .. import __version__
 
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):

@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .positions import relative_position_index
+from ..positions import relative_position_index
+
+PEERS = ("materialised", "hf")  # the peers `relattn bench` can run besides SDPA
 
 PEER_REQUIREMENT = "transformers>=5"
 

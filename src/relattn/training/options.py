@@ -14,7 +14,7 @@ class UsageError(ValueError):
 
 @dataclass
 class TrainOptions:
-    """How to train (the model's own sizes are in :class:`~relattn.model.TransformerConfig`)."""
+    """How to train (the model's own sizes are in :class:`~relattn.training.model.TransformerConfig`)."""
 
     out: str = "relattn-runs/train"
     """Folder for checkpoints/, metrics.json, the PNGs and sample.txt."""

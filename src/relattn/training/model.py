@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .modules import KVCache, RelativeMultiheadAttention
+from ..modules import KVCache, RelativeMultiheadAttention
 
 POSITIONS = ("relative", "absolute", "none")
 
@@ -77,7 +77,7 @@ class TransformerConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.positions not in POSITIONS:
             raise ValueError(f"positions must be one of {', '.join(POSITIONS)}; got {self.positions!r}")
-        from .backends import check_name
+        from ..backends import check_name
 
         check_name(self.backend)
 

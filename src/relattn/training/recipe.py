@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ._io import check_output_dir
+from .._io import check_output_dir
 from .checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -35,7 +35,7 @@ from .checkpoint import (
 from .data import ByteData, get_batch, load_corpus, step_seed
 from .evaluation import eval_plan, evaluate, first_key_table
 from .model import TransformerConfig, TransformerLM
-from .train_options import TrainOptions, UsageError
+from .options import TrainOptions, UsageError
 
 
 class TrainingDiverged(RuntimeError):
@@ -115,7 +115,7 @@ class TrainingRecipe:
 
     def setup(self) -> None:
         """Everything before the first step. Bad inputs raise :class:`UsageError`,
-        :class:`~relattn.data.DataError`, :class:`~relattn.checkpoint.CheckpointError` or
+        :class:`~relattn.training.data.DataError`, :class:`~relattn.training.checkpoint.CheckpointError` or
         :class:`~relattn._io.OutputPathError` here, before any training."""
         config, options = self.config, self.options
         options.validate()

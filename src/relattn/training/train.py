@@ -1,9 +1,9 @@
 """``relattn train``: a byte-level language model with relative (or absolute, or no) positions.
 
-The library entry point is :func:`train` (a :class:`~relattn.model.TransformerConfig` and a
+The library entry point is :func:`train` (a :class:`~relattn.training.model.TransformerConfig` and a
 :class:`TrainOptions`); the command only parses arguments into those two. The work is done by
-:class:`~relattn.recipe.TrainingRecipe` (the loop, checkpoints, resuming, DDP) and
-:func:`~relattn.report.report_run` (what rank 0 prints and writes at the end). Under ``torchrun``
+:class:`~relattn.training.recipe.TrainingRecipe` (the loop, checkpoints, resuming, DDP) and
+:func:`~relattn.training.report.report_run` (what rank 0 prints and writes at the end). Under ``torchrun``
 ``--batch-size`` is the *global* batch, each rank takes its slice of it, gradients are averaged, and
 only rank 0 writes checkpoints, metrics and plots; the run therefore follows the single-process run
 with the same global batch.
@@ -13,20 +13,20 @@ from __future__ import annotations
 
 import argparse
 
+from .arguments import add_model_arguments, add_train_arguments, configs_from_args, run_command
 from .evaluation import eval_plan, evaluate, key_table_stats
 from .model import TransformerConfig
+from .options import TrainOptions, UsageError
 from .recipe import TrainingDiverged, TrainingRecipe, TrainResult, lr_at
 from .report import report_run
-from .train_cli import add_model_arguments, add_train_arguments, configs_from_args, run_command
-from .train_options import TrainOptions, UsageError
 
 
 def train(config: TransformerConfig, options: TrainOptions) -> TrainResult:
-    """Train a :class:`~relattn.model.TransformerLM` of ``config`` as ``options`` say.
+    """Train a :class:`~relattn.training.model.TransformerLM` of ``config`` as ``options`` say.
 
-    Raises :class:`relattn.data.DataError`, :class:`UsageError`, :class:`relattn.checkpoint.CheckpointError`
-    or :class:`relattn._io.OutputPathError` for bad inputs (before any training), and
-    :class:`TrainingDiverged` if the loss stops being finite.
+    Raises :class:`~relattn.training.data.DataError`, :class:`UsageError`,
+    :class:`~relattn.training.checkpoint.CheckpointError` or :class:`relattn._io.OutputPathError` for bad inputs
+    (before any training), and :class:`TrainingDiverged` if the loss stops being finite.
     """
     recipe = TrainingRecipe(config, options)
     try:

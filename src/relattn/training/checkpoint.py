@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ._io import atomic_path, atomic_write_text
+from .._io import atomic_path, atomic_write_text
 
 FORMAT = "relattn-checkpoint"
 VERSION = 1

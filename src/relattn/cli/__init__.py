@@ -14,10 +14,10 @@ import importlib
 import importlib.util
 import sys
 
-from . import __version__
-from ._io import OutputPathError
+from .. import __version__
+from .._io import OutputPathError
 
-COMMAND_MODULES = ("relattn.demo", "relattn.bench", "relattn.train", "relattn.compare")
+COMMAND_MODULES = ("relattn.cli.demo", "relattn.bench.cli", "relattn.training.train", "relattn.training.compare")
 CLI_EXTRA = ("matplotlib", "safetensors", "tqdm")  # pyproject.toml's "cli" extra
 
 

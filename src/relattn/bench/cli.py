@@ -1,8 +1,8 @@
 """``relattn bench``: relattn's backends against the floor and the peers, side by side in one process.
 
-This module holds what a run is (:class:`BenchConfig`, its presets), the command line (whose defaults are the
-presets' values), and the table and plot of a result. What runs is :mod:`relattn.bench_run`; how it is
-measured is :mod:`relattn.measure`.
+This module holds the command line (whose defaults are the presets' values, :mod:`.config`), and the table and
+plot of a result. What runs is :mod:`relattn.bench.run`; how it is
+measured is :mod:`relattn.bench.measure`.
 """
 
 from __future__ import annotations
@@ -13,51 +13,19 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
 
-from ._io import atomic_write_text, save_figure
-from .backends import check_name
-from .bench_run import PEERS, run_bench
-from .measure import DTYPES, Problem, fmt_bytes, relattn_names
+from .._io import atomic_write_text, save_figure
+from ..backends import check_name
+from .config import PRESET_OUT, PRESETS, BenchConfig
+from .measure import DTYPES, fmt_bytes, relattn_names
+from .peers import PEERS
+from .run import run_bench
 
-__all__ = ["PRESETS", "BenchConfig", "add_arguments", "config_from_args", "format_table", "plot", "run_bench",
-           "write_results"]
-
-
-@dataclass(frozen=True)
-class BenchConfig(Problem):
-    """What one bench run measures: the inputs (:class:`relattn.measure.Problem`), then these."""
-
-    lengths: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)  # N = M, self-attention
-    threads: int = 2
-    repeats: int = 5
-    warmup: int = 1
-    forward: bool = True  # time the forward alone (inference) too, not only forward+backward
-    memory: bool = True  # measure peak memory (one more call of each, outside the timings)
-    backends: tuple[str, ...] | None = None  # relattn backends (names in BACKENDS, or "auto"); None: all + auto
-    peers: tuple[str, ...] = PEERS  # besides sdpa, which always runs
-    memory_limit_bytes: float | None = None  # skip what is predicted to need more; None: half the free memory
-    time_limit_s: float = 180.0  # skip a measurement (one implementation, one length) predicted to take longer
-    command: str = ""  # the command line, recorded in bench.json
-
-    def __post_init__(self) -> None:
-        for name in self.backends or ():
-            check_name(name)
-        unknown = set(self.peers) - set(PEERS)
-        if unknown:
-            raise ValueError(f"peers must be among {PEERS}; got {sorted(unknown)}")
-
-
-PRESETS = {
-    "full": BenchConfig(),
-    "quick": BenchConfig(lengths=(128, 256, 512), repeats=3, time_limit_s=120.0),
-    "memory-check": BenchConfig(lengths=(4096, 8192, 16384), repeats=1, warmup=0, time_limit_s=600.0,
-                                backends=("auto",), peers=("materialised",)),
-}
-PRESET_OUT = {"full": "relattn-bench", "quick": "relattn-bench", "memory-check": "relattn-bench-memory"}
+__all__ = ["add_arguments", "config_from_args", "format_table", "plot", "write_results"]
 
 
 # ---------------------------------------------------------------------------------------------- reporting
