@@ -90,6 +90,27 @@ def test_backward_key_segments(monkeypatch, splits, case):
         assert torch.equal(a, a2)
 
 
+def test_tile_q_by_length_for_causal_calls(monkeypatch):
+    monkeypatch.setattr(native, "TILE_Q", 0)
+    assert [native.tile_q(n, True) for n in (1, 191, 192, 767, 768, 4096)] == [32, 32, 64, 64, 256, 256]
+    assert {native.tile_q(n, False) for n in (1, 128, 512, 4096)} == {256}
+    monkeypatch.setattr(native, "TILE_Q", 7)
+    assert native.tile_q(100, True) == native.tile_q(100, False) == 7
+
+
+@needs_native
+def test_default_tiles_match_dense(monkeypatch):
+    """The tiles a user gets (TILE_Q = 0: 64-query tiles for this causal N = 200), with a query offset."""
+    monkeypatch.setattr(native, "TILE_Q", 0)
+    monkeypatch.setattr(native, "TILE_K", 512)
+    run = _case_runner(monkeypatch, (1, 2, 200, 230, 8, 8, 5, "per_head", True, 30), tiles=(0, 512), seed=8)
+    want_out, want = run("dense")
+    got_out, got = run("native")
+    assert_close(got_out, want_out, torch.float64, "out")
+    for a, w in zip(got, want, strict=True):
+        assert_close(a, w, torch.float64, "grad")
+
+
 def _masks(b, h, n, m, g):
     keypad = torch.ones(b, 1, 1, m, dtype=torch.bool)
     keypad[1:, ..., m - m // 3 :] = False  # padding at the end: rows near the start see no far-right key
