@@ -30,8 +30,9 @@ class AttentionCall:
 
     q (B,H,N,D), k (B,Hkv,M,D), v (B,Hkv,M,Dv) with ``H % Hkv == 0`` (grouped-query attention: query head ``h``
     reads key/value head ``h // (H // Hkv)``; only backends declaring ``Serves(grouped_kv=True)`` ever see
-    ``Hkv < H``, the others get k and v repeated to H heads by the op); tables (Hr,2K+1,D|Dv) or None, clipped symmetrically to [-K, K]
-    (:func:`relattn.functional.validate` brings asymmetric windows and zero-beyond tables to this form);
+    ``Hkv < H``, the others get k and v repeated to H heads by the op); tables (Hr,2K+1,D|Dv) or None, clipped
+    symmetrically to [-K, K] (:func:`relattn.functional.validate` brings asymmetric windows and zero-beyond tables
+    to this form);
     ``mask`` None or an additive float tensor of 4 dims broadcastable to (B,H,N,M).
     """
 
