@@ -4,17 +4,20 @@ Cases (float32 unless said; "auto" backend; both tables, shared by all heads; D 
 
 - ``train``: B=32, H=8, N=128, K=16, causal, forward+backward (training-like: small N, big batch).
 - ``encoder``: B=4, H=12, N=512, K=32, not causal, forward+backward.
-- ``bf16``: B=1, H=8, N=2048, K=64, bfloat16 q, k, v and tables, forward+backward.
+- ``bf16``, ``fp16``: B=1, H=8, N=2048, K=64, bfloat16 / float16 q, k, v and tables, forward+backward.
 - ``autocast``: the module under ``torch.autocast("cpu", bfloat16)``: ``RelativeMultiheadAttention.from_mha(mha,
   64)`` against ``mha = nn.MultiheadAttention(512, 8, batch_first=True)`` (SDPA inside), x (1, 2048, 512),
   forward+backward (gradients of x and the parameters).
+- ``short_{N}_k{K}`` and ``short_{N}_k{K}_fwd``: B=1, H=8, N = 128, 256, 512, K = 16, 64, not causal,
+  forward+backward and forward under ``no_grad`` (the lengths of ``relattn bench --quick``).
 - ``decode_512``, ``decode_4096``: one query (B=1, H=8) against 512 / 4096 cached keys, K=64, forward under
   ``no_grad`` (each timed sample is ``--decode-calls`` calls).
 - ``generate``: ``TransformerLM.generate`` (default config, greedy, 64-byte prompt, 256 new bytes) against the
   same model with ``positions="none"`` whose attention calls SDPA; reported also as tokens/s, and ``none``:
   positions="none" through relattn's op (what the op costs without tables: its per-call overhead).
 
-At M=512 and K=64 the decode cases' tables add 2K+1 = 129 rows to the 512 keys: 25% more arithmetic than SDPA.
+At M=512 and K=64 the decode cases' tables add 2K+1 = 129 rows to the 512 keys: 25% more arithmetic than SDPA; so
+do the tables of ``short_512_k64`` (R / M = 129 / 512, forward and backward alike), and R / M = 1 at N = 128, K = 64.
 
 ``ratio`` is relattn's median time over SDPA's, both measured in the same run, interleaved (lower is better; the
 issue's target is <= 1.1, and generation at >= 0.9x SDPA's tokens/s, i.e. a time ratio <= 1.11).
@@ -46,10 +49,12 @@ from relattn.training.model import TransformerConfig, TransformerLM
 # name -> sizes; "quick" keeps every case's structure at sizes a test runs in seconds
 SIZES = {
     "full": dict(train=(32, 8, 128, 64, 16), encoder=(4, 12, 512, 64, 32), bf16=(1, 8, 2048, 64, 64),
-                 autocast=(1, 2048, 512, 8, 64), decode=(1, 8, 64, 64), decode_lengths=(512, 4096),
+                 autocast=(1, 2048, 512, 8, 64), short=(1, 8, 64), short_lengths=(128, 256, 512), short_ks=(16, 64),
+                 decode=(1, 8, 64, 64), decode_lengths=(512, 4096),
                  generate=dict(config={}, prompt=64, new=256)),
     "quick": dict(train=(2, 2, 16, 8, 4), encoder=(1, 3, 24, 8, 4), bf16=(1, 2, 32, 8, 4),
-                  autocast=(1, 32, 16, 2, 4), decode=(1, 2, 8, 4), decode_lengths=(16, 48),
+                  autocast=(1, 32, 16, 2, 4), short=(1, 2, 8), short_lengths=(8, 12), short_ks=(2, 4),
+                  decode=(1, 2, 8, 4), decode_lengths=(16, 48),
                   generate=dict(config=dict(d_model=16, n_heads=2, n_layers=2, d_ff=32, max_relative_position=4),
                                 prompt=4, new=6)),
 }
@@ -59,20 +64,29 @@ def _randn(*shape, dtype=torch.float32, g, grad=True):
     return torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad)
 
 
-def op_case(b, h, n, d, kk, *, causal, dtype=torch.float32):
-    """Forward+backward of the op and of SDPA on the same q, k, v."""
+def op_case(b, h, n, d, kk, *, causal, dtype=torch.float32, forward_only=False):
+    """Forward+backward (or, ``forward_only``, the forward under ``no_grad``) of the op and of SDPA on the same
+    q, k, v."""
     g = torch.Generator().manual_seed(0)
     q, k, v, go = (_randn(b, h, n, d, dtype=dtype, g=g) for _ in range(4))
     rk, rv = (_randn(2 * kk + 1, d, dtype=dtype, g=g) for _ in range(2))
 
+    def relattn_out():
+        return relative_attention(q, k, v, rk, rv, max_relative_position=kk, is_causal=causal)
+
+    def sdpa_out():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
     def relattn():
-        out = relative_attention(q, k, v, rk, rv, max_relative_position=kk, is_causal=causal)
-        return torch.autograd.grad(out, (q, k, v, rk, rv), go)
+        return torch.autograd.grad(relattn_out(), (q, k, v, rk, rv), go)
 
     def sdpa():
-        return torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=causal), (q, k, v), go)
+        return torch.autograd.grad(sdpa_out(), (q, k, v), go)
 
-    return relattn, sdpa, f"B={b} H={h} N={n} D={d} K={kk} {dtype} {'causal' if causal else 'full'} fwd+bwd"
+    shape = f"B={b} H={h} N={n} D={d} K={kk} {dtype} {'causal' if causal else 'full'}"
+    if forward_only:
+        return torch.no_grad()(relattn_out), torch.no_grad()(sdpa_out), f"{shape} forward"
+    return relattn, sdpa, f"{shape} fwd+bwd"
 
 
 def autocast_case(b, n, e, h, kk):
@@ -154,8 +168,14 @@ def cases(size: str, decode_calls: int) -> dict:
         "train": op_case(*s["train"], causal=True),
         "encoder": op_case(*s["encoder"], causal=False),
         "bf16": op_case(*s["bf16"], causal=False, dtype=torch.bfloat16),
+        "fp16": op_case(*s["bf16"], causal=False, dtype=torch.float16),
         "autocast": autocast_case(*s["autocast"]),
     }
+    b, h, d = s["short"]
+    for n in s["short_lengths"]:
+        for kk in s["short_ks"]:
+            out[f"short_{n}_k{kk}"] = op_case(b, h, n, d, kk, causal=False)
+            out[f"short_{n}_k{kk}_fwd"] = op_case(b, h, n, d, kk, causal=False, forward_only=True)
     for m in s["decode_lengths"]:
         out[f"decode_{m}"] = decode_case(*s["decode"], m, decode_calls)
     out["generate"] = generate_case(**s["generate"])

@@ -1,6 +1,7 @@
 """The "native" backend's internals: tiles of any size, the backward's key segments, masks across tiles, 16-bit
-inputs computed in float32, and the build: its cache key, loading a library already built, the "compiling" line,
-and a failed build as a reason rather than an error. Its results against the reference are in
+inputs (through 16-bit GEMMs, and through float32 copies as on a CPU without 16-bit instructions), grouped k/v
+(fewer key/value heads than query heads), and the build: its cache key, loading a library already built, the
+"compiling" line, and a failed build as a reason rather than an error. Its results against the reference are in
 ``test_fast_backends.py``.
 
 The kernel's tests are skipped, with the reason, only where it cannot be built at all (no C++ compiler, or
@@ -24,7 +25,7 @@ import torch.utils.cpp_extension
 
 from helpers import CASES, IDS, assert_close, grads, random_inputs, reference_output, unavailable_here
 from relattn import functional as fn
-from relattn.backends import native
+from relattn.backends import AttentionCall, native
 
 UNAVAILABLE = unavailable_here("native")
 needs_native = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
@@ -89,6 +90,27 @@ def test_backward_key_segments(monkeypatch, splits, case):
         assert torch.equal(a, a2)
 
 
+def test_tile_q_by_length_for_causal_calls(monkeypatch):
+    monkeypatch.setattr(native, "TILE_Q", 0)
+    assert [native.tile_q(n, True) for n in (1, 191, 192, 767, 768, 4096)] == [32, 32, 64, 64, 256, 256]
+    assert {native.tile_q(n, False) for n in (1, 128, 512, 4096)} == {256}
+    monkeypatch.setattr(native, "TILE_Q", 7)
+    assert native.tile_q(100, True) == native.tile_q(100, False) == 7
+
+
+@needs_native
+def test_default_tiles_match_dense(monkeypatch):
+    """The tiles a user gets (TILE_Q = 0: 64-query tiles for this causal N = 200), with a query offset."""
+    monkeypatch.setattr(native, "TILE_Q", 0)
+    monkeypatch.setattr(native, "TILE_K", 512)
+    run = _case_runner(monkeypatch, (1, 2, 200, 230, 8, 8, 5, "per_head", True, 30), tiles=(0, 512), seed=8)
+    want_out, want = run("dense")
+    got_out, got = run("native")
+    assert_close(got_out, want_out, torch.float64, "out")
+    for a, w in zip(got, want, strict=True):
+        assert_close(a, w, torch.float64, "grad")
+
+
 def _masks(b, h, n, m, g):
     keypad = torch.ones(b, 1, 1, m, dtype=torch.bool)
     keypad[1:, ..., m - m // 3 :] = False  # padding at the end: rows near the start see no far-right key
@@ -134,10 +156,12 @@ def test_masks_match_reference_and_dense_grads(monkeypatch, chunked, kind, shape
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16_bit_is_float32_inside(dtype):
-    """16-bit inputs are computed in float32: the output is the float32 computation on the same (rounded) inputs,
-    rounded once. The backward is the float32 one, except that rowsum(dO * O) uses the saved 16-bit output (as
-    PyTorch's own flash backward does), so gradients are within a few 16-bit roundings of the float32 ones."""
+def test_16_bit_fallback_is_float32_inside(monkeypatch, dtype):
+    """The path of a CPU without 16-bit instructions (forced here): 16-bit inputs are computed in float32, so the
+    output is the float32 computation on the same (rounded) inputs, rounded once. The backward is the float32 one,
+    except that rowsum(dO * O) uses the saved 16-bit output (as PyTorch's own flash backward does), so gradients
+    are within a few 16-bit roundings of the float32 ones."""
+    monkeypatch.setattr(native, "GEMM16", False)
     lo = [t.to(dtype).requires_grad_() for t in random_inputs(1, 2, 30, 30, 8, 8, 3, tables="keys_per_head")]
     hi = [t.detach().float().requires_grad_() for t in lo]
     go = torch.randn(1, 2, 30, 8).to(dtype)
@@ -149,6 +173,180 @@ def test_16_bit_is_float32_inside(dtype):
         assert a.dtype == x.dtype
         err, bound = (a.float() - b).abs().max().item(), 4 * eps * (1 + b.abs().max().item())
         assert err <= bound, (err, bound)
+
+
+def test_16_bit_gemms_only_where_the_cpu_has_the_instructions(monkeypatch):
+    """GEMM16 None: 16-bit GEMMs for bfloat16 where the CPU reports avx512_bf16 or amx_bf16, for float16 where it
+    reports avx512_fp16 or amx_fp16 (and libtorch exports the GEMM); float32 copies on any other CPU. GEMM16
+    True / False forces one path; float32 and float64 never take it."""
+    if UNAVAILABLE is None:
+        monkeypatch.setattr(torch.ops.relattn_native, "has_gemm16", lambda dtype: True, raising=False)
+    monkeypatch.setattr(native, "_require", lambda: None)
+    for caps, bf16, fp16 in [({}, False, False), ({"avx512_bf16": True}, True, False),
+                             ({"amx_bf16": True, "avx512_fp16": False}, True, False),
+                             ({"avx512_fp16": True}, False, True), ({"amx_fp16": True, "amx_bf16": True}, True, True)]:
+        monkeypatch.setattr(native, "_gemm16_here", {})
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda caps=caps: caps)
+        monkeypatch.setattr(native, "GEMM16", None)
+        assert (native.uses_gemm16(torch.bfloat16), native.uses_gemm16(torch.float16)) == (bf16, fp16), caps
+        assert not native.uses_gemm16(torch.float32) and not native.uses_gemm16(torch.float64)
+        for forced in (True, False):
+            monkeypatch.setattr(native, "GEMM16", forced)
+            assert native.uses_gemm16(torch.bfloat16) is forced and native.uses_gemm16(torch.float16) is forced
+            assert not native.uses_gemm16(torch.float32)
+
+
+def _plain_error(got, plain, want):
+    """(max |got - want|, max |plain - want|)."""
+    return (got.detach().double() - want).abs().max().item(), (plain.detach().double() - want).abs().max().item()
+
+
+# (B, H, N, M, K, tables, mask, is_causal, query_offset): masks, causal, offsets and per-head tables
+_16_BIT_CASES = {
+    "full-shared": (2, 2, 70, 70, 8, "shared", None, False, 0),
+    "causal-per-head": (1, 3, 70, 70, 8, "per_head", None, True, 0),
+    "decode-offset-keypad": (2, 2, 30, 75, 6, "keys_per_head", "keypad", True, 45),
+    "offset-per-head-mask": (1, 2, 50, 60, 5, "values_per_head", "per_head", False, -7),
+}
+
+
+# Where the 2x rule does not hold for a gradient, on both paths alike: rowsum(dO * O) comes from the saved 16-bit
+# output (as in PyTorch's own flash backward), and on this decoding shape (a far-left run holding most keys) that
+# rounding reaches dq and d rel_k coherently. There the 16-bit GEMMs must stay within 2x of the float32-copies
+# path's own error.
+_SAVED_OUTPUT_BOUND = {"decode-offset-keypad": {"dq", "drel_k"}}
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", list(_16_BIT_CASES))
+def test_16_bit_gemms_within_2x_of_plain_pytorch(monkeypatch, dtype, case):
+    """16-bit GEMMs (forced; on a CPU without 16-bit instructions MKL converts inside): the output and every
+    gradient within twice the error of plain PyTorch at the same dtype ("dense" on the 16-bit inputs: 16-bit
+    matmuls, float32 softmax) against float64 (see _SAVED_OUTPUT_BOUND for the exceptions), and not the
+    float32-inside result (another computation ran)."""
+    b, h, n, m, kk, tables, mask_kind, causal, off = _16_BIT_CASES[case]
+    d = 16
+    inputs = random_inputs(b, h, n, m, d, d, kk, tables=tables, requires_grad=True, seed=21)
+    inputs = [None if t is None else (t * 0.5).detach().requires_grad_() for t in inputs]
+    mask = None if mask_kind is None else _masks(b, h, n, m, torch.Generator().manual_seed(22))[mask_kind]
+    go = torch.randn(b, h, n, d, dtype=torch.float64, generator=torch.Generator().manual_seed(23))
+    kw = dict(max_relative_position=kk, attn_mask=mask, is_causal=causal, query_offset=off)
+    want_out, want = grads("dense", inputs, go, **kw)
+    lo = [None if t is None else t.detach().to(dtype).requires_grad_() for t in inputs]
+    kw16 = {**kw, "attn_mask": mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)}
+    plain_out, plain = grads("dense", lo, go.to(dtype), **kw16)
+    monkeypatch.setattr(native, "GEMM16", True)
+    got_out, got = grads("native", lo, go.to(dtype), **kw16)
+    monkeypatch.setattr(native, "GEMM16", False)
+    f32_out, f32 = grads("native", lo, go.to(dtype), **kw16)
+    assert got_out.dtype == dtype and not torch.equal(got_out, f32_out)
+    for name, a, p, w, f in zip(["out", "dq", "dk", "dv", "drel_k", "drel_v"], [got_out, *got], [plain_out, *plain],
+                                [want_out, *want], [f32_out, *f32], strict=True):
+        err, plain_err = _plain_error(a, p, w)
+        assert a.dtype == dtype and torch.isfinite(a).all(), name
+        if name in _SAVED_OUTPUT_BOUND.get(case, ()):
+            f32_err = _plain_error(f, p, w)[0]
+            assert err <= 2 * f32_err, f"{name}: {dtype} error {err:.3g} > 2 x the float32 path's {f32_err:.3g}"
+        else:
+            assert err <= 2 * plain_err, f"{name}: {dtype} error {err:.3g} > 2 x plain PyTorch's {plain_err:.3g}"
+
+
+# ----------------------------------------------------------------------------------------- grouped k and v
+
+
+def _grouped_call(q, k, v, rel_k, rel_v, kk, mask, causal, off):
+    """The AttentionCall the op would pass on for k, v with fewer heads (tables as (Hr, 2K+1, d))."""
+    as3 = [None if t is None else (t if t.dim() == 3 else t.unsqueeze(0)) for t in (rel_k, rel_v)]
+    return AttentionCall(q, k, v, *as3, kk, mask, causal, 0.0, q.shape[-1] ** -0.5, off)
+
+
+def _grouped_run(inputs, go, kk, mask, causal, off):
+    """native on k, v with Hkv heads (through the backend's run); the output and the gradients of the inputs."""
+    present = [t for t in inputs if t is not None]
+    out = native.BACKEND.run(_grouped_call(*inputs, kk, mask, causal, off))
+    return out, torch.autograd.grad(out, present, go)
+
+
+def _repeated_reference(inputs, go, kk, mask, causal, off, dtype=None):
+    """"dense" on k, v repeated to H heads (``repeat_interleave(H // Hkv, dim=1)``), optionally cast to ``dtype``
+    first: the output and the gradients of the (unrepeated) inputs."""
+    if dtype is not None:
+        inputs = [None if t is None else t.detach().to(dtype).requires_grad_() for t in inputs]
+        go = go.to(dtype)
+    q, k, v, rk, rv = inputs
+    g = q.shape[1] // k.shape[1]
+    present = [t for t in inputs if t is not None]
+    out = fn.relative_attention(q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), rk, rv,
+                                max_relative_position=kk, attn_mask=mask, is_causal=causal, query_offset=off,
+                                backend="dense")
+    return out, torch.autograd.grad(out, present, go)
+
+
+def _grouped_inputs(b, h, hkv, n, m, d, dv, kk, tables, seed, mask_kind=None):
+    q, k, v, rk, rv = random_inputs(b, h, n, m, d, dv, kk, tables=tables, seed=seed)
+    k, v = k[:, :hkv].contiguous(), v[:, :hkv].contiguous()
+    mask = None
+    if mask_kind is not None:  # an additive float mask, as the op passes on
+        keep = _masks(b, h, n, m, torch.Generator().manual_seed(seed + 1))[mask_kind]
+        mask = keep if keep.dtype != torch.bool else torch.zeros(keep.shape, dtype=torch.float64).masked_fill(
+            ~keep, float("-inf"))
+    go = torch.randn(b, h, n, dv, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 2))
+    return [None if t is None else t.requires_grad_() for t in (q, k, v, rk, rv)], mask, go
+
+
+# (B, H, Hkv, N, M, D, Dv, K, tables, mask, is_causal, query_offset)
+_GROUPED_CASES = {
+    "mqa-full": (2, 4, 1, 13, 13, 5, 6, 3, "per_head", None, False, 0),
+    "gqa-causal": (1, 6, 3, 17, 17, 4, 4, 2, "keys_per_head", None, True, 0),
+    "gqa-decode-offset": (2, 4, 2, 5, 19, 4, 5, 3, "values_per_head", "keypad", True, 14),
+    "gqa-per-head-mask": (1, 4, 2, 12, 16, 4, 4, 4, "shared", "per_head", False, -3),
+    "gqa-no-tables": (2, 6, 2, 9, 9, 3, 3, 2, "none", None, True, 0),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("splits", [0, 3])
+@pytest.mark.parametrize("case", list(_GROUPED_CASES))
+def test_grouped_kv_matches_repeated_reference(monkeypatch, splits, case):
+    """k, v with Hkv < H heads, read in place: the output and every gradient (dk, dv summed over each group's
+    query heads) equal "dense" on k, v repeated to H heads, and the same bits from one call to the next (the
+    group's query heads are summed in a fixed order); with the backward's key segments forced (3) too."""
+    b, h, hkv, n, m, d, dv, kk, tables, mask_kind, causal, off = _GROUPED_CASES[case]
+    monkeypatch.setattr(native, "KV_SPLITS", splits)
+    inputs, mask, go = _grouped_inputs(b, h, hkv, n, m, d, dv, kk, tables, seed=31, mask_kind=mask_kind)
+    want_out, want = _repeated_reference(inputs, go, kk, mask, causal, off)
+    got_out, got = _grouped_run(inputs, go, kk, mask, causal, off)
+    again_out, again = _grouped_run(inputs, go, kk, mask, causal, off)
+    assert got_out.shape == (b, h, n, dv) and got[1].shape == (b, hkv, m, d) and got[2].shape == (b, hkv, m, dv)
+    assert_close(got_out, want_out, torch.float64, "out")
+    assert torch.equal(got_out, again_out)
+    for name, a, w, a2 in zip("q k v rel_k rel_v".split(), got, want, again, strict=False):
+        assert_close(a, w, torch.float64, f"d{name}")
+        assert torch.equal(a, a2), f"d{name} differs between runs"
+
+
+@needs_native
+@pytest.mark.parametrize("gemm16", [True, False])
+def test_grouped_kv_16_bit_within_2x_of_plain_pytorch(monkeypatch, gemm16):
+    """Grouped k, v in bfloat16, through 16-bit GEMMs and through float32 copies: within twice plain PyTorch's
+    error (dense on the repeated 16-bit k, v) against float64."""
+    monkeypatch.setattr(native, "GEMM16", gemm16)
+    inputs, mask, go = _grouped_inputs(1, 4, 2, 40, 40, 16, 16, 6, "per_head", seed=41)
+    inputs = [(t * 0.5).detach().requires_grad_() for t in inputs]
+    want_out, want = _repeated_reference(inputs, go, 6, None, True, 0)
+    plain_out, plain = _repeated_reference(inputs, go, 6, None, True, 0, dtype=torch.bfloat16)
+    lo = [t.detach().bfloat16().requires_grad_() for t in inputs]
+    got_out, got = _grouped_run(lo, go.bfloat16(), 6, None, True, 0)
+    for name, a, p, w in zip(["out", "dq", "dk", "dv", "drel_k", "drel_v"], [got_out, *got], [plain_out, *plain],
+                             [want_out, *want], strict=True):
+        err, plain_err = _plain_error(a, p, w)
+        assert a.dtype == torch.bfloat16, name
+        assert err <= 2 * plain_err, f"{name}: error {err:.3g} > 2 x plain PyTorch's {plain_err:.3g}"
+
+
+def test_native_serves_grouped_kv():
+    assert native.BACKEND.serves.grouped_kv
 
 
 @needs_native

@@ -14,8 +14,20 @@ or started. It needs a C++ compiler and ninja (a dependency of relattn, from PyP
 Where the build fails, or with ``RELATTN_NATIVE=0`` in the environment, :func:`unavailable` says why and
 "auto" uses the other backends.
 
-Any float dtype (16-bit inputs computed in float32, one rounding of the output), any additive mask that needs
-no gradient, no dropout.
+Any float dtype, any additive mask that needs no gradient, no dropout; k and v may have fewer heads than q
+(grouped-query attention, ``H % Hkv == 0``), read in place: dk and dv of a key/value head are summed over its
+query heads in a fixed order (one task per batch entry and key/value head runs its group's query heads in turn),
+so the gradients are the same bits from one run to the next.
+
+16-bit inputs (bfloat16, float16) go one of two ways (:data:`GEMM16`, :func:`uses_gemm16`):
+
+* **16-bit GEMMs** where the CPU has instructions for them (``avx512_bf16`` or AMX for bfloat16; ``avx512_fp16``
+  or AMX-FP16 for float16) and libtorch exports MKL's 16-bit GEMMs: q, k, v, dO stay 16-bit, the GEMMs over keys
+  accumulate in float32, P and dS are rounded to 16 bits for theirs (as PyTorch's own CPU flash attention does);
+  softmax statistics, relative terms and accumulators are float32.
+* **float32 copies** elsewhere: the inputs are converted to float32 and the float32 kernel runs (one rounding of
+  the output). On a CPU without 16-bit instructions this is the faster of the two (MKL's 16-bit GEMMs convert
+  inside there, and run slower than its float32 GEMM).
 """
 
 from __future__ import annotations
@@ -46,9 +58,10 @@ from ._common import (
 
 log = logging.getLogger("relattn")
 
-TILE_Q = 256  # queries per tile
+TILE_Q = 0  # queries per tile (0: by the number of queries, see tile_q)
 TILE_K = 512  # keys per block (benchmarks/fast_vs_sdpa.py: 128 and 1024 within a few percent at N = 2048)
 KV_SPLITS = 0  # backward: key segments per head (0: more than 1 only when batch * heads leaves threads idle)
+GEMM16: bool | None = None  # 16-bit inputs: True 16-bit GEMMs, False float32 copies, None the CPU decides
 
 _SOURCE = "shaw_cpu.cpp"
 _lock = threading.Lock()
@@ -59,10 +72,10 @@ def _capability_flags() -> list[str]:
     """Compiler flags for ATen's vectorized types at the CPU capability torch itself dispatches to."""
     cap = torch.backends.cpu.get_cpu_capability()
     if cap == "AVX512":
-        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512",
+        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX512",
                 "-DCPU_CAPABILITY_AVX512"]
     if cap == "AVX2":
-        return ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+        return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return ["-DCPU_CAPABILITY=DEFAULT"]
 
 
@@ -172,34 +185,79 @@ def _require() -> None:
         raise RuntimeError(f"relattn: {reason}")
 
 
-def _to_kernel(*tensors):
-    """The kernel computes in float32 or float64: 16-bit tensors go in as float32 (so the scores, the softmax
-    statistics and the sums are float32), None stays None."""
-    return [t.float() if t is not None and t.dtype in LOW_PRECISION else t for t in tensors]
+# The CPU features (torch.cpu.get_capabilities()) that make 16-bit GEMMs faster than float32 ones, per dtype.
+_GEMM16_FEATURES = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+_gemm16_here: dict[torch.dtype, bool] = {}
 
 
-def _table(t):
-    """The kernel reads a table as a contiguous (Hr, 2K+1, d) array."""
-    return None if t is None else t.contiguous()
+def gemm16_here(dtype: torch.dtype) -> bool:
+    """Whether this CPU has instructions for ``dtype`` GEMMs and libtorch exports MKL's GEMM for it (cached)."""
+    if dtype not in _gemm16_here:
+        _require()
+        caps = torch.cpu.get_capabilities()
+        _gemm16_here[dtype] = (any(caps.get(f, False) for f in _GEMM16_FEATURES[dtype])
+                               and torch.ops.relattn_native.has_gemm16(dtype))
+    return _gemm16_here[dtype]
+
+
+def uses_gemm16(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` inputs run 16-bit GEMMs: :data:`GEMM16` when set, else :func:`gemm16_here`."""
+    if dtype not in LOW_PRECISION:
+        return False
+    return gemm16_here(dtype) if GEMM16 is None else GEMM16
+
+
+def tile_q(n: int, causal: bool) -> int:
+    """Queries per tile for ``n`` queries: :data:`TILE_Q` when set; else 256, and for causal calls 32 below 192
+    queries and 64 below 768 (the split of PyTorch's own CPU flash attention): a tile's rows meet the keys up to its
+    last row only, so smaller tiles skip more of the masked half (at N = 512, 1 thread: forward 15 ms at 64 against
+    22 ms at 256, backward 55 against 65; without causal, 64 and 256 within noise)."""
+    if TILE_Q > 0:
+        return TILE_Q
+    if not causal:
+        return 256
+    return 32 if n < 192 else 64 if n < 768 else 256
+
+
+def _as_float(t):
+    """A 16-bit tensor as float32; anything else (None too) as it is."""
+    return t.float() if t is not None and t.dtype in LOW_PRECISION else t
+
+
+def _data(gemm16: bool, *tensors):
+    """q, k, v (and dO, out) for the kernel: 16-bit as they are for 16-bit GEMMs, else as float32 (the whole kernel
+    then runs in float32)."""
+    return tensors if gemm16 else tuple(_as_float(t) for t in tensors)
+
+
+def _tables_and_mask(rel_k, rel_v, mask):
+    """The tables (contiguous (Hr, 2K+1, d)) and the mask, float32 for 16-bit inputs: the kernel's compute type."""
+    return tuple(_as_float(t) for t in (None if rel_k is None else rel_k.contiguous(),
+                                        None if rel_v is None else rel_v.contiguous(), mask))
 
 
 def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
             query_offset: int):
-    """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros, lse -inf."""
+    """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros, lse -inf.
+    k, v may have Hkv heads, H % Hkv == 0."""
     _require()
-    out, lse = torch.ops.relattn_native.fwd(*_to_kernel(q, k, v, _table(rel_k), _table(rel_v), mask),
-                                            max_relative_position, is_causal, scale, query_offset, TILE_Q, TILE_K)
+    gemm16 = uses_gemm16(q.dtype)
+    tiles = tile_q(q.shape[-2], is_causal), TILE_K
+    out, lse = torch.ops.relattn_native.fwd(*_data(gemm16, q, k, v), *_tables_and_mask(rel_k, rel_v, mask),
+                                            max_relative_position, is_causal, scale, query_offset, *tiles)
     return out.to(q.dtype), lse
 
 
 def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
              scale: float, query_offset: int):
-    """(dq, dk, dv, d_rel_k, d_rel_v) in their inputs' dtypes; a table gradient is an empty tensor when the table
-    is None."""
+    """(dq, dk, dv, d_rel_k, d_rel_v) in their inputs' dtypes (dk, dv with k's Hkv heads); a table gradient is an
+    empty tensor when the table is None."""
     _require()
-    grads = torch.ops.relattn_native.bwd(*_to_kernel(grad_out, q, k, v, _table(rel_k), _table(rel_v), mask, out), lse,
-                                         max_relative_position, is_causal, scale, query_offset, TILE_Q, TILE_K,
-                                         KV_SPLITS)
+    gemm16 = uses_gemm16(q.dtype)
+    go, q_, k_, v_, out_ = _data(gemm16, grad_out, q, k, v, out)
+    tiles = tile_q(q.shape[-2], is_causal), TILE_K
+    grads = torch.ops.relattn_native.bwd(go, q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask), out_, lse,
+                                         max_relative_position, is_causal, scale, query_offset, *tiles, KV_SPLITS)
     return tuple(g if t is None else g.to(t.dtype) for g, t in zip(grads, (q, k, v, rel_k, rel_v), strict=True))
 
 
@@ -228,7 +286,8 @@ def native_attention(call: AttentionCall) -> Tensor:
     return out
 
 
-BACKEND = Backend("native", native_attention, Serves(devices=frozenset({"cpu"})),
+BACKEND = Backend("native", native_attention, Serves(devices=frozenset({"cpu"}), grouped_kv=True),
                   "C++ kernel, one flash pass: the key term added per row in three runs (left, band, right), "
-                  "the value term as 2K+1 weights per row; CPU, masks, no dropout (16-bit in float32)",
+                  "the value term as 2K+1 weights per row; CPU, masks, grouped k/v, no dropout (16-bit GEMMs "
+                  "where the CPU has 16-bit instructions, else float32)",
                   unavailable=unavailable)

@@ -1,8 +1,9 @@
 // Shaw attention in one flash pass on the CPU: the "native" backend's kernels.
 //
-// Notation (as in relattn/backends/_common.py): q (B,H,N,D), k (B,H,M,D), v (B,H,M,Dv), tables (Hk|Hv,R,D|Dv) with
-// R = 2K+1 and Hk, Hv in {1, H}; query i sits at position p = i + query_offset; key j has offset r = j - p and
-// table row t(r) = clamp(r, -K, K) + K.
+// Notation (as in relattn/backends/_common.py): q (B,H,N,D), k (B,Hkv,M,D), v (B,Hkv,M,Dv) with H % Hkv == 0 (query
+// head h reads key/value head h / (H / Hkv): grouped-query attention), tables (Hk|Hv,R,D|Dv) with R = 2K+1 and
+// Hk, Hv in {1, H}; query i sits at position p = i + query_offset; key j has offset r = j - p and table row
+// t(r) = clamp(r, -K, K) + K.
 //
 // Forward, per (batch, head, tile of queries): QA = scale * q_tile @ a^K.T (R scores per row: every relative
 // key term a row can meet). For each block of keys: S = scale * q_tile @ k_block.T, then per row the relative
@@ -12,14 +13,21 @@
 // row t (again three runs), rescaled with the output; at the end out += PW @ a^V. Nothing of size (N, M)
 // or (N, M, D) exists: per thread a (Tq, Tk) score tile and (Tq, R) rows.
 //
-// Backward, per (batch, head) -- or per (batch, head, segment of keys) when there are too few heads to keep the
-// threads busy -- tile by tile: P is recomputed from the saved log-sum-exp; dP = dO @ v.T plus
+// Backward, per (batch, key/value head) -- or per (batch, key/value head, segment of keys) when there are too few
+// heads to keep the threads busy -- over the query heads of the group in order, tile by tile (so dk and dv of a
+// key/value head are the sum over its query heads, in a fixed order): P is recomputed from the saved log-sum-exp; dP = dO @ v.T plus
 // DOA[i, t] = dO_i . a^V_t in the same three runs; dS = P * (dP - rowsum(dO * O)). dQA[i, t] (the sums of dS
 // per table row) gives dq += scale * dQA @ a^K and d a^K += scale * dQA.T @ q; PW (the sums of P) gives
 // d a^V += PW.T @ dO. Table gradients are summed per thread, then across threads.
 //
 // GEMMs go to the BLAS that libtorch_cpu exports (Fortran sgemm/dgemm). Float32 uses ATen's vectorized exp;
 // float64 (for tests) plain loops.
+//
+// 16-bit inputs (bfloat16, float16) run the GEMMs over keys (q k^T, P v, dO v^T, P^T dO, dS k, dS^T q) in 16 bits
+// with float32 accumulation, as PyTorch's own CPU flash kernel does: MKL's cblas_gemm_bf16bf16f32 /
+// cblas_gemm_f16f16f32, which libtorch_cpu exports on x86 (weak references: null where absent, and the caller
+// converts to float32 instead). P and dS are rounded to 16 bits for their GEMMs; scores, softmax statistics, the
+// relative terms (2K+1 per row, with float32 tables) and every accumulator stay float32.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,9 +48,24 @@ void sgemm(const char* ta, const char* tb, const int* m, const int* n, const int
 void dgemm(const char* ta, const char* tb, const int* m, const int* n, const int* k, const double* alpha,
            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
            const int* ldc);
+// MKL's 16-bit GEMMs (row-major layout 101, no transpose 111, transpose 112); MKL_INT is int in torch's LP64 build.
+void cblas_gemm_bf16bf16f32(int layout, int ta, int tb, int m, int n, int k, float alpha, const void* a, int lda,
+                            const void* b, int ldb, float beta, float* c, int ldc) __attribute__((weak));
+void cblas_gemm_f16f16f32(int layout, int ta, int tb, int m, int n, int k, float alpha, const void* a, int lda,
+                          const void* b, int ldb, float beta, float* c, int ldc) __attribute__((weak));
 }
 
 namespace {
+
+template <typename I>
+constexpr bool is_16_bit = std::is_same_v<I, at::BFloat16> || std::is_same_v<I, at::Half>;
+
+// Whether libtorch_cpu exports the 16-bit GEMM for ``dtype``.
+bool has_gemm16(at::ScalarType dtype) {
+  if (dtype == at::kBFloat16) return cblas_gemm_bf16bf16f32 != nullptr;
+  if (dtype == at::kHalf) return cblas_gemm_f16f16f32 != nullptr;
+  return false;
+}
 
 // Row-major C[m, n] = alpha * op(A)[m, k] @ op(B)[k, n] + beta * C; lda/ldb/ldc are row strides.
 // (Column-major BLAS sees the transposes: C.T = op(B).T @ op(A).T.)
@@ -62,6 +85,46 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a
     sgemm(&opa, &opb, &im, &in, &ik, &alpha, b, &la, a, &lb, &beta, c, &lc);
   } else {
     dgemm(&opa, &opb, &im, &in, &ik, &alpha, b, &la, a, &lb, &beta, c, &lc);
+  }
+}
+
+// Row-major C[m, n] = alpha * op(A) @ op(B) + beta * C for 16-bit A and B, float32 C (float32 accumulation).
+template <typename I>
+void gemm16(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const I* a, int64_t lda, const I* b,
+            int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m <= 0 || n <= 0) return;
+  if (k <= 0) {
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.f ? 0.f : beta * c[i * ldc + j];
+    return;
+  }
+  const auto f = std::is_same_v<I, at::BFloat16> ? cblas_gemm_bf16bf16f32 : cblas_gemm_f16f16f32;
+  f(101, ta ? 112 : 111, tb ? 112 : 111, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, a,
+    static_cast<int>(lda), b, static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
+}
+
+// The GEMMs over keys: inputs of the storage type I, result of the compute type T (I itself, or float for 16-bit I).
+template <typename I, typename T>
+void gemm_io(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const I* a, int64_t lda, const I* b,
+             int64_t ldb, T beta, T* c, int64_t ldc) {
+  if constexpr (std::is_same_v<I, T>) {
+    gemm<T>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  } else {
+    gemm16<I>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+}
+
+// rows x cols of src (row stride ld) as T: src itself when I is T, else a dense copy in buf (row stride cols).
+// Returns the rows and sets ld_out to their stride.
+template <typename T, typename I>
+const T* rows_as(const I* src, int64_t rows, int64_t cols, int64_t ld, std::vector<T>& buf, int64_t& ld_out) {
+  if constexpr (std::is_same_v<I, T>) {
+    ld_out = ld;
+    return src;
+  } else {
+    for (int64_t r = 0; r < rows; ++r) at::vec::convert(src + r * ld, buf.data() + r * cols, cols);
+    ld_out = cols;
+    return buf.data();
   }
 }
 
@@ -231,29 +294,33 @@ inline Runs runs_of(int64_t p, int64_t n0, int64_t width, int64_t kk, bool causa
 
 struct Geometry {
   int64_t B, H, N, M, D, Dv, Hk, Hv, R, kk, off;  // Hk, Hv: heads of the key / value table (1 or H)
+  int64_t Hkv, group;                              // key/value heads; query heads per key/value head (H / Hkv)
   bool causal, has_k, has_v;
 };
 
-template <typename T>
+// I: the type q, k, v (and dO, out) are stored in; T: the compute type (I, or float for 16-bit I) of the tables,
+// the mask and everything computed.
+template <typename I, typename T>
 struct Views {
-  const T *q, *k, *v, *tk, *tv, *mask;
+  const I *q, *k, *v;
+  const T *tk, *tv, *mask;
   int64_t qs[3], ks[3], vs[3];  // strides of dims 0, 1, 2 (the last is 1)
   int64_t ms[4];                // the mask's strides, 0 where it broadcasts
   // The additive mask of query row i, keys from n0 (its entry for key n0 + x is row[x * ms[3]]), or null.
   const T* mask_row(int64_t b, int64_t h, int64_t i, int64_t n0) const {
     return mask == nullptr ? nullptr : mask + b * ms[0] + h * ms[1] + i * ms[2] + n0 * ms[3];
   }
-  const T* qh(int64_t b, int64_t h) const { return q + b * qs[0] + h * qs[1]; }
-  const T* kh(int64_t b, int64_t h) const { return k + b * ks[0] + h * ks[1]; }
-  const T* vh(int64_t b, int64_t h) const { return v + b * vs[0] + h * vs[1]; }
+  const I* qh(int64_t b, int64_t h) const { return q + b * qs[0] + h * qs[1]; }
+  const I* kh(int64_t b, int64_t hkv) const { return k + b * ks[0] + hkv * ks[1]; }
+  const I* vh(int64_t b, int64_t hkv) const { return v + b * vs[0] + hkv * vs[1]; }
 };
 
-template <typename T>
-Views<T> views(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tk,
-               const at::Tensor& tv, const at::Tensor& mask) {
-  Views<T> w{q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), tk.defined() ? tk.data_ptr<T>() : nullptr,
-             tv.defined() ? tv.data_ptr<T>() : nullptr, mask.defined() ? mask.data_ptr<T>() : nullptr,
-             {}, {}, {}, {}};
+template <typename I, typename T>
+Views<I, T> views(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tk,
+                  const at::Tensor& tv, const at::Tensor& mask) {
+  Views<I, T> w{q.data_ptr<I>(), k.data_ptr<I>(), v.data_ptr<I>(), tk.defined() ? tk.data_ptr<T>() : nullptr,
+                tv.defined() ? tv.data_ptr<T>() : nullptr, mask.defined() ? mask.data_ptr<T>() : nullptr,
+                {}, {}, {}, {}};
   for (int d = 0; d < 3; ++d) {
     w.qs[d] = q.stride(d);
     w.ks[d] = k.stride(d);
@@ -298,14 +365,14 @@ inline int64_t kv_end(const Geometry& g, int64_t m0, int64_t tq) {
   return g.causal ? std::clamp<int64_t>(m0 + tq + g.off, 0, g.M) : g.M;
 }
 
-// Scores of one tile of rows against keys n0 .. n0+width-1: S[a, x] = scale * q . k + mask + the relative key
-// term (from the tile's QA rows, or none), 0 where a row may not see the key. For each row its runs and the
-// max of its scores (-inf if it sees no key there).
-template <typename T>
-void block_scores(const Geometry& g, const Views<T>& w, int64_t b, int64_t h, int64_t m0, int64_t tq, int64_t n0,
-                  int64_t width, T scale, const T* QA, T* S, int64_t ld, Runs* runs, T* rmax) {
-  gemm<T>(false, true, tq, width, g.D, scale, w.qh(b, h) + m0 * w.qs[2], w.qs[2], w.kh(b, h) + n0 * w.ks[2],
-          w.ks[2], T(0), S, ld);
+// Scores of one tile of rows (query head h, key/value head hkv) against keys n0 .. n0+width-1: S[a, x] =
+// scale * q . k + mask + the relative key term (from the tile's QA rows, or none), 0 where a row may not see the
+// key. For each row its runs and the max of its scores (-inf if it sees no key there).
+template <typename I, typename T>
+void block_scores(const Geometry& g, const Views<I, T>& w, int64_t b, int64_t h, int64_t hkv, int64_t m0, int64_t tq,
+                  int64_t n0, int64_t width, T scale, const T* QA, T* S, int64_t ld, Runs* runs, T* rmax) {
+  gemm_io<I, T>(false, true, tq, width, g.D, scale, w.qh(b, h) + m0 * w.qs[2], w.qs[2],
+                w.kh(b, hkv) + n0 * w.ks[2], w.ks[2], T(0), S, ld);
   for (int64_t a = 0; a < tq; ++a) {
     T* s = S + a * ld;
     const Runs r = runs_of(m0 + a + g.off, n0, width, g.kk, g.causal);
@@ -316,21 +383,40 @@ void block_scores(const Geometry& g, const Views<T>& w, int64_t b, int64_t h, in
   }
 }
 
-template <typename T>
-void forward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q, int64_t tile_k, T* out, T* lse) {
+// The (rows, width) block at S (row stride ld) as the operand of a GEMM over keys: S itself when I is T, else
+// rounded to I in buf (same row stride).
+template <typename I, typename T>
+const I* block_as(const T* S, int64_t rows, int64_t width, int64_t ld, std::vector<I>& buf) {
+  if constexpr (std::is_same_v<I, T>) {
+    return S;
+  } else {
+    for (int64_t a = 0; a < rows; ++a) at::vec::convert(S + a * ld, buf.data() + a * ld, width);
+    return buf.data();
+  }
+}
+
+template <typename I, typename T>
+void forward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile_q, int64_t tile_k, I* out, T* lse) {
+  constexpr bool narrow = !std::is_same_v<I, T>;
   const int64_t nq = (g.N + tile_q - 1) / tile_q, last = 2 * g.kk, R = g.R;
   at::parallel_for(0, g.B * g.H * nq, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> S(tile_q * tile_k), QA(g.has_k ? tile_q * R : 0), PW(g.has_v ? tile_q * R : 0);
     std::vector<T> acc(tile_q * g.Dv), mx(tile_q), sm(tile_q), rmax(tile_q);
+    std::vector<T> qbuf(narrow && g.has_k ? tile_q * g.D : 0);
+    std::vector<I> P16(narrow ? tile_q * tile_k : 0);
     std::vector<Runs> runs(tile_q);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / nq, m0 = (task % nq) * tile_q, b = bh / g.H, h = bh % g.H;
+      const int64_t bh = task / nq, m0 = (task % nq) * tile_q, b = bh / g.H, h = bh % g.H, hkv = h / g.group;
       const int64_t hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h, tq = std::min(tile_q, g.N - m0);
-      const T* qp = w.qh(b, h) + m0 * w.qs[2];
-      const T* vp = w.vh(b, h);
+      const I* qp = w.qh(b, h) + m0 * w.qs[2];
+      const I* vp = w.vh(b, hkv);
       const T* tk = g.has_k ? w.tk + hk * R * g.D : nullptr;
       const T* tv = g.has_v ? w.tv + hv * R * g.Dv : nullptr;
-      if (g.has_k) gemm<T>(false, true, tq, R, g.D, scale, qp, w.qs[2], tk, g.D, T(0), QA.data(), R);
+      if (g.has_k) {
+        int64_t ldq;
+        const T* qt = rows_as<T>(qp, tq, g.D, w.qs[2], qbuf, ldq);
+        gemm<T>(false, true, tq, R, g.D, scale, qt, ldq, tk, g.D, T(0), QA.data(), R);
+      }
       std::fill(PW.begin(), PW.end(), T(0));
       std::fill(acc.begin(), acc.end(), T(0));
       std::fill(mx.begin(), mx.end(), neg_inf<T>);
@@ -338,7 +424,7 @@ void forward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q,
       const int64_t end = kv_end(g, m0, tq);
       for (int64_t n0 = 0; n0 < end; n0 += tile_k) {
         const int64_t width = std::min(tile_k, end - n0);
-        block_scores(g, w, b, h, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr, S.data(), tile_k,
+        block_scores(g, w, b, h, hkv, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr, S.data(), tile_k,
                      runs.data(), rmax.data());
         for (int64_t a = 0; a < tq; ++a) {
           T* s = S.data() + a * tile_k;
@@ -363,22 +449,22 @@ void forward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q,
           mx[a] = mnew;
           if (alpha != T(1)) scale_row(acc.data() + a * g.Dv, g.Dv, alpha);
         }
-        gemm<T>(false, false, tq, g.Dv, width, T(1), S.data(), tile_k, vp + n0 * w.vs[2], w.vs[2], T(1), acc.data(),
-                g.Dv);
+        gemm_io<I, T>(false, false, tq, g.Dv, width, T(1), block_as<I>(S.data(), tq, width, tile_k, P16), tile_k,
+                      vp + n0 * w.vs[2], w.vs[2], T(1), acc.data(), g.Dv);
       }
       if (g.has_v) gemm<T>(false, false, tq, g.Dv, R, T(1), PW.data(), R, tv, g.Dv, T(1), acc.data(), g.Dv);
       for (int64_t a = 0; a < tq; ++a) {
-        T* o = out + (bh * g.N + m0 + a) * g.Dv;
+        I* o = out + (bh * g.N + m0 + a) * g.Dv;
         const T* src = acc.data() + a * g.Dv;
         if (sm[a] != sm[a]) {  // a NaN reached the row's scores
-          std::fill(o, o + g.Dv, sm[a]);
+          std::fill(o, o + g.Dv, static_cast<I>(sm[a]));
           lse[bh * g.N + m0 + a] = sm[a];
         } else if (sm[a] == T(0)) {  // no key: zeros (NaN where a NaN value met the zero weights), lse -inf
-          for (int64_t x = 0; x < g.Dv; ++x) o[x] = src[x] * T(0);
+          for (int64_t x = 0; x < g.Dv; ++x) o[x] = static_cast<I>(src[x] * T(0));
           lse[bh * g.N + m0 + a] = neg_inf<T>;
         } else {
           const T inv = T(1) / sm[a];
-          for (int64_t x = 0; x < g.Dv; ++x) o[x] = src[x] * inv;
+          for (int64_t x = 0; x < g.Dv; ++x) o[x] = static_cast<I>(src[x] * inv);
           lse[bh * g.N + m0 + a] = mx[a] + std::log(sm[a]);
         }
       }
@@ -386,16 +472,18 @@ void forward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q,
   });
 }
 
-// The backward's tasks are (head, segment of key blocks): each owns its keys' dk and dv rows; with more than one
-// segment per head, each writes its share of dq into its own (B*H, N, D) slab of ``dq`` (summed afterwards in
-// segment order, so the result does not depend on the threads).
-template <typename T>
-void backward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q, int64_t tile_k, int64_t splits,
-                   const T* dout, const int64_t* dos, const T* out, const T* lse, T* dq, T* dk, T* dv, T* drk,
+// The backward's tasks are (batch, key/value head, segment of key blocks): each owns its keys' dk and dv rows and
+// runs the query heads of its group in order; with more than one segment per head, each writes its share of dq
+// into its own (B*H, N, D) slab of ``dq`` (summed afterwards in segment order, so the result does not depend on
+// the threads).
+template <typename I, typename T>
+void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile_q, int64_t tile_k, int64_t splits,
+                   const I* dout, const int64_t* dos, const I* out, const T* lse, T* dq, T* dk, T* dv, T* drk,
                    T* drv) {
+  constexpr bool narrow = !std::is_same_v<I, T>;
   const int64_t last = 2 * g.kk, R = g.R;
   const int64_t blocks = (g.M + tile_k - 1) / tile_k, per_split = (blocks + splits - 1) / splits;
-  at::parallel_for(0, g.B * g.H * splits, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, g.B * g.Hkv * splits, 1, [&](int64_t begin, int64_t end) {
     const int64_t tid = at::get_thread_num();
     T* drk_t = g.has_k ? drk + tid * g.Hk * R * g.D : nullptr;
     T* drv_t = g.has_v ? drv + tid * g.Hv * R * g.Dv : nullptr;
@@ -403,83 +491,95 @@ void backward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q
     std::vector<Runs> runs(tile_q);
     std::vector<T> QA(g.has_k ? tile_q * R : 0), dQA(g.has_k ? tile_q * R : 0);
     std::vector<T> DOA(g.has_v ? tile_q * R : 0), PW(g.has_v ? tile_q * R : 0);
+    std::vector<T> qbuf(narrow && g.has_k ? tile_q * g.D : 0), dobuf(narrow && g.has_v ? tile_q * g.Dv : 0);
+    std::vector<I> B16(narrow ? tile_q * tile_k : 0);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / splits, split = task % splits;
-      const int64_t b = bh / g.H, h = bh % g.H, hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h;
+      const int64_t bkv = task / splits, split = task % splits, b = bkv / g.Hkv, hkv = bkv % g.Hkv;
       const int64_t keys_lo = split * per_split * tile_k, keys_hi = std::min(g.M, (split + 1) * per_split * tile_k);
-      const T* kp = w.kh(b, h);
-      const T* vp = w.vh(b, h);
-      const T* tk = g.has_k ? w.tk + hk * R * g.D : nullptr;
-      const T* tv = g.has_v ? w.tv + hv * R * g.Dv : nullptr;
-      T* dqh = dq + (split * g.B * g.H + bh) * g.N * g.D;
-      T* dkh = dk + bh * g.M * g.D;
-      T* dvh = dv + bh * g.M * g.Dv;
-      for (int64_t m0 = 0; m0 < g.N; m0 += tile_q) {
-        const int64_t tq = std::min(tile_q, g.N - m0);
-        const int64_t end = std::min(kv_end(g, m0, tq), keys_hi);
-        if (end <= keys_lo) continue;  // this tile meets none of the segment's keys
-        const T* qt = w.qh(b, h) + m0 * w.qs[2];
-        const T* dot = dout + b * dos[0] + h * dos[1] + m0 * dos[2];
-        const T* ot = out + (bh * g.N + m0) * g.Dv;
-        const T* lt = lse + bh * g.N + m0;
-        for (int64_t a = 0; a < tq; ++a) {
-          T t = 0;
-          for (int64_t x = 0; x < g.Dv; ++x) t += dot[a * dos[2] + x] * ot[a * g.Dv + x];
-          dsum[a] = t;
-        }
-        if (g.has_k) {
-          gemm<T>(false, true, tq, R, g.D, scale, qt, w.qs[2], tk, g.D, T(0), QA.data(), R);
-          std::fill(dQA.begin(), dQA.end(), T(0));
-        }
-        if (g.has_v) {
-          gemm<T>(false, true, tq, R, g.Dv, T(1), dot, dos[2], tv, g.Dv, T(0), DOA.data(), R);
-          std::fill(PW.begin(), PW.end(), T(0));
-        }
-        for (int64_t n0 = keys_lo; n0 < end; n0 += tile_k) {
-          const int64_t width = std::min(tile_k, end - n0);
-          block_scores(g, w, b, h, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr, P.data(), tile_k,
-                       runs.data(), rmax.data());
-          for (int64_t a = 0; a < tq; ++a) {  // P = exp(S - lse)
-            T* s = P.data() + a * tile_k;
-            const Runs& r = runs[a];
-            if (r.valid == 0 || rmax[a] == neg_inf<T> || !(lt[a] > neg_inf<T>)) {
-              // no key here, or none at all (lse -inf): zeros. A NaN row (lse NaN): NaN weights, so NaN reaches
-              // every gradient the row feeds.
-              const T p = lt[a] == lt[a] || r.valid == 0 ? T(0) : lt[a];
-              std::fill(s, s + r.valid, p);
-              std::fill(s + r.valid, s + width, T(0));
-              if (g.has_v && p != T(0)) fold_runs(PW.data() + a * R, s, r, last, p, p);
-              continue;
-            }
-            exp_shift(s, r.valid, -lt[a]);
-            if (g.has_v) fold_runs(PW.data() + a * R, s, r, last, sum(s, r.left), sum(s + r.right, r.valid - r.right));
-          }
-          // dv += P.T @ dO;  dP = dO @ v.T (+ the value term)
-          gemm<T>(true, false, width, g.Dv, tq, T(1), P.data(), tile_k, dot, dos[2], T(1), dvh + n0 * g.Dv, g.Dv);
-          gemm<T>(false, true, tq, width, g.Dv, T(1), dot, dos[2], vp + n0 * w.vs[2], w.vs[2], T(0), dP.data(), tile_k);
+      const I* kp = w.kh(b, hkv);
+      const I* vp = w.vh(b, hkv);
+      T* dkh = dk + bkv * g.M * g.D;
+      T* dvh = dv + bkv * g.M * g.Dv;
+      for (int64_t h = hkv * g.group; h < (hkv + 1) * g.group; ++h) {
+        const int64_t bh = b * g.H + h, hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h;
+        const T* tk = g.has_k ? w.tk + hk * R * g.D : nullptr;
+        const T* tv = g.has_v ? w.tv + hv * R * g.Dv : nullptr;
+        T* dqh = dq + (split * g.B * g.H + bh) * g.N * g.D;
+        for (int64_t m0 = 0; m0 < g.N; m0 += tile_q) {
+          const int64_t tq = std::min(tile_q, g.N - m0);
+          const int64_t end = std::min(kv_end(g, m0, tq), keys_hi);
+          if (end <= keys_lo) continue;  // this tile meets none of the segment's keys
+          const I* qt = w.qh(b, h) + m0 * w.qs[2];
+          const I* dot = dout + b * dos[0] + h * dos[1] + m0 * dos[2];
+          const I* ot = out + (bh * g.N + m0) * g.Dv;
+          const T* lt = lse + bh * g.N + m0;
           for (int64_t a = 0; a < tq; ++a) {
-            T* ds = dP.data() + a * tile_k;
-            const T* p = P.data() + a * tile_k;
-            const Runs& r = runs[a];
-            if (g.has_v) add_key_term(ds, r, DOA.data() + a * R, last);
-            const T d = dsum[a];
-            const T lo = softmax_grad_sum(ds, p, r.left, d);
-            softmax_grad_sum(ds + r.left, p + r.left, r.right - r.left, d);
-            const T hi = softmax_grad_sum(ds + r.right, p + r.right, r.valid - r.right, d);
-            std::fill(ds + r.valid, ds + width, T(0));
-            if (g.has_k) fold_runs(dQA.data() + a * R, ds, r, last, lo, hi);
+            T t = 0;
+            for (int64_t x = 0; x < g.Dv; ++x)
+              t += static_cast<T>(dot[a * dos[2] + x]) * static_cast<T>(ot[a * g.Dv + x]);
+            dsum[a] = t;
           }
-          // dq += scale dS @ k;  dk += scale dS.T @ q
-          gemm<T>(false, false, tq, g.D, width, scale, dP.data(), tile_k, kp + n0 * w.ks[2], w.ks[2], T(1),
-                  dqh + m0 * g.D, g.D);
-          gemm<T>(true, false, width, g.D, tq, scale, dP.data(), tile_k, qt, w.qs[2], T(1), dkh + n0 * g.D, g.D);
-        }
-        if (g.has_k) {
-          gemm<T>(false, false, tq, g.D, R, scale, dQA.data(), R, tk, g.D, T(1), dqh + m0 * g.D, g.D);
-          gemm<T>(true, false, R, g.D, tq, scale, dQA.data(), R, qt, w.qs[2], T(1), drk_t + hk * R * g.D, g.D);
-        }
-        if (g.has_v) {
-          gemm<T>(true, false, R, g.Dv, tq, T(1), PW.data(), R, dot, dos[2], T(1), drv_t + hv * R * g.Dv, g.Dv);
+          int64_t ldq = 0, ldo = 0;  // the tile's q and dO rows as T, for the GEMMs with the tables
+          const T* qf = g.has_k ? rows_as<T>(qt, tq, g.D, w.qs[2], qbuf, ldq) : nullptr;
+          const T* dof = g.has_v ? rows_as<T>(dot, tq, g.Dv, dos[2], dobuf, ldo) : nullptr;
+          if (g.has_k) {
+            gemm<T>(false, true, tq, R, g.D, scale, qf, ldq, tk, g.D, T(0), QA.data(), R);
+            std::fill(dQA.begin(), dQA.end(), T(0));
+          }
+          if (g.has_v) {
+            gemm<T>(false, true, tq, R, g.Dv, T(1), dof, ldo, tv, g.Dv, T(0), DOA.data(), R);
+            std::fill(PW.begin(), PW.end(), T(0));
+          }
+          for (int64_t n0 = keys_lo; n0 < end; n0 += tile_k) {
+            const int64_t width = std::min(tile_k, end - n0);
+            block_scores(g, w, b, h, hkv, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr, P.data(), tile_k,
+                         runs.data(), rmax.data());
+            for (int64_t a = 0; a < tq; ++a) {  // P = exp(S - lse)
+              T* s = P.data() + a * tile_k;
+              const Runs& r = runs[a];
+              if (r.valid == 0 || rmax[a] == neg_inf<T> || !(lt[a] > neg_inf<T>)) {
+                // no key here, or none at all (lse -inf): zeros. A NaN row (lse NaN): NaN weights, so NaN reaches
+                // every gradient the row feeds.
+                const T p = lt[a] == lt[a] || r.valid == 0 ? T(0) : lt[a];
+                std::fill(s, s + r.valid, p);
+                std::fill(s + r.valid, s + width, T(0));
+                if (g.has_v && p != T(0)) fold_runs(PW.data() + a * R, s, r, last, p, p);
+                continue;
+              }
+              exp_shift(s, r.valid, -lt[a]);
+              if (g.has_v)
+                fold_runs(PW.data() + a * R, s, r, last, sum(s, r.left), sum(s + r.right, r.valid - r.right));
+            }
+            // dv += P.T @ dO;  dP = dO @ v.T (+ the value term)
+            gemm_io<I, T>(true, false, width, g.Dv, tq, T(1), block_as<I>(P.data(), tq, width, tile_k, B16), tile_k,
+                          dot, dos[2], T(1), dvh + n0 * g.Dv, g.Dv);
+            gemm_io<I, T>(false, true, tq, width, g.Dv, T(1), dot, dos[2], vp + n0 * w.vs[2], w.vs[2], T(0),
+                          dP.data(), tile_k);
+            for (int64_t a = 0; a < tq; ++a) {
+              T* ds = dP.data() + a * tile_k;
+              const T* p = P.data() + a * tile_k;
+              const Runs& r = runs[a];
+              if (g.has_v) add_key_term(ds, r, DOA.data() + a * R, last);
+              const T d = dsum[a];
+              const T lo = softmax_grad_sum(ds, p, r.left, d);
+              softmax_grad_sum(ds + r.left, p + r.left, r.right - r.left, d);
+              const T hi = softmax_grad_sum(ds + r.right, p + r.right, r.valid - r.right, d);
+              std::fill(ds + r.valid, ds + width, T(0));
+              if (g.has_k) fold_runs(dQA.data() + a * R, ds, r, last, lo, hi);
+            }
+            // dq += scale dS @ k;  dk += scale dS.T @ q
+            const I* dS = block_as<I>(dP.data(), tq, width, tile_k, B16);
+            gemm_io<I, T>(false, false, tq, g.D, width, scale, dS, tile_k, kp + n0 * w.ks[2], w.ks[2], T(1),
+                          dqh + m0 * g.D, g.D);
+            gemm_io<I, T>(true, false, width, g.D, tq, scale, dS, tile_k, qt, w.qs[2], T(1), dkh + n0 * g.D, g.D);
+          }
+          if (g.has_k) {
+            gemm<T>(false, false, tq, g.D, R, scale, dQA.data(), R, tk, g.D, T(1), dqh + m0 * g.D, g.D);
+            gemm<T>(true, false, R, g.D, tq, scale, dQA.data(), R, qf, ldq, T(1), drk_t + hk * R * g.D, g.D);
+          }
+          if (g.has_v) {
+            gemm<T>(true, false, R, g.Dv, tq, T(1), PW.data(), R, dof, ldo, T(1), drv_t + hv * R * g.Dv, g.Dv);
+          }
         }
       }
     }
@@ -490,21 +590,35 @@ void backward_impl(const Geometry& g, const Views<T>& w, T scale, int64_t tile_q
 
 at::Tensor rows_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
+bool is_16_bit_type(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
+// float32 for 16-bit q (the type of its tables, mask and statistics), else q's own.
+at::ScalarType compute_type(const at::Tensor& q) {
+  return is_16_bit_type(q.scalar_type()) ? at::kFloat : q.scalar_type();
+}
+
 Geometry geometry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tk,
                   const at::Tensor& tv, int64_t kk, bool causal, int64_t off) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "relattn native: q, k, v must be 4-D");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
-              "relattn native: float32 or float64 only, got ", q.scalar_type());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-              "relattn native: dtypes differ");
+  const at::ScalarType dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble || is_16_bit_type(dt),
+              "relattn native: float32, float64, bfloat16 or float16 only, got ", dt);
+  TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt, "relattn native: dtypes differ");
+  TORCH_CHECK(!is_16_bit_type(dt) || has_gemm16(dt), "relattn native: this libtorch exports no ", dt,
+              " GEMM with float32 output (pass float32 tensors)");
   TORCH_CHECK(q.device().is_cpu(), "relattn native: CPU tensors only");
-  Geometry g{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), v.size(3), 1, 1, 2 * kk + 1, kk, off,
+  const int64_t H = q.size(1), Hkv = k.size(1);
+  TORCH_CHECK(Hkv > 0 && v.size(1) == Hkv && H % Hkv == 0 && k.size(0) == q.size(0) && v.size(0) == q.size(0) &&
+                  k.size(3) == q.size(3) && v.size(2) == k.size(2),
+              "relattn native: k, v must be (B, Hkv, M, D), (B, Hkv, M, Dv) with H % Hkv == 0; got q ", q.sizes(),
+              ", k ", k.sizes(), ", v ", v.sizes());
+  Geometry g{q.size(0), H, q.size(2), k.size(2), q.size(3), v.size(3), 1, 1, 2 * kk + 1, kk, off, Hkv, H / Hkv,
              causal, tk.defined(), tv.defined()};
   for (const auto* t : {&tk, &tv}) {
     if (t->defined()) {
-      TORCH_CHECK(t->dim() == 3 && t->size(1) == g.R && t->is_contiguous() && t->scalar_type() == q.scalar_type() &&
+      TORCH_CHECK(t->dim() == 3 && t->size(1) == g.R && t->is_contiguous() && t->scalar_type() == compute_type(q) &&
                       (t->size(0) == 1 || t->size(0) == g.H) && t->size(2) == (t == &tk ? g.D : g.Dv),
-                  "relattn native: tables must be contiguous (1 or H, 2K+1, d) of q's dtype");
+                  "relattn native: tables must be contiguous (1 or H, 2K+1, d) of q's dtype (float32 for 16-bit q)");
     }
   }
   g.Hk = tk.defined() ? tk.size(0) : 1;
@@ -521,16 +635,28 @@ void clamp_tiles(const Geometry& g, int64_t& tile_q, int64_t& tile_k) {
 
 at::Tensor opt(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
 
-// An additive mask of q's dtype, 4-D and broadcastable to (B, H, N, M), keys contiguous or broadcast.
+// An additive mask of q's compute dtype, 4-D and broadcastable to (B, H, N, M), keys contiguous or broadcast.
 at::Tensor checked_mask(at::Tensor mask, const at::Tensor& q, const at::Tensor& k) {
   if (!mask.defined()) return mask;
-  TORCH_CHECK(mask.dim() == 4 && mask.scalar_type() == q.scalar_type(),
-              "relattn native: the mask must be 4-D and of q's dtype");
+  TORCH_CHECK(mask.dim() == 4 && mask.scalar_type() == compute_type(q),
+              "relattn native: the mask must be 4-D and of q's dtype (float32 for 16-bit q)");
   const int64_t want[4] = {q.size(0), q.size(1), q.size(2), k.size(2)};
   for (int d = 0; d < 4; ++d)
     TORCH_CHECK(mask.size(d) == 1 || mask.size(d) == want[d], "relattn native: mask dim ", d, " is ",
                 mask.size(d), ", not 1 or ", want[d]);
   return mask.size(3) > 1 && mask.stride(3) != 1 ? mask.contiguous() : mask;
+}
+
+// fn.template operator()<I, T>() for q's storage type I and compute type T.
+template <typename F>
+void dispatch_types(at::ScalarType dt, F&& fn) {
+  switch (dt) {
+    case at::kFloat: return fn.template operator()<float, float>();
+    case at::kDouble: return fn.template operator()<double, double>();
+    case at::kBFloat16: return fn.template operator()<at::BFloat16, float>();
+    case at::kHalf: return fn.template operator()<at::Half, float>();
+    default: TORCH_CHECK(false, "relattn native: unsupported dtype ", dt);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> shaw_fwd(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
@@ -543,15 +669,16 @@ std::tuple<at::Tensor, at::Tensor> shaw_fwd(const at::Tensor& q_, const at::Tens
   const Geometry g = geometry(q, k, v, tk, tv, kk, is_causal, query_offset);
   clamp_tiles(g, tile_q, tile_k);
   at::Tensor out = at::empty({g.B, g.H, g.N, g.Dv}, q.options());
-  at::Tensor lse = at::empty({g.B, g.H, g.N}, q.options());
+  at::Tensor lse = at::empty({g.B, g.H, g.N}, q.options().dtype(compute_type(q)));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relattn_native_fwd", [&] {
-    forward_impl<scalar_t>(g, views<scalar_t>(q, k, v, tk, tv, mask), static_cast<scalar_t>(scale), tile_q, tile_k,
-                           out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
+  dispatch_types(q.scalar_type(), [&]<typename I, typename T>() {
+    forward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask), static_cast<T>(scale), tile_q, tile_k,
+                       out.data_ptr<I>(), lse.data_ptr<T>());
   });
   return {out, lse};
 }
 
+// Gradients in the compute type (float32 for 16-bit inputs); dk, dv (B, Hkv, M, D|Dv).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> shaw_bwd(
     const at::Tensor& grad_out_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
     const std::optional<at::Tensor>& rel_k, const std::optional<at::Tensor>& rel_v,
@@ -561,27 +688,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> shaw_bwd(
   at::Tensor grad_out = rows_contiguous(grad_out_), out = out_.contiguous(), lse = lse_.contiguous();
   at::Tensor tk = opt(rel_k), tv = opt(rel_v), mask = checked_mask(opt(mask_), q, k);
   const Geometry g = geometry(q, k, v, tk, tv, kk, is_causal, query_offset);
+  TORCH_CHECK(grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type() &&
+                  lse.scalar_type() == compute_type(q),
+              "relattn native: grad_out and out must have q's dtype, lse its compute dtype");
   clamp_tiles(g, tile_q, tile_k);
   const int64_t threads = at::get_num_threads(), blocks = (g.M + tile_k - 1) / tile_k;
   // Key segments per head: 1 when the heads spread evenly over the threads or there are two per thread, else
   // enough for two tasks per thread (fewer idle threads at the end); kv_splits > 0 forces the number.
-  const int64_t heads = std::max<int64_t>(1, g.B * g.H);
+  const int64_t heads = std::max<int64_t>(1, g.B * g.Hkv);
   const bool even = heads % threads == 0 || heads >= 2 * threads;
   const int64_t wanted = kv_splits > 0 ? kv_splits : (even ? 1 : (2 * threads + heads - 1) / heads);
   const int64_t splits = std::max<int64_t>(1, std::min(blocks, wanted));
-  at::Tensor dq = at::zeros({splits, g.B, g.H, g.N, g.D}, q.options());
-  at::Tensor dk = at::zeros({g.B, g.H, g.M, g.D}, q.options());
-  at::Tensor dv = at::zeros({g.B, g.H, g.M, g.Dv}, q.options());
-  at::Tensor drk = g.has_k ? at::zeros({threads, g.Hk, g.R, g.D}, q.options()) : at::empty({0}, q.options());
-  at::Tensor drv = g.has_v ? at::zeros({threads, g.Hv, g.R, g.Dv}, q.options()) : at::empty({0}, q.options());
+  const auto opts = q.options().dtype(compute_type(q));
+  at::Tensor dq = at::zeros({splits, g.B, g.H, g.N, g.D}, opts);
+  at::Tensor dk = at::zeros({g.B, g.Hkv, g.M, g.D}, opts);
+  at::Tensor dv = at::zeros({g.B, g.Hkv, g.M, g.Dv}, opts);
+  at::Tensor drk = g.has_k ? at::zeros({threads, g.Hk, g.R, g.D}, opts) : at::empty({0}, opts);
+  at::Tensor drv = g.has_v ? at::zeros({threads, g.Hv, g.R, g.Dv}, opts) : at::empty({0}, opts);
   if (g.N > 0 && g.M > 0) {
     const int64_t dos[3] = {grad_out.stride(0), grad_out.stride(1), grad_out.stride(2)};
-    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relattn_native_bwd", [&] {
-      backward_impl<scalar_t>(g, views<scalar_t>(q, k, v, tk, tv, mask), static_cast<scalar_t>(scale), tile_q, tile_k,
-                              splits, grad_out.data_ptr<scalar_t>(), dos, out.data_ptr<scalar_t>(),
-                              lse.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
-                              dv.data_ptr<scalar_t>(), g.has_k ? drk.data_ptr<scalar_t>() : nullptr,
-                              g.has_v ? drv.data_ptr<scalar_t>() : nullptr);
+    dispatch_types(q.scalar_type(), [&]<typename I, typename T>() {
+      backward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask), static_cast<T>(scale), tile_q, tile_k, splits,
+                          grad_out.data_ptr<I>(), dos, out.data_ptr<I>(), lse.data_ptr<T>(), dq.data_ptr<T>(),
+                          dk.data_ptr<T>(), dv.data_ptr<T>(), g.has_k ? drk.data_ptr<T>() : nullptr,
+                          g.has_v ? drv.data_ptr<T>() : nullptr);
     });
   }
   return {splits == 1 ? dq[0] : dq.sum(0), dk, dv, g.has_k ? drk.sum(0) : drk, g.has_v ? drv.sum(0) : drv};
@@ -595,6 +725,7 @@ TORCH_LIBRARY(relattn_native, m) {
   m.def("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, Tensor out, "
         "Tensor lse, int K, bool is_causal, float scale, int query_offset, int tile_q, int tile_k, int kv_splits) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("has_gemm16(ScalarType dtype) -> bool", [](at::ScalarType dtype) { return has_gemm16(dtype); });
 }
 
 TORCH_LIBRARY_IMPL(relattn_native, CPU, m) {
