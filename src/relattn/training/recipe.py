@@ -9,6 +9,7 @@ DistributedDataParallel, and only rank 0 writes.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import math
 import os
@@ -320,10 +321,22 @@ class TrainingRecipe:
             "resumed_from": self.resumed_from,
         }
 
-    def cleanup(self) -> None:
-        """Leave the process group of a distributed run."""
-        if getattr(self, "dist", None) is not None and self.dist.enabled and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    def cleanup(self, *, finished: bool = False) -> None:
+        """Leave the process group of a distributed run (safe to call whether or not ``setup()`` got that far).
+
+        The DistributedDataParallel wrapper goes first: its reducer holds the process group, and a reducer freed
+        after ``destroy_process_group()`` (when the recipe is dropped) joins gloo's threads in its destructor and
+        can hang the process at exit. ``finished=True`` (every rank completed ``train()``) also waits for the
+        other ranks first, so none tears the group down while another still uses it; after a failure there is
+        no such wait, since the other ranks may never arrive.
+        """
+        if getattr(self, "dist", None) is None or not self.dist.enabled or not torch.distributed.is_initialized():
+            return
+        if finished:
+            torch.distributed.barrier()
+        self.wrapped = getattr(self, "model", None)
+        gc.collect()  # the wrapper and its reducer, should a reference cycle hold them
+        torch.distributed.destroy_process_group()
 
 
 __all__ = ["Dist", "TrainResult", "TrainingDiverged", "TrainingRecipe", "fresh_model", "lr_at", "parameter_groups"]
