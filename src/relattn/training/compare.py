@@ -18,6 +18,7 @@ from pathlib import Path
 from .._io import atomic_write_text, check_output_dir, save_figure
 from .arguments import add_model_arguments, add_train_arguments, configs_from_args, run_command
 from .model import POSITIONS, TransformerConfig
+from .recipe import check_run
 from .train import TrainOptions, train
 
 COMPARE_DEFAULTS = TrainOptions(out="relattn-runs/compare", steps=700, sample_bytes=120)
@@ -29,6 +30,8 @@ def compare(config: TransformerConfig, options: TrainOptions, positions=POSITION
 
     Each run is ``train(replace(config, positions=pos), replace(options, out=OUT/pos, resume="latest"))``.
     """
+    for pos in positions:  # every run's refusals before any folder is made
+        check_run(replace(config, positions=pos), options)
     out = check_output_dir(options.out)
     results = {}
     for pos in positions:
