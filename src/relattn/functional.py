@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .backends import AttentionCall, Backend, resolve
+from .backends import AttentionCall, Backend, check_name, refusals, resolve
 from .positions import check_beyond, check_window, symmetric_table
 
 
@@ -153,6 +153,13 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     return AttentionCall(_as_4d(q), _as_4d(k), _as_4d(v), rel_k, rel_v, kk, mask, is_causal, float(dropout_p),
                          float(scale), query_offset)
+
+
+def backend_refusals(backend: str, **kinds) -> list[str]:
+    """``backend`` checked as a name (a ValueError listing the valid ones), then every reason it will refuse calls
+    of ``kinds`` (:func:`relattn.backends.refusals`'s keywords: device, dtype, dropout, mask, head dims), known
+    before any call; empty for ``"auto"`` and for a backend that serves them."""
+    return refusals(check_name(backend), **kinds)
 
 
 def _served(backend: Backend, call: AttentionCall) -> AttentionCall:

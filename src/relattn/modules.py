@@ -7,9 +7,8 @@ import math
 import torch
 from torch import nn
 
-from .backends import check_name, refusals
 from .cache import KVCache
-from .functional import relative_attention, relative_attention_with_weights
+from .functional import backend_refusals, relative_attention, relative_attention_with_weights
 from .positions import check_beyond, check_window, table_rows
 
 _MASKS = {  # argument -> what its bool and float forms mean, as nn.MultiheadAttention takes them
@@ -164,10 +163,9 @@ class RelativeMultiheadAttention(nn.Module):
         kv_heads = num_heads if num_kv_heads is None else _positive("num_kv_heads", num_kv_heads)
         if num_heads % kv_heads:
             raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({num_heads})")
-        check_name(backend)
         head_dim = embed_dim // num_heads
-        refused = refusals(backend, dropout=dropout > 0, head_dim=head_dim, dtype=dtype,
-                           device=None if device is None else torch.device(device).type)
+        refused = backend_refusals(backend, dropout=dropout > 0, head_dim=head_dim, dtype=dtype,
+                                   device=None if device is None else torch.device(device).type)
         if refused:
             raise ValueError(f"backend {backend!r} cannot serve this module: {'; '.join(refused)}")
         factory = {"device": device, "dtype": dtype}
