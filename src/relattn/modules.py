@@ -25,10 +25,10 @@ def _check_mask_dtype(name: str, mask) -> None:
 
 
 def _attn_mask_4d(mask: torch.Tensor, batch: int, heads: int, n: int, m: int) -> torch.Tensor:
-    """An nn.MultiheadAttention ``attn_mask`` ((N, M), (B*num_heads, N, M) or (B, H, N, M) broadcastable) as 4-D,
-    its shape checked as passed."""
+    """An nn.MultiheadAttention ``attn_mask`` ((N, M) or (B, H, N, M), broadcastable, or (B*num_heads, N, M)) as
+    4-D, its shape checked as passed."""
     shape = tuple(mask.shape)
-    if mask.dim() == 2 and shape == (n, m):
+    if mask.dim() == 2 and all(s in (1, t) for s, t in zip(shape, (n, m), strict=True)):
         return mask[None, None]
     if mask.dim() == 3 and shape == (batch * heads, n, m):
         return mask.view(batch, heads, n, m)
