@@ -297,9 +297,9 @@ class RelativeMultiheadAttention(nn.Module):
             raise ValueError(f"key and value must have the same length; got {key.shape[at]} and {value.shape[at]}")
         return batched
 
-    def _heads(self, x: torch.Tensor, batch_first: bool, heads: int) -> torch.Tensor:
-        """A projection, (B, L, heads*D) or (L, B, heads*D), as (B, heads, L, D) (a view)."""
-        x = x.unflatten(-1, (heads, self.head_dim))
+    def _heads(self, x: torch.Tensor, batch_first: bool = True, heads: int | None = None) -> torch.Tensor:
+        """A projection, (B, L, heads*D) or (L, B, heads*D), as (B, heads, L, D) (a view); heads: ``num_heads``."""
+        x = x.unflatten(-1, (self.num_heads if heads is None else heads, self.head_dim))
         return x.transpose(1, 2) if batch_first else x.permute(1, 2, 0, 3)
 
     def _masks(self, key_padding_mask, attn_mask, *, batched: bool, b: int, n: int, m: int, dtype):
