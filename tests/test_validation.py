@@ -14,7 +14,9 @@ def base(**over):
 
 
 CASES = [
-    (dict(q=torch.randn(3, 5, 4)), ValueError, r"q must be 4-D .* got 3 dims \(3, 5, 4\)"),
+    (dict(q=torch.randn(4)), ValueError, r"q must be \(\.\.\., L, D\), at least 2-D; got 1 dims \(4\)"),
+    (dict(q=torch.randn(3, 5, 4)), ValueError, r"k must be \(\.\.\., H, M, D\) = \(3, M, 4\) to match q \(3, 5, 4\); "
+                                               r"got \(2, 3, 6, 4\)"),
     (dict(k=torch.randn(2, 3, 6, 5)), ValueError, r"k must be \(B, H, M, D\) = \(2, 3, M, 4\).*got \(2, 3, 6, 5\)"),
     (dict(k=torch.randn(2, 2, 6, 4)), ValueError, r"k must be .*got \(2, 2, 6, 4\)"),
     (dict(v=torch.randn(2, 3, 5, 7)), ValueError, r"v must be \(B, H, M, Dv\) = \(2, 3, 6, Dv\).*got \(2, 3, 5, 7\)"),

@@ -10,7 +10,7 @@
 
 from .backends import BACKENDS
 from .cache import KVCache
-from .functional import relative_attention, relative_attention_weights
+from .functional import relative_attention, relative_attention_weights, relative_attention_with_weights
 from .modules import RelativeMultiheadAttention, upgrade_mha
 from .positions import relative_position_index
 
@@ -22,6 +22,7 @@ __all__ = [
     "RelativeMultiheadAttention",
     "relative_attention",
     "relative_attention_weights",
+    "relative_attention_with_weights",
     "relative_position_index",
     "upgrade_mha",
 ]

@@ -11,24 +11,44 @@ import torch
 class KVCache:
     """Keys (B, H, L, D) and values (B, H, L, Dv) seen so far, for incremental decoding.
 
-    Pass the same cache to every call of one layer; each call appends its keys and values, and the
-    queries of that call sit at positions ``L_before .. L_before + N - 1``.
+    Pass the same cache to every call of one layer. In self-attention (the module's ``key`` is its ``query``)
+    each call appends its keys and values, and the queries of that call sit at positions
+    ``L_before .. L_before + N - 1``.
+
+    In cross-attention (the module's ``key`` is another tensor: an encoder's memory) the cache holds the memory's
+    keys and values once: the first call projects and stores them, later calls reuse them (and must pass the same
+    memory), and the queries of each call continue after those of the calls before (:attr:`position`). Which
+    kind a cache is, is set by its first call; handing it the other kind is an error. :meth:`reset` empties it.
 
     ``KVCache()`` grows by concatenation (each call copies the history) and can carry gradients.
     ``KVCache(max_len=T)`` is static: the first call allocates (B, H, T, D) buffers and every call
     writes its keys and values into them in place, so a step costs no copy of the history; ``k`` and
     ``v`` are views of the filled part. Going past ``T`` positions is an error. A static cache is for
     inference: it refuses keys that require gradients (its in-place writes would invalidate saved
-    graphs), so use it under ``torch.no_grad()`` / ``torch.inference_mode()``.
+    graphs), so use it under ``torch.no_grad()`` / ``torch.inference_mode()``. (A cross-attention cache holds
+    the memory's keys and values as they are, up to ``T`` of them.)
     """
 
     def __init__(self, max_len: int | None = None) -> None:
         if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
             raise ValueError(f"max_len must be None (growing cache) or a positive int, got {max_len!r}")
         self.max_len = max_len
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (and the kind of attention): the cache is as new, for the next sequence."""
         self._k: torch.Tensor | None = None  # growing: the keys; static: the (B, H, max_len, D) buffer
         self._v: torch.Tensor | None = None
         self._len = 0
+        self.kind: str | None = None  # "self" or "cross", set by the first call
+        self._memory: tuple[torch.Tensor, torch.Tensor] | None = None  # cross: the (B, M, E) key, value inputs
+        self._queries = 0  # cross: queries seen so far
+
+    @property
+    def position(self) -> int:
+        """Absolute position of the next call's first query: keys cached (self-attention) or queries seen
+        (cross-attention)."""
+        return self._queries if self.kind == "cross" else self._len
 
     def __len__(self) -> int:
         return self._len
@@ -36,12 +56,14 @@ class KVCache:
     @property
     def k(self) -> torch.Tensor | None:
         """The cached keys (B, H, L, D), or None before the first call."""
-        return self._k if self._k is None or self.max_len is None else self._k.narrow(2, 0, self._len)
+        return self._k if self._k is None or self.max_len is None or self.kind == "cross" else \
+            self._k.narrow(2, 0, self._len)
 
     @property
     def v(self) -> torch.Tensor | None:
         """The cached values (B, H, L, Dv), or None before the first call."""
-        return self._v if self._v is None or self.max_len is None else self._v.narrow(2, 0, self._len)
+        return self._v if self._v is None or self.max_len is None or self.kind == "cross" else \
+            self._v.narrow(2, 0, self._len)
 
     def _check_like(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
@@ -56,8 +78,9 @@ class KVCache:
                              f"{tuple(k.shape)} and values {tuple(v.shape)}")
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append (B, H, L_new, D) keys and (B, H, L_new, Dv) values; return everything cached."""
+        """Append (B, H, L_new, D) keys and (B, H, L_new, Dv) values; return everything cached (self-attention)."""
         self._check_like(k, v)
+        self.claim("self")
         new = k.shape[2]
         if self.max_len is None:
             if self._k is None:
@@ -83,9 +106,55 @@ class KVCache:
         self._len += new
         return self._k.narrow(2, 0, self._len), self._v.narrow(2, 0, self._len)
 
+    # ------------------------------------------------------------------------------------------ cross-attention
+
+    def claim(self, kind: str) -> None:
+        """Take this cache for ``kind`` ("self" or "cross") attention, or refuse: a cache serves one kind."""
+        if self.kind is None:
+            self.kind = kind
+        elif self.kind != kind:
+            if self.kind == "self":
+                raise ValueError("kv_cache holds self-attention keys (its first call's key was its query); it "
+                                 "cannot take different keys than queries. Use one KVCache per attention layer: "
+                                 "a separate one for cross-attention")
+            raise ValueError("kv_cache holds a cross-attention memory (its first call's key was not its query); "
+                             "self-attention needs a KVCache of its own")
+
+    def holds_memory(self, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """Whether this cross-attention cache holds the projections of ``key``, ``value`` (B, M, kdim|vdim);
+        False when empty, a ValueError when it holds another memory (:meth:`reset` first)."""
+        if self._memory is None:
+            return False
+        for name, new, old in (("key", key, self._memory[0]), ("value", value, self._memory[1])):
+            same_view = (new.data_ptr() == old.data_ptr() and new.shape == old.shape and new.stride() == old.stride()
+                         and new.dtype == old.dtype and new.device == old.device)
+            if not same_view and (new.shape != old.shape or not torch.equal(new, old)):
+                raise ValueError(f"kv_cache holds the projections of another cross-attention memory ({name} "
+                                 f"{tuple(old.shape)}); got {name} {tuple(new.shape)} with other values. Call "
+                                 f"kv_cache.reset() before decoding against a new memory")
+        self._memory = (key, value)
+        return True
+
+    def set_memory(self, key: torch.Tensor, value: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Hold the projections ``k`` (B, H, M, D), ``v`` (B, H, M, Dv) of memory ``key``, ``value`` (B, M, ...)."""
+        self._check_like(k, v)
+        if self.max_len is not None and k.shape[2] > self.max_len:
+            raise ValueError(f"KVCache(max_len={self.max_len}) cannot hold a memory of {k.shape[2]} positions")
+        self._memory, self._k, self._v, self._len = (key, value), k, v, k.shape[2]
+
+    def advance(self, queries: int) -> None:
+        """Count ``queries`` more queries seen (cross-attention: they set the next call's :attr:`position`)."""
+        self._queries += queries
+
+    # ------------------------------------------------------------------------------------------ beam search
+
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` (for beam search); a static cache keeps its buffers when B is unchanged."""
         if self._k is None:
+            return
+        if self.kind == "cross":
+            self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)
+            self._memory = tuple(t.index_select(0, index) for t in self._memory)
             return
         if self.max_len is None:
             self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)

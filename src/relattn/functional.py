@@ -2,7 +2,9 @@
 
 Notation: ``B`` batch, ``H`` heads, ``N`` query length, ``M`` key length, ``D`` head dim of queries and
 keys, ``Dv`` head dim of values, ``K`` max relative position (tables have ``2K + 1`` rows; ``left + right + 1``
-for an asymmetric window ``(left, right)``).
+for an asymmetric window ``(left, right)``), ``Hkv`` key/value heads (grouped-query attention: ``H % Hkv == 0``).
+Inputs may carry any leading dims before ``(L, D)``, as SDPA's: ``(..., H, L, D)``; the last leading dim is the
+heads' (there is one head when there is none), the others are batch dims, flattened into ``B`` for the backends.
 
 :func:`validate` checks every argument and brings the call to the one form every backend receives
 (:class:`relattn.backends.AttentionCall`): 4-D additive masks, (Hr, 2K+1, D) tables clipped symmetrically.
@@ -10,11 +12,12 @@ for an asymmetric window ``(left, right)``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
-from .backends import AttentionCall, resolve
+from .backends import AttentionCall, Backend, check_name, refusals, resolve
 from .positions import check_beyond, check_window, symmetric_table
 
 
@@ -50,6 +53,7 @@ def _check_like(name, t, like) -> None:
 
 
 def _check_mask(attn_mask, *, target, like) -> torch.Tensor | None:
+    """``attn_mask`` checked against ``target`` = (*lead, N, M) and brought to (B or 1, H or 1, N, M), additive."""
     if attn_mask is None:
         return None
     if not isinstance(attn_mask, torch.Tensor):
@@ -59,11 +63,15 @@ def _check_mask(attn_mask, *, target, like) -> torch.Tensor | None:
     if attn_mask.device != like.device:
         raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {like.device}")
     shape = tuple(attn_mask.shape)
-    if len(shape) > 4 or any(s not in (1, t) for s, t in zip(shape[::-1], target[::-1], strict=False)):
-        raise ValueError(
-            f"attn_mask of shape {_shape(attn_mask)} does not broadcast to (B, H, N, M) = {tuple(target)}"
-        )
-    return additive_mask(attn_mask.reshape((1,) * (4 - len(shape)) + shape), like.dtype)
+    if len(shape) > len(target) or any(s not in (1, t) for s, t in zip(shape[::-1], target[::-1], strict=False)):
+        names = "(B, H, N, M)" if len(target) == 4 else "(..., N, M)"
+        raise ValueError(f"attn_mask of shape {_shape(attn_mask)} does not broadcast to {names} = {tuple(target)}")
+    mask = attn_mask.reshape((1,) * (len(target) - len(shape)) + shape)
+    if len(target) > 4:  # several batch dims: broadcast them, then flatten them into B
+        mask = mask.expand(*target[:-3], *mask.shape[-3:]).flatten(0, -4)
+    elif len(target) < 4:
+        mask = mask.reshape((1,) * (4 - len(target)) + tuple(mask.shape))
+    return additive_mask(mask, like.dtype)
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -85,33 +93,54 @@ def _autocast(tensors: list) -> list:
             else t for t in tensors]
 
 
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    """(..., L, D) as (B, H, L, D): the last leading dim is the heads', the others are flattened into B."""
+    if t.dim() < 4:
+        return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+    return t.flatten(0, -4) if t.dim() > 4 else t
+
+
 def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_causal, dropout_p, scale,
-             query_offset, beyond="clip") -> AttentionCall:
-    """Check every argument and bring it to the canonical form backends receive."""
+             query_offset, beyond="clip", enable_gqa=False) -> AttentionCall:
+    """Check every argument and bring it to the canonical form backends receive (k and v keep their ``Hkv``
+    heads; :func:`relative_attention` repeats them for the backends that need H)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (B, H, L, D); got {t.dim()} dims {_shape(t)}")
+        if t.dim() < 2:
+            raise ValueError(f"{name} must be (..., L, D), at least 2-D; got {t.dim()} dims {_shape(t)}")
     if not q.is_floating_point():
         raise TypeError(f"q must be floating point, got {q.dtype}")
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
     q, k, v, rel_k, rel_v = _autocast([q, k, v, rel_k, rel_v])
     _check_like("k", k, q)
     _check_like("v", v, q)
-    b, h, n, d = q.shape
-    m = k.shape[2]
-    if k.shape[:2] != (b, h) or k.shape[3] != d:
-        raise ValueError(f"k must be (B, H, M, D) = ({b}, {h}, M, {d}) to match q {_shape(q)}; got {_shape(k)}")
-    if v.shape[:3] != (b, h, m):
-        raise ValueError(f"v must be (B, H, M, Dv) = ({b}, {h}, {m}, Dv) to match k {_shape(k)}; got {_shape(v)}")
+    lead, n, d = tuple(q.shape[:-2]), q.shape[-2], q.shape[-1]
+    h = lead[-1] if lead else 1
+    layout = "(B, H, M, D)" if q.dim() == 4 else "(..., H, M, D)"
+    if k.dim() != q.dim() or k.shape[-1] != d or tuple(k.shape[:-3]) != lead[:-1]:
+        want = ", ".join(str(x) for x in (*lead, "M", d))
+        raise ValueError(f"k must be {layout} = ({want}) to match q {_shape(q)}; got {_shape(k)}")
+    hkv = k.shape[-3] if k.dim() > 2 else 1
+    if hkv != h and not (enable_gqa and hkv > 0 and h % hkv == 0):
+        want = ", ".join(str(x) for x in (*lead, "M", d))
+        extra = (f" or, with enable_gqa=True, key/value heads dividing H = {h}" if enable_gqa else
+                 " (fewer key/value heads than query heads: pass enable_gqa=True)" if hkv and h % hkv == 0 else "")
+        raise ValueError(f"k must be {layout} = ({want}) to match q {_shape(q)}{extra}; got {_shape(k)}")
+    m = k.shape[-2]
+    if v.dim() != k.dim() or tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+        want = ", ".join(str(x) for x in (*k.shape[:-1], "Dv"))
+        raise ValueError(f"v must be {layout.replace('D)', 'Dv)')} = ({want}) to match k {_shape(k)}; "
+                         f"got {_shape(v)}")
     window = check_window(max_relative_position)
     beyond = check_beyond(beyond)
     rows = window[0] + window[1] + 1
     rel_k = _check_table("rel_k", rel_k, heads=h, rows=rows, dim=d, like=q)
-    rel_v = _check_table("rel_v", rel_v, heads=h, rows=rows, dim=v.shape[3], like=q)
+    rel_v = _check_table("rel_v", rel_v, heads=h, rows=rows, dim=v.shape[-1], like=q)
     rel_k, kk = symmetric_table(rel_k, window, beyond)
     rel_v, _ = symmetric_table(rel_v, window, beyond)
-    mask = _check_mask(attn_mask, target=(b, h, n, m), like=q)
+    mask = _check_mask(attn_mask, target=(*lead, n, m), like=q)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if isinstance(query_offset, bool) or not isinstance(query_offset, int):
@@ -122,7 +151,28 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
         scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    return AttentionCall(q, k, v, rel_k, rel_v, kk, mask, is_causal, float(dropout_p), float(scale), query_offset)
+    return AttentionCall(_as_4d(q), _as_4d(k), _as_4d(v), rel_k, rel_v, kk, mask, is_causal, float(dropout_p),
+                         float(scale), query_offset)
+
+
+def backend_refusals(backend: str, **kinds) -> list[str]:
+    """``backend`` checked as a name (a ValueError listing the valid ones), then every reason it will refuse calls
+    of ``kinds`` (:func:`relattn.backends.refusals`'s keywords: device, dtype, dropout, mask, head dims), known
+    before any call; empty for ``"auto"`` and for a backend that serves them."""
+    return refusals(check_name(backend), **kinds)
+
+
+def _served(backend: Backend, call: AttentionCall) -> AttentionCall:
+    """``call`` as ``backend`` takes it: k and v repeated to H heads unless it serves grouped key/value heads."""
+    groups = call.q.shape[1] // max(call.k.shape[1], 1)
+    if groups == 1 or backend.serves.grouped_kv:
+        return call
+    return dataclasses.replace(call, k=call.k.repeat_interleave(groups, 1), v=call.v.repeat_interleave(groups, 1))
+
+
+def _shaped_like(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """A (B, H, N, X) result of the canonical call back in q's leading dims: (..., N, X)."""
+    return out if q.dim() == 4 else out.reshape(*q.shape[:-2], *out.shape[-2:])
 
 
 def relative_attention(
@@ -139,14 +189,16 @@ def relative_attention(
     dropout_p: float = 0.0,
     scale: float | None = None,
     query_offset: int = 0,
+    enable_gqa: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Self-attention with relative position representations (Shaw et al., 2018).
 
     Args:
-        q: (B, H, N, D) queries. Query ``i`` sits at absolute position ``i + query_offset``.
-        k: (B, H, M, D) keys at positions ``0 .. M-1``.
-        v: (B, H, M, Dv) values.
+        q: (B, H, N, D) queries (or, as SDPA takes them, any leading dims: (..., H, N, D), (N, D)). Query ``i``
+            sits at absolute position ``i + query_offset``.
+        k: (B, H, M, D) keys at positions ``0 .. M-1``; (B, Hkv, M, D) with ``enable_gqa``.
+        v: (B, H, M, Dv) values; (B, Hkv, M, Dv) with ``enable_gqa``.
         rel_k: key-side table ``a^K``: (2K+1, D) shared by all heads, (H, 2K+1, D) one per head, or
             None for no relative term on the keys.
         rel_v: value-side table ``a^V``: (2K+1, Dv), (H, 2K+1, Dv) or None.
@@ -162,30 +214,50 @@ def relative_attention(
             relative-value sum. Always applied when > 0 (pass 0.0 at evaluation, as with SDPA).
         scale: score scale, ``1/sqrt(D)`` by default.
         query_offset: absolute position of the first query; ``M - N`` for incremental decoding.
+        enable_gqa: grouped-query attention, as SDPA's: k and v may have ``Hkv`` heads with ``H % Hkv == 0``,
+            query head ``h`` reading key/value head ``h // (H // Hkv)``. Backends that serve grouped heads read
+            them in place; for the others k and v are repeated to H heads.
         backend: ``"auto"`` (the fastest that supports the inputs) or a name from
             :data:`relattn.backends.BACKENDS`.
 
     Returns:
-        (B, H, N, Dv): ``out_i = sum_j w_ij (v_j + a^V[idx_ij])`` with
+        (B, H, N, Dv) (q's leading dims, then (N, Dv)): ``out_i = sum_j w_ij (v_j + a^V[idx_ij])`` with
         ``w_i = softmax_j((q_i . k_j + q_i . a^K[idx_ij]) * scale + mask_ij)`` and
         ``idx_ij = clip(j - i - query_offset, -K, K) + K``. A row with nothing to attend to gives
         zeros (and zero gradients); a NaN in the inputs reaches the rows it touches, as in the reference.
         Under ``torch.autocast`` the inputs are cast as autocast casts SDPA's (tables included).
     """
     call = validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, attn_mask=attn_mask,
-                    is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset, beyond=beyond)
-    return resolve(backend, call).run(call)
+                    is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset, beyond=beyond,
+                    enable_gqa=enable_gqa)
+    chosen = resolve(backend, call)
+    return _shaped_like(chosen.run(_served(chosen, call)), q)
+
+
+def _dense_with_weights(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    from .backends.dense import BACKEND as DENSE
+    from .backends.dense import dense_attention
+
+    return dense_attention(_served(DENSE, call), need_weights=True)
+
+
+def relative_attention_with_weights(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, beyond="clip",
+                                    attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, query_offset=0,
+                                    enable_gqa=False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`relative_attention`'s output and its attention weights ``w`` (before dropout), ``(out, w)``:
+    out (B, H, N, Dv) and w (B, H, N, M), in q's leading dims. Computed by the "dense" backend, the one that
+    forms the weights; the arguments are :func:`relative_attention`'s."""
+    call = validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, attn_mask=attn_mask,
+                    is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset, beyond=beyond,
+                    enable_gqa=enable_gqa)
+    out, weights = _dense_with_weights(call)
+    return _shaped_like(out, q), _shaped_like(weights, q)
 
 
 def relative_attention_weights(q, k, rel_k=None, *, max_relative_position, beyond="clip", attn_mask=None,
-                               is_causal=False, scale=None, query_offset=0) -> torch.Tensor:
-    """The (B, H, N, M) attention weights ``w`` of :func:`relative_attention` (no dropout)."""
-    from .backends.dense import dense_weights
-
+                               is_causal=False, scale=None, query_offset=0, enable_gqa=False) -> torch.Tensor:
+    """The (B, H, N, M) attention weights ``w`` of :func:`relative_attention` (no dropout), in q's leading dims."""
     call = validate(q, k, k[..., :0], rel_k, None, max_relative_position=max_relative_position,
                     attn_mask=attn_mask, is_causal=is_causal, dropout_p=0.0, scale=scale,
-                    query_offset=query_offset, beyond=beyond)
-    weights, _ = dense_weights(call.q, call.k, call.rel_k, max_relative_position=call.max_relative_position,
-                               mask=call.mask, is_causal=call.is_causal, scale=call.scale,
-                               query_offset=call.query_offset)
-    return weights
+                    query_offset=query_offset, beyond=beyond, enable_gqa=enable_gqa)
+    return _shaped_like(_dense_with_weights(call)[1], q)

@@ -8,31 +8,55 @@ import torch
 from torch import nn
 
 from .cache import KVCache
-from .functional import additive_mask, relative_attention
+from .functional import backend_refusals, relative_attention, relative_attention_with_weights
 from .positions import check_beyond, check_window, table_rows
 
+_MASKS = {  # argument -> what its bool and float forms mean, as nn.MultiheadAttention takes them
+    "key_padding_mask": "bool (True = padding: the key is not attended) or floating (added to the scores)",
+    "attn_mask": "bool (True = not allowed to attend) or floating (added to the scores)",
+}
 
-def _mha_mask_to_allowed(name: str, mask: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
-    """nn.MultiheadAttention masks (bool True = masked out, or float added) -> SDPA form, 4-D."""
-    if mask.dim() == 2:
-        mask = mask[None, None]
-    elif mask.dim() == 3:
-        if mask.shape[0] != batch * heads:
-            raise ValueError(
-                f"{name} 3-D must be (B*num_heads, N, M) with B*num_heads={batch * heads}; got {tuple(mask.shape)}"
-            )
-        mask = mask.view(batch, heads, *mask.shape[1:])
-    elif mask.dim() != 4:
-        raise ValueError(f"{name} must be (N, M), (B*num_heads, N, M) or (B, H, N, M); got {tuple(mask.shape)}")
+
+def _check_mask_dtype(name: str, mask) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"{name} must be {_MASKS[name]}; got {mask.dtype} of shape {tuple(mask.shape)}")
+
+
+def _attn_mask_4d(mask: torch.Tensor, batch: int, heads: int, n: int, m: int) -> torch.Tensor:
+    """An nn.MultiheadAttention ``attn_mask`` ((N, M) or (B, H, N, M), broadcastable, or (B*num_heads, N, M)) as
+    4-D, its shape checked as passed."""
+    shape = tuple(mask.shape)
+    if mask.dim() == 2 and all(s in (1, t) for s, t in zip(shape, (n, m), strict=True)):
+        return mask[None, None]
+    if mask.dim() == 3 and shape == (batch * heads, n, m):
+        return mask.view(batch, heads, n, m)
+    if mask.dim() == 4 and all(s in (1, t) for s, t in zip(shape, (batch, heads, n, m), strict=True)):
+        return mask
+    if mask.dim() == 3 and shape[1:] == (n, m):
+        raise ValueError(f"attn_mask 3-D must be (B*num_heads, N, M) with B*num_heads={batch * heads}; got {shape}")
+    raise ValueError(f"attn_mask must be (N, M) = ({n}, {m}), (B*num_heads, N, M) = ({batch * heads}, {n}, {m}) or "
+                     f"broadcast to (B, H, N, M) = ({batch}, {heads}, {n}, {m}); got {shape}")
+
+
+def _allowed_or_added(mask: torch.Tensor) -> torch.Tensor:
+    """nn.MultiheadAttention's form (bool True = masked out, or float added) -> the op's (bool True = may attend)."""
     return ~mask if mask.dtype == torch.bool else mask
 
 
 def _combine(a: torch.Tensor | None, b: torch.Tensor | None, dtype) -> torch.Tensor | None:
+    """Two masks in the op's form as one: both bool -> bool; else additive float."""
     if a is None or b is None:
         return a if b is None else b
     if a.dtype == torch.bool and b.dtype == torch.bool:
         return a & b
-    return additive_mask(a, dtype) + additive_mask(b, dtype)
+
+    def added(t):
+        return t.to(dtype) if t.dtype != torch.bool else \
+            torch.zeros(t.shape, dtype=dtype, device=t.device).masked_fill(~t, float("-inf"))
+
+    return added(a) + added(b)
 
 
 def _positive(name: str, value) -> int:
@@ -51,6 +75,9 @@ class RelativeMultiheadAttention(nn.Module):
     Args:
         embed_dim: model width ``E``.
         num_heads: ``H``; must divide ``embed_dim``.
+        num_kv_heads: key/value heads ``Hkv`` for grouped-query attention (``H % Hkv == 0``; query head ``h``
+            reads key/value head ``h // (H // Hkv)``): ``k_proj`` and ``v_proj`` give ``Hkv * D`` features, and a
+            ``KVCache`` holds ``Hkv`` heads. Default ``H`` (multi-head attention); 1 is multi-query attention.
         max_relative_position: ``K``; offsets are clipped to ``[-K, K]``, so tables have ``2K + 1`` rows. A pair
             ``(left, right)`` clips to ``[-left, right]`` (``left + right + 1`` rows).
         beyond: ``"clip"`` (offsets beyond the window take the edge rows) or ``"zero"`` (no relative term).
@@ -65,7 +92,9 @@ class RelativeMultiheadAttention(nn.Module):
         relative_keys: learn the key-side table ``rel_k`` (``a^K``).
         relative_values: learn the value-side table ``rel_v`` (``a^V``).
         share_heads: one (2K+1, D) table per side shared by all heads (Shaw et al.), else (H, 2K+1, D).
-        backend: passed to :func:`relattn.relative_attention`.
+        backend: passed to :func:`relattn.relative_attention`. A backend that will refuse this module's calls
+            (dropout it does not serve, a head dim, a ``device`` or ``dtype`` it does not take, a missing package)
+            is refused here, with every reason.
 
     Initialisation: the query, key and value projections are Xavier-uniform with zero bias and the
     output projection is ``nn.Linear``'s default with zero bias (as ``nn.MultiheadAttention``);
@@ -92,7 +121,8 @@ class RelativeMultiheadAttention(nn.Module):
        ``nn.TransformerDecoderLayer`` this module works as ``self_attn`` / ``multihead_attn``; the layers
        then skip their fused inference fast path (it would bypass the attention module). An
        ``nn.TransformerEncoder`` also needs ``use_nested_tensor = False``, which :func:`upgrade_mha` sets.
-    9. ``attn_mask`` may also be (B, H, N, M); ``forward`` takes a keyword-only ``kv_cache``.
+    9. ``attn_mask`` may also be (B, H, N, M); ``forward`` takes a keyword-only ``kv_cache``; ``num_kv_heads``
+       gives grouped-query attention.
     10. No nested-tensor fast path, and dropout draws different random numbers.
     """
 
@@ -102,6 +132,7 @@ class RelativeMultiheadAttention(nn.Module):
         num_heads: int,
         max_relative_position: int | tuple[int, int] = 16,
         *,
+        num_kv_heads: int | None = None,
         beyond: str = "clip",
         tie_tables: bool = False,
         dropout: float = 0.0,
@@ -129,14 +160,20 @@ class RelativeMultiheadAttention(nn.Module):
                                  f"relative term is undefined")
         if not isinstance(batch_first, bool):
             raise TypeError(f"batch_first must be a bool, got {type(batch_first).__name__}")
-        from .backends import check_name
-
-        check_name(backend)
+        kv_heads = num_heads if num_kv_heads is None else _positive("num_kv_heads", num_kv_heads)
+        if num_heads % kv_heads:
+            raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({num_heads})")
+        head_dim = embed_dim // num_heads
+        refused = backend_refusals(backend, dropout=dropout > 0, head_dim=head_dim, dtype=dtype,
+                                   device=None if device is None else torch.device(device).type)
+        if refused:
+            raise ValueError(f"backend {backend!r} cannot serve this module: {'; '.join(refused)}")
         factory = {"device": device, "dtype": dtype}
-        self.embed_dim, self.num_heads, self.batch_first = embed_dim, num_heads, batch_first
+        self.embed_dim, self.num_heads, self.num_kv_heads, self.batch_first = embed_dim, num_heads, kv_heads, \
+            batch_first
         self.kdim = embed_dim if kdim is None else _positive("kdim", kdim)
         self.vdim = embed_dim if vdim is None else _positive("vdim", vdim)
-        self.head_dim = embed_dim // num_heads
+        self.head_dim = head_dim
         check_window(max_relative_position)
         self.max_relative_position = max_relative_position
         self.beyond = check_beyond(beyond)
@@ -144,8 +181,8 @@ class RelativeMultiheadAttention(nn.Module):
             raise ValueError("tie_tables=True needs relative_keys=True and relative_values=True (one table for both)")
         self.dropout, self.backend, self.share_heads = dropout, backend, share_heads
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        self.k_proj = nn.Linear(self.kdim, embed_dim, bias=bias, **factory)
-        self.v_proj = nn.Linear(self.vdim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(self.kdim, kv_heads * head_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(self.vdim, kv_heads * head_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         table = (table_rows(max_relative_position), self.head_dim)
         if not share_heads:
@@ -168,14 +205,18 @@ class RelativeMultiheadAttention(nn.Module):
     def from_mha(
         cls,
         mha: nn.MultiheadAttention,
-        max_relative_position: int = 16,
+        max_relative_position: int | tuple[int, int] = 16,
         *,
+        beyond: str = "clip",
+        tie_tables: bool = False,
         relative_keys: bool = True,
         relative_values: bool = True,
         share_heads: bool = True,
         backend: str = "auto",
     ) -> RelativeMultiheadAttention:
-        """A module with ``mha``'s sizes, layout, dropout, weights (copied), device, dtype and mode.
+        """A module with ``mha``'s sizes, layout, dropout, weights (copied), device, dtype and mode; the position
+        options (``max_relative_position``, ``beyond``, ``tie_tables``, ``relative_keys``, ``relative_values``,
+        ``share_heads``) and ``backend`` are the constructor's.
 
         The tables start at zero, so until they are trained it computes what ``mha`` computes. To
         upgrade a model in place: ``model.attn = RelativeMultiheadAttention.from_mha(model.attn, 16)``, or
@@ -190,7 +231,8 @@ class RelativeMultiheadAttention(nn.Module):
         if mha.add_zero_attn:
             raise ValueError("mha has add_zero_attn=True, which RelativeMultiheadAttention does not support")
         out_w = mha.out_proj.weight
-        mod = cls(mha.embed_dim, mha.num_heads, max_relative_position, dropout=mha.dropout,
+        mod = cls(mha.embed_dim, mha.num_heads, max_relative_position, beyond=beyond, tie_tables=tie_tables,
+                  dropout=mha.dropout,
                   bias=mha.in_proj_bias is not None, kdim=mha.kdim, vdim=mha.vdim, batch_first=mha.batch_first,
                   relative_keys=relative_keys, relative_values=relative_values, share_heads=share_heads,
                   backend=backend, device=out_w.device, dtype=out_w.dtype)
@@ -227,7 +269,8 @@ class RelativeMultiheadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         dims = "" if self.kdim == self.vdim == self.embed_dim else f"kdim={self.kdim}, vdim={self.vdim}, "
-        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, {dims}"
+        kv = "" if self.num_kv_heads == self.num_heads else f"num_kv_heads={self.num_kv_heads}, "
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, {kv}{dims}"
                 f"max_relative_position={self.max_relative_position}, beyond={self.beyond!r}, "
                 f"tie_tables={self.tie_tables}, share_heads={self.share_heads}, "
                 f"relative_keys={self.rel_k is not None}, relative_values={self.rel_v is not None}, "
@@ -254,11 +297,59 @@ class RelativeMultiheadAttention(nn.Module):
             raise ValueError(f"key and value must have the same length; got {key.shape[at]} and {value.shape[at]}")
         return batched
 
-    def _heads(self, x: torch.Tensor, batch_first: bool = True) -> torch.Tensor:
-        """A projection, (B, L, E) or (L, B, E), as heads (B, H, L, D) (a view)."""
-        if batch_first:
-            return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
-        return x.unflatten(-1, (self.num_heads, self.head_dim)).permute(1, 2, 0, 3)
+    def _heads(self, x: torch.Tensor, batch_first: bool = True, heads: int | None = None) -> torch.Tensor:
+        """A projection, (B, L, heads*D) or (L, B, heads*D), as (B, heads, L, D) (a view); heads: ``num_heads``."""
+        x = x.unflatten(-1, (self.num_heads if heads is None else heads, self.head_dim))
+        return x.transpose(1, 2) if batch_first else x.permute(1, 2, 0, 3)
+
+    def _masks(self, key_padding_mask, attn_mask, *, batched: bool, b: int, n: int, m: int, dtype):
+        """The two nn.MultiheadAttention masks, checked as passed, as one mask in the op's form (or None)."""
+        mask = None
+        if key_padding_mask is not None:
+            _check_mask_dtype("key_padding_mask", key_padding_mask)
+            want = (b, m) if batched else (m,)
+            if tuple(key_padding_mask.shape) != want:
+                raise ValueError(f"key_padding_mask must be {'(B, M)' if batched else '(M,)'} = {want}; "
+                                 f"got {tuple(key_padding_mask.shape)}")
+            mask = _allowed_or_added(key_padding_mask.reshape(b, 1, 1, m))
+        if attn_mask is not None:
+            _check_mask_dtype("attn_mask", attn_mask)
+            mask = _combine(mask, _allowed_or_added(_attn_mask_4d(attn_mask, b, self.num_heads, n, m)), dtype)
+        return mask
+
+    def _keys_values(self, query, key, value, kv_cache: KVCache | None, bf: bool):
+        """This call's keys and values (B, Hkv, M, D|Dv), projected or from ``kv_cache``, and the position of its
+        first query. The cache is only read here; :meth:`_cache_update` writes it once the call is checked."""
+        heads = self.num_kv_heads
+        if kv_cache is None:
+            return self._heads(self.k_proj(key), bf, heads), self._heads(self.v_proj(value), bf, heads), 0
+        if not isinstance(kv_cache, KVCache):
+            raise TypeError(f"kv_cache must be a KVCache or None, got {type(kv_cache).__name__}")
+        if key is query:
+            if kv_cache.kind == "cross":
+                kv_cache.claim("self")  # raises: a cross-attention cache handed self-attention keys
+            return self._heads(self.k_proj(key), bf, heads), self._heads(self.v_proj(value), bf, heads), \
+                kv_cache.position
+        if kv_cache.kind == "self":
+            kv_cache.claim("cross")  # raises: a self-attention cache handed other keys than queries
+        memory = (key, value) if bf else (key.transpose(0, 1), value.transpose(0, 1))
+        if kv_cache.holds_memory(*memory):
+            return kv_cache.k, kv_cache.v, kv_cache.position
+        return self._heads(self.k_proj(key), bf, heads), self._heads(self.v_proj(value), bf, heads), \
+            kv_cache.position
+
+    @staticmethod
+    def _cache_update(kv_cache, self_attention: bool, key, value, k, v, n: int, bf: bool):
+        """Write this call's keys and values (or memory) into ``kv_cache``; returns the keys and values to use."""
+        if kv_cache is None:
+            return k, v
+        if self_attention:
+            return kv_cache.update(k, v)
+        if kv_cache.kind is None:
+            kv_cache.claim("cross")
+            kv_cache.set_memory(*((key, value) if bf else (key.transpose(0, 1), value.transpose(0, 1))), k, v)
+        kv_cache.advance(n)
+        return k, v
 
     def forward(
         self,
@@ -287,46 +378,37 @@ class RelativeMultiheadAttention(nn.Module):
         Returns ``(output, weights)``: output shaped like ``query``; weights None unless
         ``need_weights``, then (B, N, M) averaged over heads or (B, H, N, M) ((N, M) or (H, N, M)
         unbatched), computed by the dense path.
+
+        In cross-attention (``key`` not ``query``) a ``kv_cache`` holds the memory's keys and values once: the
+        first call projects them, later calls (with the same ``key`` and ``value``) reuse them, and each call's
+        queries continue after the previous calls' queries. See :class:`KVCache`.
         """
         key = query if key is None else key
         value = key if value is None else value
+        self_attention = key is query
         batched = self._check_inputs(query, key, value)
         if not batched:
             query, key, value = query[None], key[None], value[None]
         bf = self.batch_first or not batched
-        q = self._heads(self.q_proj(query), bf)
-        k, v = self._heads(self.k_proj(key), bf), self._heads(self.v_proj(value), bf)
-        offset = 0 if kv_cache is None else len(kv_cache)
-        b, m = q.shape[0], offset + k.shape[2]
-        mask = None
-        if key_padding_mask is not None:
-            want = (b, m) if batched else (m,)
-            if key_padding_mask.shape != want:
-                raise ValueError(f"key_padding_mask must be {'(B, M)' if batched else '(M,)'} = {want}; "
-                                 f"got {tuple(key_padding_mask.shape)}")
-            mask = _mha_mask_to_allowed("key_padding_mask", key_padding_mask.reshape(b, 1, 1, m), b, self.num_heads)
-        if attn_mask is not None:
-            mask = _combine(mask, _mha_mask_to_allowed("attn_mask", attn_mask, b, self.num_heads), q.dtype)
-        if kv_cache is not None:  # after the checks: a refused call leaves the cache as it was
-            k, v = kv_cache.update(k, v)
-        dropout = self.dropout if self.training else 0.0
+        q = self._heads(self.q_proj(query), bf, self.num_heads)
+        k, v, offset = self._keys_values(query, key, value, kv_cache, bf)
+        b, n = q.shape[0], q.shape[2]
+        m = k.shape[2] + (offset if self_attention and kv_cache is not None else 0)
+        mask = self._masks(key_padding_mask, attn_mask, batched=batched, b=b, n=n, m=m, dtype=q.dtype)
+        # after the checks: a refused call leaves the cache as it was
+        k, v = self._cache_update(kv_cache, self_attention, key, value, k, v, n, bf)
         rel_k = None if self.rel_k is None else self.rel_k.to(q.dtype)
         rel_v = None if self.rel_v is None else self.rel_v.to(q.dtype)
-        common = dict(max_relative_position=self.max_relative_position, beyond=self.beyond, attn_mask=mask,
-                      is_causal=is_causal, query_offset=offset)
+        args = dict(max_relative_position=self.max_relative_position, beyond=self.beyond, attn_mask=mask,
+                    is_causal=is_causal, query_offset=offset, dropout_p=self.dropout if self.training else 0.0,
+                    enable_gqa=self.num_kv_heads != self.num_heads)
         weights = None
         if need_weights:
-            from .backends.dense import dense_attention
-            from .functional import validate
-
-            call = validate(q, k, v, rel_k, rel_v, dropout_p=dropout, scale=None, **common)
-            out, weights = dense_attention(call, need_weights=True)
-            if average_attn_weights:
-                weights = weights.mean(1)
-            if not batched:
-                weights = weights[0]
+            out, weights = relative_attention_with_weights(q, k, v, rel_k, rel_v, **args)
+            weights = weights.mean(1) if average_attn_weights else weights
+            weights = weights if batched else weights[0]
         else:
-            out = relative_attention(q, k, v, rel_k, rel_v, dropout_p=dropout, backend=self.backend, **common)
+            out = relative_attention(q, k, v, rel_k, rel_v, backend=self.backend, **args)
         out = out.transpose(1, 2) if bf else out.permute(2, 0, 1, 3)
         out = self.out_proj(out.flatten(2))
         return (out if batched else out[0]), weights

@@ -200,14 +200,15 @@ def relative_attention_output_vectorized(attention_weights, V, rel_embed, *, que
 
 
 def softmax(scores):
-    """Row softmax; a row that is ``-inf`` everywhere (nothing to attend to) gives zeros, not NaN."""
+    """Row softmax; a row that is ``-inf`` everywhere (nothing to attend to) gives zeros, not NaN, and a NaN score
+    makes its whole row NaN (as ``torch.softmax``): a NaN total is never taken for an empty row."""
     if scores.shape[-1] == 0:  # no keys: nothing to attend to
         return np.zeros_like(scores, dtype=np.float64)
     peak = scores.max(axis=-1, keepdims=True)
     peak = np.where(np.isfinite(peak), peak, 0.0)
     e = np.exp(scores - peak)
     total = e.sum(axis=-1, keepdims=True)
-    return e / np.where(total > 0, total, 1.0)
+    return e / np.where(total == 0, 1.0, total)
 
 
 class RelativeSelfAttention:

@@ -8,12 +8,40 @@ and one line in ``_REGISTERED`` below (see docs/architecture.md).
 
 from __future__ import annotations
 
+import torch
+
 from . import blocked, dense, native, triton
-from ._common import AttentionCall, Backend, Serves, not_supported_reasons
+from ._common import FLOATS, AttentionCall, Backend, Serves, declared_reasons, not_supported_reasons
 
 _REGISTERED = (dense.BACKEND, blocked.BACKEND, native.BACKEND, triton.BACKEND)
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in _REGISTERED}
+
+def _serves_line(s: Serves) -> str:
+    """What a declaration serves, in a few words."""
+    parts = ["any device" if s.devices is None else "/".join(sorted(s.devices))]
+    if s.dtypes != FLOATS:
+        parts.append(", ".join(sorted(str(d).removeprefix("torch.") for d in s.dtypes)))
+    parts.append("dropout" if s.dropout else "no dropout")
+    parts.append(("masks with gradients" if s.mask_grad else "masks") if s.mask else "no masks")
+    if s.max_head_dim is not None:
+        parts.append(f"head dim <= {s.max_head_dim}")
+    if not s.head_dims_differ:
+        parts.append("D = Dv only")
+    if s.grouped_kv:
+        parts.append("grouped k/v heads in place")
+    return ", ".join(parts)
+
+
+class Registry(dict):
+    """The registered backends by name; printed one line each: name, what it serves, what it does."""
+
+    def __repr__(self) -> str:
+        width = max((len(n) for n in self), default=0)
+        lines = [f"  {n:<{width}}  {_serves_line(b.serves)}: {b.doc}" for n, b in self.items()]
+        return "relattn backends ('auto' picks the fastest that serves a call):\n" + "\n".join(lines)
+
+
+BACKENDS: Registry = Registry((b.name, b) for b in _REGISTERED)
 
 # Priority lists of "auto", per device. Crossover measured by benchmarks/crossover.py (fwd+bwd, float32,
 # B=1, H=8, D=64, both tables, 2-core CPU): "native" was fastest at every N from 16 to 384 (K = 16 and 64),
@@ -36,6 +64,22 @@ def check_name(name: object, *, what: str = "backend") -> str:
         valid = ", ".join(repr(n) for n in ["auto", *BACKENDS])
         raise ValueError(f"{what} must be one of {valid}; got {name!r}")
     return name
+
+
+def refusals(name: str, *, device: str | None = None, dtype: torch.dtype | None = None, dropout: bool = False,
+             mask: bool = False, head_dim: int | None = None, v_head_dim: int | None = None) -> list[str]:
+    """Every reason backend ``name`` will refuse the calls a module, model or run of this kind makes, known at
+    construction (before any call): its ``Serves`` declaration (:func:`declared_reasons`; None leaves a property
+    unchecked), then, if that allows them, ``unavailable()`` (a missing package or compiler). ``"auto"`` refuses
+    nothing. The same reasons :func:`resolve` gives at the call."""
+    if check_name(name) == "auto":
+        return []
+    backend = BACKENDS[name]
+    reasons = declared_reasons(backend.serves, device=device, dtype=dtype, dropout=dropout, mask=mask,
+                               head_dim=head_dim, v_head_dim=v_head_dim)
+    if not reasons and (why := backend.unavailable()) is not None:
+        reasons.append(why)
+    return reasons
 
 
 def priority(call: AttentionCall) -> tuple[str, ...]:
@@ -76,5 +120,5 @@ def resolve(name: str, call: AttentionCall) -> Backend:
     return backend
 
 
-__all__ = ["BACKENDS", "AttentionCall", "Backend", "Serves", "check_name", "choose", "not_supported_reasons",
-           "priority", "resolve", "why_not"]
+__all__ = ["BACKENDS", "AttentionCall", "Backend", "Registry", "Serves", "check_name", "choose", "declared_reasons",
+           "not_supported_reasons", "priority", "refusals", "resolve", "why_not"]

@@ -74,25 +74,42 @@ class Backend:
     unavailable: Callable[[], str | None] = lambda: None
 
 
+def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.dtype | None = None,
+                     dropout: bool = False, mask: bool = False, mask_grad: bool = False, head_dim: int | None = None,
+                     v_head_dim: int | None = None) -> list[str]:
+    """Every reason a backend declaring ``serves`` refuses calls of this kind; empty when it serves them.
+
+    ``device`` (a device type), ``dtype`` and the head dims ``D`` (``head_dim``) and ``Dv`` (``v_head_dim``, default
+    ``D``) are left unchecked when None; ``dropout``, ``mask`` and ``mask_grad`` say whether the calls have
+    ``dropout_p > 0``, an ``attn_mask``, a mask that requires grad. :func:`not_supported_reasons` asks this about
+    one call; the module and ``relattn train`` ask it at construction, before there is any call.
+    """
+    s, reasons = serves, []
+    if device is not None and s.devices is not None and device not in s.devices:
+        reasons.append(f"device {device} (serves {', '.join(sorted(s.devices))})")
+    if dtype is not None and dtype not in s.dtypes:
+        reasons.append(f"dtype {dtype} (serves {', '.join(sorted(str(d) for d in s.dtypes))})")
+    if dropout and not s.dropout:
+        reasons.append("dropout_p > 0 (no dropout; 'blocked' and 'dense' take it)")
+    if mask and not s.mask:
+        reasons.append("an attn_mask (takes none; use is_causal, or 'blocked')")
+    if mask and mask_grad and not s.mask_grad:
+        reasons.append("attn_mask requires grad (only 'dense' differentiates the mask)")
+    d = head_dim
+    dv = d if v_head_dim is None else v_head_dim
+    if d is not None and s.max_head_dim is not None and max(d, dv) > s.max_head_dim:
+        reasons.append(f"head dim {max(d, dv)} (at most {s.max_head_dim})")
+    if d is not None and d != dv and not s.head_dims_differ:
+        reasons.append(f"D = {d} != Dv = {dv} (needs equal head dims)")
+    return reasons
+
+
 def not_supported_reasons(backend: Backend, call: AttentionCall) -> list[str]:
     """Every reason ``backend`` cannot serve ``call``; empty when it can."""
-    s, q = backend.serves, call.q
-    reasons = []
-    if s.devices is not None and q.device.type not in s.devices:
-        reasons.append(f"device {q.device.type} (serves {', '.join(sorted(s.devices))})")
-    if q.dtype not in s.dtypes:
-        reasons.append(f"dtype {q.dtype} (serves {', '.join(sorted(str(d) for d in s.dtypes))})")
-    if call.dropout_p > 0.0 and not s.dropout:
-        reasons.append("dropout_p > 0 (no dropout; 'blocked' and 'dense' take it)")
-    if call.mask is not None and not s.mask:
-        reasons.append("an attn_mask (takes none; use is_causal, or 'blocked')")
-    if call.mask is not None and call.mask.requires_grad and not s.mask_grad:
-        reasons.append("attn_mask requires grad (only 'dense' differentiates the mask)")
-    d, dv = q.shape[-1], call.v.shape[-1]
-    if s.max_head_dim is not None and max(d, dv) > s.max_head_dim:
-        reasons.append(f"head dim {max(d, dv)} (at most {s.max_head_dim})")
-    if d != dv and not s.head_dims_differ:
-        reasons.append(f"D = {d} != Dv = {dv} (needs equal head dims)")
+    q, mask = call.q, call.mask
+    reasons = declared_reasons(backend.serves, device=q.device.type, dtype=q.dtype, dropout=call.dropout_p > 0.0,
+                               mask=mask is not None, mask_grad=mask is not None and mask.requires_grad,
+                               head_dim=q.shape[-1], v_head_dim=call.v.shape[-1])
     if not reasons and (why := backend.unavailable()) is not None:
         reasons.append(why)
     return reasons

@@ -137,7 +137,7 @@ def blocked_forward(q, k, v, rel_k, rel_v, mask, seed, *, max_relative_position:
         run_max = new_max
     if acc_rel is not None:
         acc = acc + acc_rel @ rel_v
-    nonempty = total > 0
+    nonempty = total != 0  # a NaN total (a NaN score in the row) is not an empty row: the row stays NaN
     out = acc / torch.where(nonempty, total, torch.ones_like(total))[..., None]
     safe = torch.where(torch.isfinite(run_max), run_max, torch.zeros_like(run_max))
     lse = torch.where(nonempty, safe + torch.log(torch.where(nonempty, total, torch.ones_like(total))),
@@ -155,7 +155,7 @@ def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, m
     grad_out, out = grad_out.to(q.dtype), out.to(q.dtype)
     b, h, n, _ = q.shape
     m = k.shape[2]
-    lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))  # empty rows: p = 0
+    lse = torch.where(lse == float("-inf"), torch.full_like(lse, float("inf")), lse)  # empty rows: p = 0; NaN stays
     rowdot = (grad_out * out).sum(-1, keepdim=True)
     rel_scores = q @ rel_k.transpose(-1, -2) if rel_k is not None else None
     grad_rel_out = grad_out @ rel_v.transpose(-1, -2) if rel_v is not None else None  # (B, H, N, 2K+1)

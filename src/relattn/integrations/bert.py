@@ -25,7 +25,7 @@ from torch import nn
 from ..backends import check_name
 from ..functional import additive_mask, relative_attention
 from ..positions import relative_position_index
-from .transformers import _attn_mask, _dropout, _merge, _qkv
+from .hf_common import as_attn_mask, dropout_p, merge, qkv
 
 POSITION_TYPES = ("relative_key", "relative_key_query")
 _TABLE = "distance_embedding.weight"
@@ -49,17 +49,17 @@ def _bert_forward(self, hidden_states, attention_mask=None, cache=None, **kwargs
     """A v5 BertSelfAttention (or family) computing the v4 relative_key(_query) attention."""
     if cache is not None:
         raise NotImplementedError("relattn's BERT relative_key attention is encoder-only (no cache)")
-    q, k, v = _qkv(hidden_states, (self.query, self.key, self.value), self.num_attention_heads)
+    q, k, v = qkv(hidden_states, (self.query, self.key, self.value), self.num_attention_heads)
     table = self.distance_embedding.weight.flip(0).to(q.dtype)  # rows (i - j) + K -> rows (j - i) + K
     kk = self.max_position_embeddings - 1
-    mask = _attn_mask(attention_mask)
+    mask = as_attn_mask(attention_mask)
     if self.position_embedding_type == "relative_key_query":
         term = _key_query_term(k, table, kk, self.scaling)
         mask = term if mask is None else term + additive_mask(mask, q.dtype)
     out = relative_attention(q, k, v, table, None, max_relative_position=kk, attn_mask=mask,
-                             dropout_p=_dropout(self, self.dropout.p), scale=self.scaling,
+                             dropout_p=dropout_p(self, self.dropout.p), scale=self.scaling,
                              backend=self._relattn_backend)
-    return _merge(out), None
+    return merge(out), None
 
 
 def _no_positions(self, position_ids):

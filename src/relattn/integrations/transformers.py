@@ -13,8 +13,8 @@ class, its parameters and its ``state_dict`` names; only its ``forward`` is repl
   ``embed_positions`` hands the (2L, D) table to the layers.
 - VITS: key and value tables ``emb_rel_k``, ``emb_rel_v`` (1, 2W+1, D), window ``W``, zero beyond it.
 
-Patched modules return ``None`` as attention weights, except SpeechT5 and VITS with ``output_attentions=True``
-(they return the weights, from :func:`relative_attention_weights`).
+With ``output_attentions=True`` patched modules return the weights, from :func:`relative_attention_weights`, as
+the unpatched modules do (Wav2Vec2-BERT and SeamlessM4T-v2 whenever the model records attentions).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import types
 import warnings
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from ..backends import check_name
 from ..functional import relative_attention, relative_attention_weights
+from .hf_common import as_attn_mask, dropout_p, merge, qkv
 
 SUPPORTED = ("Wav2Vec2-BERT (relative_key)", "SeamlessM4T-v2 speech encoder (relative_key)", "SpeechT5 encoder",
              "VITS")
@@ -41,54 +41,44 @@ class PatchReport:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
-def _attn_mask(attention_mask):
-    """A transformers attention mask as relative_attention's ``attn_mask``: 4-D bool (True = may attend) and float
-    (additive) masks pass through; a 2-D (B, M) padding mask (1 = keep) becomes (B, 1, 1, M) bool."""
-    if attention_mask is None:
-        return None
-    if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError("relattn-patched attention takes a tensor attention mask, got "
-                        f"{type(attention_mask).__name__}; load the model with attn_implementation='eager' or 'sdpa'")
-    if attention_mask.dim() == 2:
-        return attention_mask.bool()[:, None, None, :]
-    if attention_mask.dtype != torch.bool and not attention_mask.is_floating_point():
-        return attention_mask.bool()
-    return attention_mask
-
-
-def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """(B, N, H*D) -> (B, H, N, D)."""
-    b, n, _ = x.shape
-    return x.view(b, n, heads, -1).transpose(1, 2)
-
-
-def _qkv(hidden_states: torch.Tensor, projections, heads: int) -> list[torch.Tensor]:
-    """The query, key and value projections of ``hidden_states`` (B, N, E), each as heads (B, H, N, D)."""
-    return [_heads(proj(hidden_states), heads) for proj in projections]
-
-
-def _merge(x: torch.Tensor) -> torch.Tensor:
-    """(B, H, N, D) -> (B, N, H*D)."""
-    b, _, n, _ = x.shape
-    return x.transpose(1, 2).reshape(b, n, -1)
-
-
-def _dropout(module: nn.Module, p: float) -> float:
-    return float(p) if module.training else 0.0
-
-
 # ------------------------------------------------------------------------------------------ the patched forwards
 
 
+def _attentions_recorded() -> bool | None:
+    """Whether the running transformers-5 model records its attention modules' weights (``output_attentions``):
+    its output-capturing hooks collect them; None when this transformers does not say."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return None
+    collected = _active_collector.get()
+    return collected is not None and "attentions" in collected
+
+
 def _conformer_forward(self, hidden_states, attention_mask=None, relative_position_embeddings=None, **kwargs):
-    """Wav2Vec2BertSelfAttention / SeamlessM4Tv2ConformerSelfAttention with position_embeddings_type="relative_key"."""
-    q, k, v = _qkv(hidden_states, (self.linear_q, self.linear_k, self.linear_v), self.num_heads)
-    out = relative_attention(
-        q, k, v, self.distance_embedding.weight.to(q.dtype), None,
-        max_relative_position=(self.left_max_position_embeddings, self.right_max_position_embeddings),
-        attn_mask=_attn_mask(attention_mask), dropout_p=_dropout(self, self.dropout.p), scale=self.scaling,
-        backend=self._relattn_backend)
-    return self.linear_out(_merge(out)), None
+    """Wav2Vec2BertSelfAttention / SeamlessM4Tv2ConformerSelfAttention with position_embeddings_type="relative_key";
+    the weights too when the model records them (``output_attentions=True``)."""
+    q, k, v = qkv(hidden_states, (self.linear_q, self.linear_k, self.linear_v), self.num_heads)
+    args = dict(max_relative_position=(self.left_max_position_embeddings, self.right_max_position_embeddings),
+                attn_mask=as_attn_mask(attention_mask), scale=self.scaling)
+    table = self.distance_embedding.weight.to(q.dtype)
+    recorded = _attentions_recorded()
+    if recorded is None:
+        _warn_no_weights(type(self).__name__)
+    out = relative_attention(q, k, v, table, None, dropout_p=dropout_p(self, self.dropout.p),
+                             backend=self._relattn_backend, **args)
+    weights = relative_attention_weights(q, k, table, **args) if recorded else None
+    return self.linear_out(merge(out)), weights
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_no_weights(name: str) -> None:
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(f"relattn-patched {name} cannot tell whether output_attentions was asked for with this "
+                      "transformers version: it returns no attention weights", stacklevel=3)
 
 
 def _speecht5_positions_forward(self, hidden_states):
@@ -104,25 +94,25 @@ def _speecht5_forward(self, hidden_states, key_value_states=None, cache=None, at
                                   attention_mask=attention_mask, position_bias=position_bias,
                                   output_attentions=output_attentions, **kwargs)
     half = position_bias.shape[0] // 2  # rows r = (i - j) + L for i - j in [-L, L - 1]: flipped, window (L-1, L)
-    q, k, v = _qkv(hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.num_heads)
-    args = dict(max_relative_position=(half - 1, half), attn_mask=_attn_mask(attention_mask), scale=self.scaling)
+    q, k, v = qkv(hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.num_heads)
+    args = dict(max_relative_position=(half - 1, half), attn_mask=as_attn_mask(attention_mask), scale=self.scaling)
     rel_k = position_bias.flip(0).to(q.dtype)
-    out = relative_attention(q, k, v, rel_k, None, dropout_p=_dropout(self, self.dropout),
+    out = relative_attention(q, k, v, rel_k, None, dropout_p=dropout_p(self, self.dropout),
                              backend=self._relattn_backend, **args)
     weights = relative_attention_weights(q, k, rel_k, **args) if output_attentions else None
-    return self.out_proj(_merge(out)), weights
+    return self.out_proj(merge(out)), weights
 
 
 def _vits_forward(self, hidden_states, key_value_states=None, attention_mask=None, output_attentions=False):
     """VitsAttention: key and value tables in window ``window_size``, zero beyond it."""
-    q, k, v = _qkv(hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.num_heads)
-    args = dict(max_relative_position=self.window_size, beyond="zero", attn_mask=_attn_mask(attention_mask),
+    q, k, v = qkv(hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.num_heads)
+    args = dict(max_relative_position=self.window_size, beyond="zero", attn_mask=as_attn_mask(attention_mask),
                 scale=self.scaling)
     rel_k, rel_v = self.emb_rel_k.to(q.dtype), self.emb_rel_v.to(q.dtype)
-    out = relative_attention(q, k, v, rel_k, rel_v, dropout_p=_dropout(self, self.dropout),
+    out = relative_attention(q, k, v, rel_k, rel_v, dropout_p=dropout_p(self, self.dropout),
                              backend=self._relattn_backend, **args)
     weights = relative_attention_weights(q, k, rel_k, **args) if output_attentions else None
-    return self.out_proj(_merge(out)), weights
+    return self.out_proj(merge(out)), weights
 
 
 # ------------------------------------------------------------------------------------------ what is supported
@@ -169,9 +159,13 @@ def _swap(module: nn.Module, forward, backend: str) -> None:
     module.forward = types.MethodType(forward, module)
 
 
-def is_patched(module: nn.Module) -> bool:
-    """Whether ``module``'s forward is one :func:`patch` put there."""
+def _patched_here(module: nn.Module) -> bool:
     return hasattr(module, "_relattn_backend") and "forward" in module.__dict__
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether :func:`patch` replaced the forward of ``model`` or of any module inside it."""
+    return any(_patched_here(m) for m in model.modules())
 
 
 def patch(model: nn.Module, *, backend: str = "auto") -> PatchReport:
@@ -231,7 +225,7 @@ def unpatch(model: nn.Module) -> list[str]:
     """Undo :func:`patch`: every patched module gets its class's forward back. Returns the restored names."""
     restored = []
     for name, module in model.named_modules():
-        if is_patched(module):
+        if _patched_here(module):
             del module.forward
             del module._relattn_backend
             restored.append(name)

@@ -12,6 +12,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from .._io import OutputPathError
+from ..backends import BACKENDS
 from .checkpoint import CheckpointError, list_checkpoints
 from .data import DataError
 from .model import POSITIONS, TransformerConfig
@@ -48,7 +49,7 @@ def add_model_arguments(p: argparse.ArgumentParser, *, leave_out: tuple[str, ...
         "relative_values": dict(action=bool_flag, help=f"learn the value-side table too (default: "
                                                        f"{d.relative_values})"),
         "tie_embeddings": dict(action=bool_flag, help=f"default: {d.tie_embeddings}"),
-        "backend": dict(help=f"attention backend (default: {d.backend})"),
+        "backend": dict(choices=("auto", *BACKENDS), help=f"attention backend (default: {d.backend})"),
     }
     for dest, spec in specs.items():
         if dest not in leave_out:

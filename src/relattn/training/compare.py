@@ -18,6 +18,8 @@ from pathlib import Path
 from .._io import atomic_write_text, check_output_dir, save_figure
 from .arguments import add_model_arguments, add_train_arguments, configs_from_args, run_command
 from .model import POSITIONS, TransformerConfig
+from .plots import HEADROOM
+from .recipe import check_run
 from .train import TrainOptions, train
 
 COMPARE_DEFAULTS = TrainOptions(out="relattn-runs/compare", steps=700, sample_bytes=120)
@@ -29,6 +31,8 @@ def compare(config: TransformerConfig, options: TrainOptions, positions=POSITION
 
     Each run is ``train(replace(config, positions=pos), replace(options, out=OUT/pos, resume="latest"))``.
     """
+    for pos in positions:  # every run's refusals before any folder is made
+        check_run(replace(config, positions=pos), options)
     out = check_output_dir(options.out)
     results = {}
     for pos in positions:
@@ -75,6 +79,12 @@ def markdown_table(summary: dict) -> str:
 
 
 def plot(summary: dict, path: Path) -> Path:
+    """Save :func:`compare_figure` of ``summary`` as ``path``."""
+    return save_figure(compare_figure(summary), path)
+
+
+def compare_figure(summary: dict):
+    """Validation loss per evaluation context, one curve per positions variant, on a y-axis from zero."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,12 +98,13 @@ def plot(summary: dict, path: Path) -> Path:
     ax.axvline(ctx, color="gray", ls="--", lw=1, label="training context")
     ax.set_xscale("log", base=2)
     ax.set_xticks(n, [str(c) for c in n])
-    ax.set_ylim(bottom=0)  # differences at the scale of the losses themselves
+    top = max(v for r in summary["results"].values() for v in r["val_loss_by_context"].values())
+    ax.set_ylim(0, HEADROOM * top)  # from zero: differences at the scale of the losses themselves
     ax.set(xlabel="evaluation context (bytes)", ylabel="validation loss (nats/byte)",
            title=f"Length generalisation, {summary['steps']} steps, seed {summary['seed']}")
     ax.grid(alpha=0.3)
-    ax.legend()
-    return save_figure(fig, path)
+    ax.legend(loc="lower right")  # below the curves, which start well above zero, clear of the training context
+    return fig
 
 
 def register(sub: argparse._SubParsersAction) -> None:

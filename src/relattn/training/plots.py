@@ -16,6 +16,8 @@ from .model import TransformerConfig
 
 UNIFORM_LOSS = math.log(256)
 """Loss of a model that guesses each of the 256 byte values with equal probability (nats/byte)."""
+HEADROOM = 1.15
+"""Plots from zero top their y-axis at this times their highest curve: the curves keep clear of the top border."""
 
 
 def _pyplot():
@@ -58,7 +60,7 @@ def context_figure(metrics: dict, config: TransformerConfig):
     ax.set_xscale("log", base=2)
     ax.set_xticks(ctx, [str(c) for c in ctx])
     top = max([UNIFORM_LOSS, *metrics["val_loss_by_context"].values()])
-    ax.set_ylim(0, 1.05 * top)
+    ax.set_ylim(0, HEADROOM * top)
     ax.set(xlabel="evaluation context (bytes)", ylabel="validation loss (nats/byte)",
            title="Validation loss vs context length")
     ax.grid(alpha=0.3)
@@ -111,4 +113,4 @@ def plot_run(result, config: TransformerConfig, initial_table: torch.Tensor | No
     return paths
 
 
-__all__ = ["UNIFORM_LOSS", "context_figure", "key_table_figure", "loss_curve_figure", "plot_run"]
+__all__ = ["HEADROOM", "UNIFORM_LOSS", "context_figure", "key_table_figure", "loss_curve_figure", "plot_run"]

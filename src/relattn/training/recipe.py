@@ -9,6 +9,7 @@ DistributedDataParallel, and only rank 0 writes.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import math
 import os
@@ -90,6 +91,24 @@ def parameter_groups(model: TransformerLM, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def run_device(options: TrainOptions) -> str:
+    """The device type a run of ``options`` trains on: "cuda" when asked for, or "auto" with CUDA available."""
+    return "cuda" if options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def check_run(config: TransformerConfig, options: TrainOptions) -> None:
+    """Everything about a run that can be refused before any work: the options' ranges, then every reason the
+    model's attention backend will refuse its calls (from the backend's ``Serves`` declaration: device, dropout,
+    head dim; a missing package), as one :class:`UsageError` naming ``--backend``."""
+    from ..backends import refusals
+
+    options.validate()
+    why = refusals(config.backend, device=run_device(options), dtype=torch.float32, dropout=config.dropout > 0,
+                   head_dim=config.d_model // config.n_heads)
+    if why:
+        raise UsageError(f"--backend {config.backend} cannot train this model: {'; '.join(why)}")
+
+
 def fresh_model(config: TransformerConfig, seed: int) -> TransformerLM:
     """The untrained model of a run: ``TransformerLM(config)`` initialised from ``seed``."""
     torch.manual_seed(seed)
@@ -118,7 +137,7 @@ class TrainingRecipe:
         :class:`~relattn.training.data.DataError`, :class:`~relattn.training.checkpoint.CheckpointError` or
         :class:`~relattn._io.OutputPathError` here, before any training."""
         config, options = self.config, self.options
-        options.validate()
+        check_run(config, options)
         self.out = check_output_dir(options.out)
         raw, data_name = load_corpus(options.data)
         self.data = ByteData.from_bytes(raw, context=config.context, val_fraction=options.val_fraction,
@@ -136,8 +155,7 @@ class TrainingRecipe:
         self.ckpt_dir = self.out / "checkpoints"
         ckpt = self._checkpoint_to_resume()
 
-        use_cuda = options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
-        self.device = torch.device("cpu") if not use_cuda else \
+        self.device = torch.device("cpu") if run_device(options) == "cpu" else \
             torch.device("cuda", dist.local_rank if dist.enabled else torch.cuda.current_device())
         self.model = fresh_model(config, options.seed)
         self.initial_table = first_key_table(self.model)
@@ -320,10 +338,23 @@ class TrainingRecipe:
             "resumed_from": self.resumed_from,
         }
 
-    def cleanup(self) -> None:
-        """Leave the process group of a distributed run."""
-        if getattr(self, "dist", None) is not None and self.dist.enabled and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    def cleanup(self, *, finished: bool = False) -> None:
+        """Leave the process group of a distributed run (safe to call whether or not ``setup()`` got that far).
+
+        The DistributedDataParallel wrapper goes first: its reducer holds the process group, and a reducer freed
+        after ``destroy_process_group()`` (when the recipe is dropped) joins gloo's threads in its destructor and
+        can hang the process at exit. ``finished=True`` (every rank completed ``train()``) also waits for the
+        other ranks first, so none tears the group down while another still uses it; after a failure there is
+        no such wait, since the other ranks may never arrive.
+        """
+        if getattr(self, "dist", None) is None or not self.dist.enabled or not torch.distributed.is_initialized():
+            return
+        if finished:
+            torch.distributed.barrier()
+        self.wrapped = getattr(self, "model", None)
+        gc.collect()  # the wrapper and its reducer, should a reference cycle hold them
+        torch.distributed.destroy_process_group()
 
 
-__all__ = ["Dist", "TrainResult", "TrainingDiverged", "TrainingRecipe", "fresh_model", "lr_at", "parameter_groups"]
+__all__ = ["Dist", "TrainResult", "TrainingDiverged", "TrainingRecipe", "check_run", "fresh_model", "lr_at",
+           "parameter_groups", "run_device"]

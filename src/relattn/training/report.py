@@ -64,6 +64,7 @@ def report_run(recipe, result) -> None:
         print(sample)
         print("---")
         atomic_write_text(out / "sample.txt", sample + "\n")
+        print(f"saved {out / 'sample.txt'}")
     if options.plots:
         from .plots import plot_run
 

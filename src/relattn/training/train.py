@@ -29,14 +29,16 @@ def train(config: TransformerConfig, options: TrainOptions) -> TrainResult:
     (before any training), and :class:`TrainingDiverged` if the loss stops being finite.
     """
     recipe = TrainingRecipe(config, options)
+    finished = False
     try:
         recipe.setup()
         result = recipe.train()
         if recipe.dist.main:
             report_run(recipe, result)
+        finished = True
         return result
     finally:
-        recipe.cleanup()
+        recipe.cleanup(finished=finished)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
