@@ -31,8 +31,8 @@ KNOWN_PRIVATE_IMPORTS = {
 def lint_imports(cwd: Path) -> subprocess.CompletedProcess:
     """import-linter on the package found first from ``cwd`` (lint-imports puts ``cwd`` first on the path),
     with the repository's contracts."""
-    cmd = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command as c; sys.exit(c())",
-           "--config", str(ROOT / "pyproject.toml"), "--no-cache", "--no-logo"]
+    cmd = [str(Path(sys.executable).with_name("lint-imports")), "--config", str(ROOT / "pyproject.toml"), "--no-cache",
+           "--no-logo"]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
