@@ -42,8 +42,8 @@ from torch import nn
 
 from relattn import RelativeMultiheadAttention, relative_attention
 from relattn._io import atomic_write_text
-from relattn.backends.dense import causal_allowed
 from relattn.bench.measure import time_interleaved
+from relattn.positions import causal_allowed
 from relattn.training.model import TransformerConfig, TransformerLM
 
 # name -> sizes; "quick" keeps every case's structure at sizes a test runs in seconds

@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 # The "triton" backend's kernels are decorated (interpreted or compiled) when first used: without CUDA, run them
@@ -15,3 +16,24 @@ settings.register_profile(
 )
 settings.load_profile("default")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """The kernels' tiles made small, so that rows cross several key blocks and tiles end mid-sequence: "native"
+    gets 3 queries per tile and 5 keys per block. The fixture's value sets others: ``small_tiles(native=(8, 20),
+    native_splits=2, triton=((16, 32), (32, 16)))`` ("triton": forward and backward (queries, keys) tiles)."""
+    from relattn.backends import native as native_backend
+    from relattn.backends import triton as triton_backend
+
+    def set_tiles(*, native=(3, 5), native_splits=None, triton=None):
+        monkeypatch.setattr(native_backend, "TILE_Q", native[0])
+        monkeypatch.setattr(native_backend, "TILE_K", native[1])
+        if native_splits is not None:
+            monkeypatch.setattr(native_backend, "KV_SPLITS", native_splits)
+        if triton is not None:
+            monkeypatch.setattr(triton_backend, "FWD_TILES", triton[0])
+            monkeypatch.setattr(triton_backend, "BWD_TILES", triton[1])
+
+    set_tiles()
+    return set_tiles

@@ -1,11 +1,19 @@
-"""What every test layer shares: one input factory, one reference adapter, dtype-derived tolerances, gradients,
-and which backends can run here.
+"""What every test layer shares: one input factory, one oracle, one tolerance policy, gradients, and which
+backends can run here.
 
 - :func:`random_inputs` draws ``q, k, v, rel_k, rel_v`` for a window (an int ``K`` or a pair ``(left, right)``),
   with the tables named by one word from :data:`TABLES`.
-- :func:`reference_output` is the numpy reference (float64) applied to torch tensors, taking the op's keywords.
-- :func:`assert_close` allows ``TOL_EPS * eps(dtype) * (1 + max|want|)``; :func:`grads` is the output of a backend
-  and its gradients for one output gradient.
+- The oracle. :func:`reference_output` is the specification (``relattn.reference``, numpy, float64) applied to
+  torch tensors, taking the op's keywords. :func:`attention_ref` is the same function written the plain
+  PyTorch way (the tables gathered into (N, M, D) tensors, as tensor2tensor and Hugging Face compute it):
+  with ``upcast=True`` in float64, the truth for gradients (torch autograd through it; its outputs are checked
+  against the specification, its gradients against the specification's finite differences); with
+  ``upcast=False`` in the inputs' own dtype, the yardstick of what plain PyTorch gets at that precision.
+- The tolerance policy, :func:`assert_close` (:func:`error_bound`): float64 and float32 within
+  ``TOL_EPS * eps(dtype) * (1 + max|want|)``; a 16-bit result within twice the yardstick's error against the
+  same float64 truth, and never asked to beat one rounding (flash-attention's rule).
+- :func:`grads` is the output of a backend and its gradients for one output gradient; :func:`oracle_grads` the
+  same from the float64 oracle.
 - :func:`unavailable_here` / :func:`require_backend`: a backend that cannot run on this machine at all is skipped
   with its reason; anything else a backend refuses, or a native kernel that fails to build, fails the test.
 """
@@ -13,6 +21,7 @@ and which backends can run here.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import numpy as np
@@ -22,9 +31,10 @@ import torch
 from relattn import BACKENDS, relative_attention
 from relattn import reference as ref
 from relattn.backends import AttentionCall, native, not_supported_reasons
-from relattn.positions import check_window
+from relattn.positions import check_window, relative_position_index
 
-TOL_EPS = 512
+TOL_EPS = 512  # float64/float32: max error <= TOL_EPS * eps * (1 + max|want|)
+LOW_PRECISION = (torch.float16, torch.bfloat16)  # compared with the plain PyTorch yardstick instead
 
 # Which tables a test gets: name -> ((rel_k drawn, one per head), (rel_v drawn, one per head)).
 TABLES = {
@@ -63,6 +73,17 @@ def random_inputs(b, h, n, m, d, dv, window, *, tables="shared", dtype=torch.flo
     return q, key, v, rel_k, rel_v
 
 
+def random_mask(kind, shape, seed):
+    """A mask of ``shape``: ``"bool"`` (True = may attend, about 70% True), ``"float"`` (standard normal, added to
+    the scores) or None for ``kind=None``; seeded."""
+    g = torch.Generator().manual_seed(seed + 1)
+    if kind == "bool":
+        return torch.rand(shape, generator=g) > 0.3
+    if kind == "float":
+        return torch.randn(shape, generator=g, dtype=torch.float64)
+    return None
+
+
 def np64(t):
     """A tensor as a float64 numpy array (a bool tensor stays bool), None as None."""
     if t is None:
@@ -79,16 +100,119 @@ def reference_output(q, k, v, rel_k=None, rel_v=None, **op_kwargs):
     return torch.from_numpy(np.ascontiguousarray(out))
 
 
+def _materialised(table, idx, heads, beyond):
+    """A (R, D) or (Hr, R, D) table gathered at the (N, M) index: (N, M, D) or (H, N, M, D); beyond="zero"
+    indexes one zero row past the last."""
+    if beyond == "zero":
+        table = torch.cat([table, table.new_zeros(*table.shape[:-2], 1, table.shape[-1])], dim=-2)
+    pairs = table[..., idx, :]
+    return (pairs.expand(heads, *pairs.shape[1:]), "hnmd") if pairs.dim() == 4 else (pairs, "nmd")
+
+
+def attention_ref(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, attn_mask=None, is_causal=False,
+                  scale=None, query_offset=0, beyond="clip", upcast=True):
+    """Shaw attention the plain PyTorch way: q (B,H,N,D), k (B,Hkv,M,D), v (B,Hkv,M,Dv) (H % Hkv == 0), tables
+    (R, D|Dv) or (Hr, R, D|Dv), the op's keywords; returns (B, H, N, Dv), differentiable.
+
+    ``upcast=True``: computed in float64 (the oracle); ``upcast=False``: on the inputs as they are, every matmul
+    and the softmax run as a user's own PyTorch code would run them, under autocast too (the yardstick). A row
+    with no key it may attend to gives zeros and zero gradients, as in the specification; a NaN reaches what it
+    reaches there (the float64 oracle sums the value term by buckets of offsets, as the specification does).
+    """
+    if upcast:
+        q, k, v, rel_k, rel_v = (None if t is None else t.double() for t in (q, k, v, rel_k, rel_v))
+    b, h, n, d = q.shape
+    m = k.shape[-2]
+    if k.shape[1] != h:  # grouped-query attention: query head i reads key/value head i // (H // Hkv)
+        k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
+    idx = relative_position_index(n, m, max_relative_position, query_offset=query_offset, beyond=beyond,
+                                  device=q.device)
+    scores = q @ k.transpose(-1, -2)
+    if rel_k is not None:
+        ak, letters = _materialised(rel_k, idx, h, beyond)
+        scores = scores + torch.einsum(f"bhnd,{letters}->bhnm", q, ak)
+    scores = scores * (1 / math.sqrt(d) if scale is None else scale)
+    if attn_mask is not None:
+        mask = attn_mask.to(q.device)
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=scores.dtype, device=q.device).masked_fill(~mask, -math.inf)
+        scores = scores + mask.to(scores.dtype)
+    if is_causal:
+        future = torch.arange(m, device=q.device)[None, :] > torch.arange(n, device=q.device)[:, None] + query_offset
+        scores = scores.masked_fill(future, -math.inf)
+    empty = (scores == -math.inf).all(-1, keepdim=True)  # no key allowed (or M = 0): zeros, zero gradients
+    w = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    out = w @ v
+    if rel_v is not None and upcast:
+        # the specification's value term: per-row bucket sums of the weights times the table, so a NaN entry
+        # reaches every row (0 * NaN), as there
+        rows = rel_v.shape[-2] + (beyond == "zero")
+        buckets = w.new_zeros(*w.shape[:-1], rows).scatter_add(-1, idx.expand_as(w), w)
+        table = rel_v if beyond == "clip" else torch.cat([rel_v, rel_v.new_zeros(*rel_v.shape[:-2], 1,
+                                                                                  rel_v.shape[-1])], dim=-2)
+        out = out + buckets @ table
+    elif rel_v is not None:
+        av, letters = _materialised(rel_v, idx, h, beyond)
+        out = out + torch.einsum(f"bhnm,{letters}->bhnd", w, av)
+    return out
+
+
+def plain_module_forward(mod, x, *, is_causal=False):
+    """Self-attention of a ``RelativeMultiheadAttention`` ``mod`` on ``x`` (B, N, E) -> (B, N, E), written the
+    plain PyTorch way: its own projections and parameters, the attention by :func:`attention_ref` with
+    ``upcast=False`` (the tables gathered into (N, N, D) tensors). The yardstick for the module and the LM."""
+    b, n, _ = x.shape
+    q, k, v = (proj(x).unflatten(-1, (mod.num_heads, mod.head_dim)).transpose(1, 2)
+               for proj in (mod.q_proj, mod.k_proj, mod.v_proj))
+    out = attention_ref(q, k, v, mod.rel_k, mod.rel_v, max_relative_position=mod.max_relative_position,
+                        beyond=mod.beyond, is_causal=is_causal, upcast=False)
+    return mod.out_proj(out.transpose(1, 2).reshape(b, n, mod.embed_dim))
+
+
+def oracle_grads(inputs, go, **op_kwargs):
+    """:func:`grads` from the float64 oracle (:func:`attention_ref`): the output and the gradients of
+    ``(out * go).sum()`` for the inputs that are not None, in order, all float64."""
+    x = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
+    op_kwargs = {k: v for k, v in op_kwargs.items() if k != "dropout_p"}
+    out = attention_ref(*x, **op_kwargs)
+    present = [t for t in x if t is not None]
+    return out.detach(), torch.autograd.grad(out, present, go.double(), allow_unused=True)
+
+
 def tol(dtype: torch.dtype) -> float:
     return TOL_EPS * torch.finfo(dtype).eps
 
 
-def assert_close(got, want, dtype, what=""):
-    """``max|got - want| <= TOL_EPS * eps(dtype) * (1 + max|want|)``."""
-    got, want = got.detach().double(), want.detach().double()
+def max_error(got, want) -> float:
+    got, want = got.detach().cpu().double(), want.detach().cpu().double()
+    return (got - want).abs().max().item() if got.numel() else 0.0
+
+
+def error_bound(want, dtype, *, yardstick=None) -> float:
+    """The most error the policy allows a ``dtype`` result against the float64 truth ``want``:
+    ``TOL_EPS * eps * (1 + max|want|)`` for float64/float32; for 16-bit dtypes twice the error of ``yardstick``
+    (plain PyTorch's result at that dtype, :func:`attention_ref` with ``upcast=False``) against ``want``, and at
+    least twice one rounding, ``eps / 2 * max|want|``, the least error any result in that dtype can have."""
+    peak = want.detach().abs().max().item() if want.numel() else 0.0
+    if dtype in LOW_PRECISION:
+        if yardstick is None:
+            raise ValueError(f"a {dtype} result is compared with plain PyTorch's: pass yardstick=")
+        return 2 * max(max_error(yardstick, want), torch.finfo(dtype).eps / 2 * peak)
+    return tol(dtype) * (1.0 + peak)
+
+
+def assert_close(got, want, dtype, what="", *, yardstick=None):
+    """The one tolerance policy: ``got`` (computed at ``dtype``) against ``want`` (float64 truth), within
+    :func:`error_bound`; shapes must match. Where ``want`` is NaN, ``got`` must be NaN too."""
+    got, want = got.detach().cpu().double(), want.detach().cpu().double()
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    err = (got - want).abs().max().item() if got.numel() else 0.0
-    bound = tol(dtype) * (1.0 + (want.abs().max().item() if want.numel() else 0.0))
+    nan = want.isnan()
+    if nan.any():
+        assert torch.equal(got.isnan(), nan), f"{what}: NaN at {got.isnan().nonzero().tolist()}, " \
+                                              f"want {nan.nonzero().tolist()}"
+        got, want = got[~nan], want[~nan]
+        yardstick = None if yardstick is None else yardstick.detach().cpu().double()[~nan]
+    err, bound = max_error(got, want), error_bound(want, dtype, yardstick=yardstick)
     assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 

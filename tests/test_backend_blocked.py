@@ -1,6 +1,6 @@
 """The "blocked" backend's internals: the key-block tiling, the counter-based dropout hash, dropout through both
 sums and its backward, and a mask's gradient path. Its results against the reference are in
-``test_fast_backends.py``."""
+``test_conformance.py``."""
 
 from __future__ import annotations
 

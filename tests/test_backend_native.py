@@ -2,7 +2,7 @@
 inputs (through 16-bit GEMMs, and through float32 copies as on a CPU without 16-bit instructions), grouped k/v
 (fewer key/value heads than query heads), and the build: its cache key, loading a library already built, the
 "compiling" line, and a failed build as a reason rather than an error. Its results against the reference are in
-``test_fast_backends.py``.
+``test_conformance.py``.
 
 The kernel's tests are skipped, with the reason, only where it cannot be built at all (no C++ compiler, or
 ``RELATTN_NATIVE=0``); anywhere else it must build, so a compile error fails them.
@@ -33,19 +33,13 @@ SOURCE = resources.files("relattn").joinpath("csrc", "shaw_cpu.cpp").read_bytes(
 FLAGS = ["-O3", "-fopenmp", *native._capability_flags()]
 
 
-@pytest.fixture(autouse=True)
-def small_native_tiles(monkeypatch):
-    """3 queries per tile, 5 keys per block unless a test sets its own: tiles end mid-sequence."""
-    monkeypatch.setattr(native, "TILE_Q", 3)
-    monkeypatch.setattr(native, "TILE_K", 5)
+pytestmark = pytest.mark.usefixtures("small_tiles")  # 3 queries per tile, 5 keys per block unless a test sets its own
 
 
-def _case_runner(monkeypatch, case, *, tiles, splits=0, seed):
+def _case_runner(small_tiles, case, *, tiles, splits=0, seed):
     """Set the kernel's (queries, keys) tiles and backward key segments, make the inputs of a CASES entry, and
     return ``run(backend)`` -> (output, gradients) for one fixed output gradient."""
-    monkeypatch.setattr(native, "TILE_Q", tiles[0])
-    monkeypatch.setattr(native, "TILE_K", tiles[1])
-    monkeypatch.setattr(native, "KV_SPLITS", splits)
+    small_tiles(native=tiles, native_splits=splits)
     b, h, n = case[:3]
     inputs, kw = _inputs(case, seed)
     go = torch.randn(b, h, n, case[5], dtype=torch.float64)
@@ -64,9 +58,9 @@ def _inputs(case, seed):
 @needs_native
 @pytest.mark.parametrize("tiles", [(1, 1), (2, 3), (4, 7), (256, 512)])
 @pytest.mark.parametrize("case", CASES[:5] + CASES[9:], ids=IDS[:5] + IDS[9:])
-def test_any_tiling_matches_dense_autograd(monkeypatch, tiles, case):
+def test_any_tiling_matches_dense_autograd(small_tiles, tiles, case):
     """The kernel's result does not depend on its tile sizes (tiles of 1, odd sizes, one tile for everything)."""
-    run = _case_runner(monkeypatch, case, tiles=tiles, seed=3)
+    run = _case_runner(small_tiles, case, tiles=tiles, seed=3)
     want_out, want = run("dense")
     got_out, got = run("native")
     assert_close(got_out, want_out, torch.float64, "out")
@@ -78,10 +72,10 @@ def test_any_tiling_matches_dense_autograd(monkeypatch, tiles, case):
 @pytest.mark.parametrize("splits", [0, 2, 5])
 @pytest.mark.parametrize("case", CASES[:5] + CASES[9:] + [(1, 1, 40, 40, 4, 4, 3, "per_head", False, 0)],
                          ids=IDS[:5] + IDS[9:] + ["one-head"])
-def test_backward_key_segments(monkeypatch, splits, case):
+def test_backward_key_segments(small_tiles, splits, case):
     """The backward split into key segments per head (forced, or automatic when batch * heads < threads, as in
     the one-head case): the same gradients, and the same bits from one call to the next."""
-    run = _case_runner(monkeypatch, case, tiles=(2, 3), splits=splits, seed=4)
+    run = _case_runner(small_tiles, case, tiles=(2, 3), splits=splits, seed=4)
     want = run("dense")[1]
     got = run("native")[1]
     again = run("native")[1]
@@ -128,7 +122,7 @@ def _masks(b, h, n, m, g):
 @pytest.mark.parametrize("kind", ["keypad", "start", "rows", "per_head"])
 @pytest.mark.parametrize("shape", [(40, 40, 4, False, 0), (40, 40, 4, True, 0), (30, 45, 5, True, 15),
                                    (30, 45, 5, False, -6)], ids=["full", "causal", "decode", "offset"])
-def test_masks_match_reference_and_dense_grads(monkeypatch, chunked, kind, shape):
+def test_masks_match_reference_and_dense_grads(small_tiles, chunked, kind, shape):
     """``chunked``: 1-query tiles, 1-key blocks."""
     n, m, kk, causal, off = shape
     b, h = 2, 3
@@ -138,8 +132,7 @@ def test_masks_match_reference_and_dense_grads(monkeypatch, chunked, kind, shape
     go = torch.randn(b, h, n, 4, dtype=torch.float64)
     want_out, want = grads("dense", inputs, go, **kw)
     if chunked:
-        monkeypatch.setattr(native, "TILE_Q", 1)
-        monkeypatch.setattr(native, "TILE_K", 1)
+        small_tiles(native=(1, 1))
     got_out, got = grads("native", inputs, go, **kw)
     assert torch.isfinite(got_out).all()
     assert_close(got_out, reference_output(*inputs, **kw), torch.float64, "out vs reference")

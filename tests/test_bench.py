@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import assert_close, oracle_grads
 from relattn import BACKENDS, relative_attention
 from relattn import reference as ref
 from relattn.backends import Backend, Serves, native
@@ -32,21 +33,6 @@ def _inputs(b, h, n, m, d, kk, *, table_heads, seed=0, dtype=F64):
     return q, k, v, rel_k, rel_v
 
 
-def _reference_grads(fn_np, arrays, grad_out, eps=1e-6):
-    """d sum(fn(arrays) * grad_out) / d arrays by central differences on the float64 numpy reference."""
-    grads = []
-    for i, a in enumerate(arrays):
-        g = np.zeros_like(a)
-        for idx in np.ndindex(a.shape):
-            plus = [x.copy() for x in arrays]
-            minus = [x.copy() for x in arrays]
-            plus[i][idx] += eps
-            minus[i][idx] -= eps
-            g[idx] = ((fn_np(*plus) - fn_np(*minus)) * grad_out).sum() / (2 * eps)
-        grads.append(g)
-    return grads
-
-
 @pytest.mark.parametrize(("n", "m", "kk", "table_heads", "causal"), [
     (5, 5, 2, 0, False),   # one table shared by all heads, as tensor2tensor
     (5, 5, 2, 2, True),    # per-head tables, causal
@@ -61,13 +47,13 @@ def test_materialised_matches_reference_outputs_and_gradients(n, m, kk, table_he
         return ref.relative_attention(qq, kk_, vv, rk, rv, max_relative_position=kk, is_causal=causal)
 
     arrays = [t.numpy() for t in (q, k, v, rel_k, rel_v)]
-    np.testing.assert_allclose(out.detach().numpy(), reference(*arrays), rtol=0, atol=1e-12)
+    assert_close(out, torch.from_numpy(reference(*arrays)), F64, "out")
 
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
     got = torch.autograd.grad(out, leaves, grad_out)
-    expected = _reference_grads(reference, arrays, grad_out.numpy())
+    _, expected = oracle_grads((q, k, v, rel_k, rel_v), grad_out, max_relative_position=kk, is_causal=causal)
     for name, g, e in zip(("q", "k", "v", "rel_k", "rel_v"), got, expected, strict=True):
-        np.testing.assert_allclose(g.numpy(), e, rtol=0, atol=1e-7, err_msg=f"gradient of {name}")
+        assert_close(g, e, F64, f"gradient of {name}")
 
 
 def test_materialised_awkward_sizes_match_reference():
@@ -75,7 +61,7 @@ def test_materialised_awkward_sizes_match_reference():
     out = materialised_attention(q, k, v, rel_k, rel_v, max_relative_position=16, is_causal=True)
     expected = ref.relative_attention(q.numpy(), k.numpy(), v.numpy(), rel_k.numpy(), rel_v.numpy(),
                                       max_relative_position=16, is_causal=True)
-    np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=1e-12)
+    assert_close(out, torch.from_numpy(expected), F64)
 
 
 def test_materialised_with_key_padding_mask_and_causal_matches_reference():
@@ -86,7 +72,7 @@ def test_materialised_with_key_padding_mask_and_causal_matches_reference():
         out = materialised_attention(q, k, v, rel_k, rel_v, max_relative_position=3, attn_mask=mask, is_causal=causal)
         expected = ref.relative_attention(q.numpy(), k.numpy(), v.numpy(), rel_k.numpy(), rel_v.numpy(),
                                           max_relative_position=3, attn_mask=mask.numpy(), is_causal=causal)
-        np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=1e-12)
+        assert_close(out, torch.from_numpy(expected), F64)
 
 
 def test_materialised_float32_within_dtype_tolerance():
@@ -94,8 +80,7 @@ def test_materialised_float32_within_dtype_tolerance():
     out = materialised_attention(q, k, v, rel_k, rel_v, max_relative_position=8)
     expected = ref.relative_attention(q.double().numpy(), k.double().numpy(), v.double().numpy(),
                                       rel_k.double().numpy(), rel_v.double().numpy(), max_relative_position=8)
-    eps = torch.finfo(torch.float32).eps
-    np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=100 * eps * np.abs(expected).max())
+    assert_close(out, torch.from_numpy(expected), torch.float32)
 
 
 @pytest.mark.skipif(transformers_version() is None, reason=HF_MISSING)
@@ -115,7 +100,7 @@ def test_hf_peer_is_shaw_key_term_with_clipped_shared_table(attn_implementation)
         out = peer(*leaves, attn_mask=attn_mask)
         expected = ref.relative_attention(q.numpy(), k.numpy(), v.numpy(), table, None, max_relative_position=kk,
                                           attn_mask=None if attn_mask is None else attn_mask.numpy())
-        np.testing.assert_allclose(out.detach().numpy(), expected, rtol=0, atol=1e-12)
+        assert_close(out, torch.from_numpy(expected), F64)
 
     # gradients agree with relattn's dense path on the same table, table gradient included
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=F64)
@@ -125,7 +110,7 @@ def test_hf_peer_is_shaw_key_term_with_clipped_shared_table(attn_implementation)
                                    attn_mask=mask, backend="dense")
     want = torch.autograd.grad(dense_out, dense_leaves, grad_out)
     for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+        assert_close(g, w, F64)
 
 
 def test_peak_extra_bytes_counts_live_allocations():
@@ -370,7 +355,7 @@ def test_sdpa_floor_is_plain_attention_with_the_same_mask(causal):
     out = sdpa_runner(inp).fn()
     expected = ref.relative_attention(*(t.detach().numpy() for t in (inp.q, inp.k, inp.v)), None, None,
                                       max_relative_position=2, attn_mask=inp.mask.numpy(), is_causal=causal)
-    np.testing.assert_allclose(out.detach().numpy(), expected, rtol=0, atol=1e-12)
+    assert_close(out, torch.from_numpy(expected), F64)
 
 
 def test_a_long_first_length_is_skipped_from_probed_memory_growth():

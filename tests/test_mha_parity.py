@@ -1,17 +1,18 @@
 """RelativeMultiheadAttention as a drop-in for nn.MultiheadAttention: from_mha, layouts, kdim/vdim, unbatched.
 
-With both tables at zero, ``from_mha(mha)`` must give mha's outputs, weights and gradients (float64, tight).
+With both tables at zero, ``from_mha(mha)`` must give mha's outputs, weights and gradients (float64, within
+the one tolerance policy of tests/helpers.py).
 """
 
 import pytest
 import torch
 from torch import nn
 
+from helpers import assert_close
 from relattn import RelativeMultiheadAttention, relative_attention
 from relattn.modules import upgrade_mha
 
 E, H = 12, 3
-TIGHT = dict(rtol=1e-10, atol=1e-12)
 
 
 def make_mha(*, batch_first=True, kdim=None, vdim=None, bias=True, seed=0):
@@ -95,19 +96,19 @@ def test_from_mha_reproduces_outputs_weights_and_gradients(layout, mask_kind, ne
     want, want_w, want_g = run(mha, q, k, v, kw, need_weights)
     got, got_w, got_g = run(mod, q, k, v, kw, need_weights)
     assert got.shape == want.shape == q.shape
-    torch.testing.assert_close(got, want, **TIGHT)
+    assert_close(got, want, torch.float64)
     if need_weights:
-        torch.testing.assert_close(got_w, want_w, **TIGHT)
+        assert_close(got_w, want_w, torch.float64)
     else:
         assert got_w is None
     for a, c in zip(got_g, want_g, strict=True):
-        torch.testing.assert_close(a, c, **TIGHT)
+        assert_close(a, c, torch.float64)
     theirs = mha_param_grads(mha)
     for name, p in mod.named_parameters():
         if name.startswith("rel_"):
             assert p.grad is not None and p.grad.abs().sum() > 0  # tables at zero still learn
         else:
-            torch.testing.assert_close(p.grad, theirs[name], **TIGHT)
+            assert_close(p.grad, theirs[name], torch.float64)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -120,14 +121,14 @@ def test_from_mha_kdim_vdim_and_no_bias(bias):
     mask = torch.ones(4, 4 + 5, dtype=torch.bool).triu(5 + 1)  # a causal mask for queries placed at 5..8
     want, want_w, want_g = run(mha, q, k, v, {"attn_mask": mask}, True)
     got, got_w, got_g = run(mod, q, k, v, {"attn_mask": mask}, True)
-    torch.testing.assert_close(got, want, **TIGHT)
-    torch.testing.assert_close(got_w, want_w, **TIGHT)
+    assert_close(got, want, torch.float64)
+    assert_close(got_w, want_w, torch.float64)
     for a, c in zip(got_g, want_g, strict=True):
-        torch.testing.assert_close(a, c, **TIGHT)
+        assert_close(a, c, torch.float64)
     theirs = mha_param_grads(mha)
     for name, p in mod.named_parameters():
         if not name.startswith("rel_"):
-            torch.testing.assert_close(p.grad, theirs[name], **TIGHT)
+            assert_close(p.grad, theirs[name], torch.float64)
 
 
 def test_is_causal_with_its_mask_equals_mha():
@@ -136,8 +137,8 @@ def test_is_causal_with_its_mask_equals_mha():
     x = torch.randn(2, 6, E, dtype=torch.float64)
     causal = torch.ones(6, 6, dtype=torch.bool).triu(1)
     want = mha(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)[0]
-    torch.testing.assert_close(mod(x, x, x, attn_mask=causal, is_causal=True)[0], want, **TIGHT)
-    torch.testing.assert_close(mod(x, is_causal=True)[0], want, **TIGHT)  # here is_causal needs no mask
+    assert_close(mod(x, x, x, attn_mask=causal, is_causal=True)[0], want, torch.float64)
+    assert_close(mod(x, is_causal=True)[0], want, torch.float64)  # here is_causal needs no mask
 
 
 @pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask")
@@ -151,8 +152,8 @@ def test_forward_takes_mha_positional_order():
     want, want_w = mha(x, mem, mem, pad, True, attn, False, False)
     got, got_w = mod(x, mem, mem, pad, True, attn, False, False)
     assert got_w.shape == (2, H, 4, 6)
-    torch.testing.assert_close(got, want, **TIGHT)
-    torch.testing.assert_close(got_w, want_w, **TIGHT)
+    assert_close(got, want, torch.float64)
+    assert_close(got_w, want_w, torch.float64)
 
 
 def test_state_dict_of_mha_loads_via_from_mha(tmp_path):
@@ -162,7 +163,7 @@ def test_state_dict_of_mha_loads_via_from_mha(tmp_path):
     fresh.load_state_dict(torch.load(tmp_path / "mha.pt"))
     mod = RelativeMultiheadAttention.from_mha(fresh.eval(), 4)
     x = torch.randn(3, 5, E, dtype=torch.float64)
-    torch.testing.assert_close(mod(x)[0], saved(x, x, x)[0], **TIGHT)
+    assert_close(mod(x)[0], saved(x, x, x)[0], torch.float64)
 
 
 def test_tables_matter_after_from_mha():
@@ -187,18 +188,18 @@ def test_layouts_agree_with_tables_and_kdim():
     pad = torch.tensor([[False] * 9, [False] * 6 + [True] * 3])
     out, w = bf(q, k, v, pad, True, average_attn_weights=False)
     out_sf, w_sf = sf(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), pad, True, average_attn_weights=False)
-    torch.testing.assert_close(out_sf, out.transpose(0, 1), **TIGHT)
-    torch.testing.assert_close(w_sf, w, **TIGHT)
+    assert_close(out_sf, out.transpose(0, 1), torch.float64)
+    assert_close(w_sf, w, torch.float64)
     out1, w1 = bf(q[1], k[1], v[1], pad[1], True, average_attn_weights=False)
-    torch.testing.assert_close(out1, out[1], **TIGHT)
-    torch.testing.assert_close(w1, w[1], **TIGHT)
+    assert_close(out1, out[1], torch.float64)
+    assert_close(w1, w[1], torch.float64)
 
     def heads(t):
         return t.view(2, -1, H, E // H).transpose(1, 2)
 
     o = relative_attention(heads(bf.q_proj(q)), heads(bf.k_proj(k)), heads(bf.v_proj(v)), bf.rel_k, bf.rel_v,
                            max_relative_position=2, attn_mask=~pad[:, None, None, :])
-    torch.testing.assert_close(out, bf.out_proj(o.transpose(1, 2).reshape(2, 4, E)), **TIGHT)
+    assert_close(out, bf.out_proj(o.transpose(1, 2).reshape(2, 4, E)), torch.float64)
 
 
 @pytest.mark.parametrize("flag", ["add_bias_kv", "add_zero_attn"])
@@ -260,10 +261,10 @@ def test_upgrades_torch_transformer_layers_in_place(training):
     dec.self_attn = RelativeMultiheadAttention.from_mha(dec.self_attn, 2)
     dec.multihead_attn = RelativeMultiheadAttention.from_mha(dec.multihead_attn, 2)
     got, got_grads = run()
-    torch.testing.assert_close(got, want, **TIGHT)
+    assert_close(got, want, torch.float64)
     for a, b in zip(got_grads, want_grads, strict=True):
-        torch.testing.assert_close(a, b, **TIGHT)
-    torch.testing.assert_close(inference(), want_inference, **TIGHT)
+        assert_close(a, b, torch.float64)
+    assert_close(inference(), want_inference, torch.float64)
     with torch.no_grad():
         enc.layers[0].self_attn.rel_k.normal_()
     assert (run()[0] - want).abs().max() > 1e-3
@@ -283,7 +284,7 @@ def test_a_row_with_no_key_gives_the_output_bias_where_mha_gives_nan():
     torch.testing.assert_close(got[0, 2], mod.out_proj.bias, rtol=0, atol=0)
     assert torch.equal(w[0, 2], torch.zeros(4, dtype=torch.float64))
     keep = torch.tensor([0, 1, 3])
-    torch.testing.assert_close(got[0, keep], want[0, keep], **TIGHT)
+    assert_close(got[0, keep], want[0, keep], torch.float64)
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
@@ -307,5 +308,5 @@ def test_upgrade_mha_swaps_every_attention_of_a_default_transformer():
     assert names == {n for n, m in model.named_modules() if isinstance(m, RelativeMultiheadAttention)}
     assert len(names) == 2 + 2 * 1 and not any(isinstance(m, nn.MultiheadAttention) for m in model.modules())
     got, got_no_grad = run()
-    torch.testing.assert_close(got, want, **TIGHT)
-    torch.testing.assert_close(got_no_grad, want_no_grad, **TIGHT)
+    assert_close(got, want, torch.float64)
+    assert_close(got_no_grad, want_no_grad, torch.float64)

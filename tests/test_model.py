@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import assert_close
 from relattn.training.model import TransformerConfig, TransformerEncoder, TransformerLM, sinusoidal_positions
 
 
@@ -43,7 +44,7 @@ def test_cached_decoding_equals_full_forward_float64(positions, extra):
     for i in range(5, 14):
         parts.append(model(tokens[:, i:i + 1], kv_caches=caches))
     assert all(len(c) == 14 for c in caches)
-    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-12)
+    assert_close(torch.cat(parts, 1), full, torch.float64)
 
 
 @pytest.mark.parametrize("positions", ["relative", "absolute", "none"])
@@ -53,8 +54,7 @@ def test_cached_decoding_in_uneven_chunks_float32(positions):
     full = model(tokens)
     caches = model.new_caches()
     parts = [model(tokens[:, a:b], kv_caches=caches) for a, b in ((0, 7), (7, 8), (8, 11), (11, 12), (12, 23))]
-    eps = torch.finfo(torch.float32).eps
-    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=100 * eps, atol=100 * eps * full.abs().max().item())
+    assert_close(torch.cat(parts, 1), full, torch.float32)
 
 
 def test_cache_positions_matter():
@@ -115,12 +115,12 @@ def test_encoder_padding_is_ignored_and_none_is_permutation_equivariant():
     mask = torch.zeros(2, 10, dtype=torch.bool)
     mask[:, 7:] = True
     padded = enc(torch.cat([x, pad], 1), key_padding_mask=mask)[:, :7]
-    torch.testing.assert_close(padded, enc(x), rtol=0, atol=1e-12)
+    assert_close(padded, enc(x), torch.float64)
 
     torch.manual_seed(0)
     enc = TransformerEncoder(tiny("none")).double().eval()
     perm = torch.randperm(7)
-    torch.testing.assert_close(enc(x)[:, perm], enc(x[:, perm]), rtol=0, atol=1e-12)
+    assert_close(enc(x)[:, perm], enc(x[:, perm]), torch.float64)
     torch.manual_seed(0)
     enc = TransformerEncoder(tiny("relative")).double().eval()
     assert (enc(x)[:, perm] - enc(x[:, perm])).abs().max() > 1e-3  # relative positions break the symmetry
@@ -175,7 +175,7 @@ def test_kv_cache_reorder_continues_the_reordered_sequences(positions):
     assert all(len(c) == 6 for c in caches)
     got = torch.cat([model(cont[:, :1], kv_caches=caches), model(cont[:, 1:], kv_caches=caches)], 1)
     want = model(torch.cat([prompts[index], cont], 1))[:, 6:]
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert_close(got, want, torch.float64)
     unordered = model(torch.cat([prompts, cont], 1))[:, 6:]
     assert (want - unordered).abs().max() > 1e-3  # guard: the order of the rows matters here
 
@@ -194,7 +194,7 @@ def _fixed_logits_model():
         model.head.weight.zero_()
         model.head.weight[:, 0] = LOGITS
     tokens = torch.randint(0, len(LOGITS), (2, 5), generator=torch.Generator().manual_seed(6))
-    torch.testing.assert_close(model(tokens), LOGITS.expand(2, 5, -1), rtol=0, atol=1e-12)
+    assert_close(model(tokens), LOGITS.expand(2, 5, -1), torch.float64)
     return model
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import assert_close
 from relattn import KVCache, RelativeMultiheadAttention, relative_attention
 
 E, H = 12, 3
@@ -50,11 +51,11 @@ def test_without_tables_equals_nn_multihead_attention(mask_kind):
         kw["key_padding_mask"] = torch.tensor([[False] * 7, [False] * 4 + [True] * 3])
     got, w = mod(x, mem, mem, need_weights=True, **kw)
     want, want_w = mha(x, mem, mem, need_weights=True, **kw)
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(w, want_w)
+    assert_close(got, want, torch.float64)
+    assert_close(w, want_w, torch.float64)
     got_fast, none = mod(x, mem, mem, **kw)
     assert none is None
-    torch.testing.assert_close(got_fast, want)
+    assert_close(got_fast, want, torch.float64)
 
 
 @pytest.mark.parametrize("share_heads", [True, False])
@@ -70,14 +71,14 @@ def test_module_equals_op(share_heads):
     o = relative_attention(q, k, v, mod.rel_k, mod.rel_v, max_relative_position=2, is_causal=True)
     want = mod.out_proj(o.transpose(1, 2).reshape(2, 6, E))
     got, _ = mod(x, is_causal=True)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert_close(got, want, torch.float64)
 
 
 def test_is_causal_equals_triu_mask():
     mod = module()
     x = torch.randn(1, 8, E, dtype=torch.float64)
     future = torch.ones(8, 8, dtype=torch.bool).triu(1)
-    torch.testing.assert_close(mod(x, is_causal=True)[0], mod(x, attn_mask=future)[0])
+    assert_close(mod(x, is_causal=True)[0], mod(x, attn_mask=future)[0], torch.float64)
 
 
 @pytest.mark.parametrize("chunks", [[1] * 9, [4, 1, 1, 3], [9]])
@@ -90,7 +91,7 @@ def test_kv_cache_matches_full_causal_pass(chunks):
         outs.append(mod(x[:, start:start + c], is_causal=True, kv_cache=cache)[0])
         start += c
         assert len(cache) == start
-    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-12, atol=1e-12)
+    assert_close(torch.cat(outs, 1), full, torch.float64)
 
 
 def test_need_weights_per_head_and_averaged():
@@ -98,17 +99,17 @@ def test_need_weights_per_head_and_averaged():
     x = torch.randn(2, 5, E, dtype=torch.float64)
     out, w = mod(x, need_weights=True, average_attn_weights=False)
     assert w.shape == (2, H, 5, 5)
-    torch.testing.assert_close(w.sum(-1), torch.ones(2, H, 5, dtype=torch.float64))
+    assert_close(w.sum(-1), torch.ones(2, H, 5, dtype=torch.float64), torch.float64)
     out2, wm = mod(x, need_weights=True)
-    torch.testing.assert_close(wm, w.mean(1))
-    torch.testing.assert_close(out, out2)
-    torch.testing.assert_close(out, mod(x)[0])
+    assert_close(wm, w.mean(1), torch.float64)
+    assert_close(out, out2, torch.float64)
+    assert_close(out, mod(x)[0], torch.float64)
 
 
 def test_dropout_only_in_training():
     mod = module(dropout=0.5)
     x = torch.randn(1, 6, E, dtype=torch.float64)
-    torch.testing.assert_close(mod(x)[0], mod(x)[0])
+    assert_close(mod(x)[0], mod(x)[0], torch.float64)
     mod.train()
     torch.manual_seed(0)
     a = mod(x)[0]
@@ -173,7 +174,7 @@ def test_kv_cache_reorder_keeps_the_chosen_rows():
     assert len(cache) == 5
     got = mod(new, is_causal=True, kv_cache=cache)[0]
     want = mod(torch.cat([prefix[index], new], 1), is_causal=True)[0][:, 5:]
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert_close(got, want, torch.float64)
     assert (want - mod(torch.cat([prefix, new], 1), is_causal=True)[0][:, 5:]).abs().max() > 1e-3
 
 
@@ -196,14 +197,14 @@ def test_module_variants_equal_the_reference(window, beyond, share_heads):
                          is_causal=True)
     want = mod.out_proj(o.transpose(1, 2).reshape(2, 7, E))
     got, _ = mod(x, is_causal=True)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert_close(got, want, torch.float64)
     _, weights = mod(x, is_causal=True, need_weights=True, average_attn_weights=False)
     from relattn.reference import relative_attention as ref_attention
 
     _, ref_w = ref_attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(),
                              mod.rel_k.detach().numpy(), None, max_relative_position=window, beyond=beyond,
                              is_causal=True, return_weights=True)
-    torch.testing.assert_close(weights, torch.from_numpy(ref_w), rtol=1e-10, atol=1e-12)
+    assert_close(weights, torch.from_numpy(ref_w), torch.float64)
 
 
 def test_tied_tables_are_one_parameter_used_on_both_sides():
@@ -218,7 +219,7 @@ def test_tied_tables_are_one_parameter_used_on_both_sides():
     torch.testing.assert_close(tied(x, is_causal=True)[0], untied(x, is_causal=True)[0], rtol=0, atol=0)
     tied(x, is_causal=True)[0].square().sum().backward()
     untied(x, is_causal=True)[0].square().sum().backward()
-    torch.testing.assert_close(tied.rel_k.grad, untied.rel_k.grad + untied.rel_v.grad)
+    assert_close(tied.rel_k.grad, untied.rel_k.grad + untied.rel_v.grad, torch.float64)
     reloaded = module(tie_tables=True)
     reloaded.load_state_dict(tied.state_dict())
     assert reloaded.rel_v is reloaded.rel_k and torch.equal(reloaded.rel_k, tied.rel_k)

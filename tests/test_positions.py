@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from relattn import reference as ref
 from relattn import relative_position_index
-from relattn.positions import clip_and_shift, symmetric_table, table_rows
+from relattn.positions import causal_allowed, clip_and_shift, symmetric_table, table_rows
 
 
 @given(n=st.integers(0, 12), m=st.integers(0, 12), k=st.integers(0, 14), offset=st.integers(-6, 12))
@@ -97,3 +97,10 @@ def test_symmetric_table_keeps_none_and_a_symmetric_clipped_table():
     assert symmetric_table(None, (2, 1), "zero") == (None, 3)
     same, kk = symmetric_table(table, (2, 2), "clip")
     assert same is table and kk == 2
+
+
+def test_causal_allowed_is_the_past_and_present_of_each_query():
+    """Query i sits at position i + query_offset and sees keys j <= i + query_offset."""
+    assert causal_allowed(3, 3, 0, "cpu").tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert causal_allowed(2, 4, 2, "cpu").tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert not causal_allowed(2, 3, -1, "cpu")[0].any()  # the first query sits before every key

@@ -1,4 +1,5 @@
-"""Relative positions: the window of offsets a table covers, and the one place the clipped index is written.
+"""Relative positions: the window of offsets a table covers, the one place the clipped index is written, and the
+causal pattern (which keys a query may see).
 
 A window is ``(left, right)``: offsets ``j - i`` from ``-left`` to ``right`` have rows ``0 .. left + right``
 (offset ``r`` at row ``r + left``). An int ``K`` is the symmetric window ``(K, K)`` of Shaw et al., with
@@ -54,6 +55,11 @@ def table_rows(max_relative_position) -> int:
 def clip_and_shift(offsets: torch.Tensor, max_relative_position: int) -> torch.Tensor:
     """Table row for raw offsets ``j - i`` in a symmetric window: clip to ``[-K, K]``, then shift by ``K``."""
     return offsets.clamp(-max_relative_position, max_relative_position) + max_relative_position
+
+
+def causal_allowed(n: int, m: int, query_offset: int, device) -> torch.Tensor:
+    """(N, M) bool, True where key ``j`` is not in the future of query ``i``: ``j <= i + query_offset``."""
+    return torch.arange(m, device=device)[None, :] <= torch.arange(n, device=device)[:, None] + query_offset
 
 
 def relative_position_index(

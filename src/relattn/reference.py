@@ -1,7 +1,8 @@
 """The specification, written like the specification: numpy, float64, loops allowed.
 
-Self-attention with relative position representations (Shaw, Uszkoreit & Vaswani, 2018), as in
-the handbook chapters this project is built from. Every fast path in :mod:`relattn` is tested
+Self-attention with relative position representations (Shaw, Uszkoreit & Vaswani, "Self-Attention with
+Relative Position Representations", NAACL 2018), written out: clipped relative positions, the key term added
+to the scores, the value term added to the output. Every fast path in :mod:`relattn` is tested
 against the functions here, and the loop forms here are the ground truth for the vectorised forms.
 
 Notation: ``N`` query length, ``M`` key length, ``d_k``/``d_v`` head dims, ``K`` the maximum

@@ -43,18 +43,17 @@ class Registry(dict):
 
 BACKENDS: Registry = Registry((b.name, b) for b in _REGISTERED)
 
-# Priority lists of "auto", per device. Crossover measured by benchmarks/crossover.py (fwd+bwd, float32,
-# B=1, H=8, D=64, both tables, 2-core CPU): "native" was fastest at every N from 16 to 384 (K = 16 and 64),
-# so it comes first on the CPU. Without it (dropout, no compiler) dense was fastest up to N = M = 256 at
-# K = 16 and up to 384 at K = 64, and blocked beyond: dense serves problems with N*M <= (256 + 3K)^2 scores
-# per head, and at larger sizes "auto" never builds an (N, M) tensor.
+# Priority lists of "auto", per device: the order in which it tries the backends. The device's kernel comes
+# first ("native" on the CPU, "triton" on CUDA); after it "dense" for problems of at most dense_max_scores(K)
+# scores per head and "blocked" for larger ones, so that at large sizes "auto" never builds an (N, M) tensor.
+# The measurements behind the order and the threshold: benchmarks/README.md, "What auto's order rests on".
 _SMALL = {"cpu": ("native", "dense", "blocked"), "cuda": ("triton", "dense", "blocked")}
 _LARGE = {"cpu": ("native", "blocked", "dense"), "cuda": ("triton", "blocked", "dense")}
 _OTHER_DEVICES = (("dense", "blocked"), ("blocked", "dense"))
 
 
 def dense_max_scores(max_relative_position: int) -> int:
-    """Largest N*M per head for which "auto" prefers "dense" over "blocked" (see the crossover note above)."""
+    """Largest N*M per head for which "auto" prefers "dense" over "blocked" (see the priority lists above)."""
     return (256 + 3 * max_relative_position) ** 2
 
 

@@ -11,13 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..positions import relative_position_index
+from ..positions import causal_allowed, relative_position_index
 from ._common import AttentionCall, Backend, Serves
-
-
-def causal_allowed(n: int, m: int, query_offset: int, device) -> torch.Tensor:
-    """(N, M) bool, True where key ``j`` is not in the future of query ``i``: ``j <= i + query_offset``."""
-    return torch.arange(m, device=device)[None, :] <= torch.arange(n, device=device)[:, None] + query_offset
 
 
 def masked_softmax(scores: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from ..backends import BACKENDS, choose, not_supported_reasons
-from ..backends.dense import causal_allowed
 from ..functional import relative_attention, validate
+from ..positions import causal_allowed
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..backends.dense import causal_allowed
+from ..positions import causal_allowed
 from .measure import (
     Inputs,
     Runner,
