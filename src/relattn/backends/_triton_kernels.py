@@ -112,12 +112,16 @@ def _rel_term(S, offs_m, offs_n, stride_sn, N, MAX_REL, off, STAGE: tl.constexpr
 def _scores(q, kT, QA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale, stride_sn, stride_mn, stride_mm,
             STAGE: tl.constexpr, HAS_RK: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
             EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr):
-    """A tile's scores in log2 units, ``((q k^T + q a^K_t) scale + mask) log2(e)``, -inf where no key may be seen."""
+    """A tile's scores in log2 units, ``((q k^T + q a^K_t) scale + mask) log2(e)``, -inf where no key may be seen.
+    HAS_MASK: 0 no mask, 1 a mask with one value per key (the same for every row), 2 one value per pair."""
     qk = dot(q, kT, PREC)
     if HAS_RK:
         qk += _rel_term(QA, offs_m, offs_n, stride_sn, N, MAX_REL, off, STAGE, EVEN_M)
     s = qk * qk_scale
-    if HAS_MASK:
+    if HAS_MASK == 1:  # one value per key (a key-padding mask): a row of the tile
+        bias = _load_2d(MASK + offs_n[None, :] * stride_mm, offs_n, offs_n, 1, M, True, EVEN_N)
+        s += bias.to(s.dtype) * LOG2E
+    elif HAS_MASK == 2:  # one value per pair
         rows = offs_m.to(tl.int64)[:, None] * stride_mn  # N * M may pass 2**31
         bias = _load_2d(MASK + rows + offs_n[None, :] * stride_mm, offs_m, offs_n, N, M, EVEN_M, EVEN_N)
         s += bias.to(s.dtype) * LOG2E

@@ -50,12 +50,12 @@ LOG2E = 1.4426950408889634
 # not. Each entry compiles without spills for its arch under Triton 3.6 and 3.9 (benchmarks/triton_compile.py;
 # docs/backends-triton.md has the table); none is tuned on a GPU yet.
 CONFIGS = {
-    ("fwd", 90, 64): (128, 64, 8, 3, 2), ("fwd", 90, 128): (128, 64, 8, 2, 2),
-    ("dkdv", 90, 64): (32, 64, 4, 2, 2), ("dkdv", 90, 128): (32, 64, 4, 2, 2),
-    ("dq", 90, 64): (64, 32, 4, 2, 2), ("dq", 90, 128): (64, 32, 4, 2, 2),
-    ("fwd", 80, 64): (64, 64, 4, 2, 2), ("fwd", 80, 128): (64, 64, 4, 2, 2),
-    ("dkdv", 80, 64): (32, 64, 4, 2, 2), ("dkdv", 80, 128): (32, 64, 4, 2, 2),
-    ("dq", 80, 64): (64, 32, 4, 2, 2), ("dq", 80, 128): (64, 32, 4, 2, 2),
+    ("fwd", 90, 64): (128, 64, 8, 3, 2), ("fwd", 90, 128): (128, 64, 8, 2, 4),
+    ("dkdv", 90, 64): (32, 64, 4, 2, 2), ("dkdv", 90, 128): (32, 64, 8, 2, 2),
+    ("dq", 90, 64): (64, 32, 4, 2, 2), ("dq", 90, 128): (64, 32, 8, 2, 2),
+    ("fwd", 80, 64): (128, 64, 8, 2, 2), ("fwd", 80, 128): (128, 64, 8, 2, 4),
+    ("dkdv", 80, 64): (32, 64, 4, 2, 2), ("dkdv", 80, 128): (32, 64, 8, 2, 2),
+    ("dq", 80, 64): (64, 32, 4, 2, 2), ("dq", 80, 128): (32, 64, 8, 2, 4),
 }
 FP32_CONFIGS = {"fwd": (32, 32, 4, 2, 2), "dkdv": (16, 32, 4, 2, 1), "dq": (32, 16, 4, 2, 1)}  # float32, float64
 # The interpreter pays per tile operation (about 0.2 ms, little more for a larger tile): large tiles there.
@@ -141,7 +141,7 @@ def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal):
     split = max(1, min(split, (bm if kernel == "dkdv" else bn) // 16))  # band tiles of at least 16 (tl.dot's minimum)
     kern = _kernels()
     return dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=dp, HEAD_DIM_V=dvp,
-                HAS_RK=rel_k is not None, HAS_RV=rel_v is not None, HAS_MASK=mask is not None, CAUSAL=is_causal,
+                HAS_RK=rel_k is not None, HAS_RV=rel_v is not None, HAS_MASK=_mask_kind(q, k, mask), CAUSAL=is_causal,
                 EVEN_M=n % bm == 0, EVEN_N=m % bn == 0, EVEN_D=(dp == q.shape[-1] and dvp == v.shape[-1]),
                 PREC="ieee" if q.dtype not in LOW_PRECISION else "tf32",
                 ACC=kern.tl.float64 if q.dtype == torch.float64 else kern.tl.float32,
@@ -159,6 +159,13 @@ def _table_strides(prefix: str, t: Tensor | None) -> dict:
     if t is not None and t.shape[0] == 1:
         s[f"stride_{prefix}h"] = 0
     return s
+
+
+def _mask_kind(q, k, mask) -> int:
+    """0: no mask; 1: one value per key, the same for every query (a key-padding mask); 2: one per pair."""
+    if mask is None:
+        return 0
+    return 2 if q.shape[2] > 1 and mask.expand(*q.shape[:3], k.shape[2]).stride(2) != 0 else 1
 
 
 def _mask_args(q, k, mask) -> dict:
