@@ -41,3 +41,16 @@ def test_kernels_compile_for_a100_and_h100_without_spills():
         for cell in row[2:]:
             regs, spill, _ = cell.split(": ")[1].split(" / ")
             assert int(spill) == 0 and 0 < int(regs) <= 255, row
+
+
+def test_gpu_script_parses():
+    """benchmarks/gpu.sh (run only on a CUDA machine) is valid bash, and each Python program it embeds compiles."""
+    path = os.path.join(ROOT, "benchmarks", "gpu.sh")
+    done = subprocess.run(["bash", "-n", path], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    text = open(path, encoding="utf-8").read()
+    programs = [part.split("\nEOF\n")[0] for part in text.split("<<'EOF'\n")[1:]]
+    assert len(programs) == 2  # the peers and decoding
+    for program in programs:
+        compile(program, "gpu.sh", "exec")
+        assert "TFLOP/s" in program
