@@ -54,10 +54,10 @@ CONFIGS = {
     ("dkdv", 90, 64): (32, 64, 4, 2, 2), ("dkdv", 90, 128): (32, 64, 8, 2, 2),
     ("dq", 90, 64): (64, 32, 4, 2, 2), ("dq", 90, 128): (64, 32, 8, 2, 2),
     ("fwd", 80, 64): (128, 64, 8, 2, 2), ("fwd", 80, 128): (128, 64, 8, 2, 4),
-    ("dkdv", 80, 64): (32, 64, 4, 2, 2), ("dkdv", 80, 128): (32, 64, 8, 2, 2),
+    ("dkdv", 80, 64): (32, 64, 8, 1, 2), ("dkdv", 80, 128): (32, 64, 8, 2, 2),
     ("dq", 80, 64): (64, 32, 4, 2, 2), ("dq", 80, 128): (32, 64, 8, 2, 4),
 }
-FP32_CONFIGS = {"fwd": (32, 32, 4, 2, 2), "dkdv": (16, 32, 4, 2, 1), "dq": (32, 16, 4, 2, 1)}  # float32, float64
+FP32_CONFIGS = {"fwd": (32, 32, 8, 1, 2), "dkdv": (16, 16, 8, 1, 1), "dq": (32, 16, 4, 2, 1)}  # float32, float64
 # The interpreter pays per tile operation (about 0.2 ms, little more for a larger tile): large tiles there.
 INTERPRETED_TILES = (128, 128)
 FWD_TILES: tuple[int, int] | None = None  # (BLOCK_M, BLOCK_N) instead of the table (the tests set small ones)
@@ -135,8 +135,6 @@ def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal):
     if override is not None:
         bm, bn = override
     bm, bn = min(bm, _pow2(n)), min(bn, _pow2(m))  # no tile longer than needed
-    if kernel == "fwd" and bm < 64:  # decoding's few rows: one warp group
-        warps = 4
     split = BAND_SPLIT or split
     split = max(1, min(split, (bm if kernel == "dkdv" else bn) // 16))  # band tiles of at least 16 (tl.dot's minimum)
     kern = _kernels()
@@ -179,7 +177,7 @@ def table_scores(x: Tensor, table: Tensor, dtype: torch.dtype) -> Tensor:
     b, h, n, d = x.shape
     r = table.shape[1]
     out = x.new_empty(b, h, n, r, dtype=dtype)
-    block_n, block_r = (128, 128) if INTERPRET else (64, 64)
+    block_n, block_r = (128, 128) if INTERPRET else (64, 64) if x.element_size() == 2 else (32, 32)
     block_n, block_r = min(block_n, _pow2(n)), min(block_r, _pow2(r))
     _launch(_kernels()._table_scores_kernel, (_cdiv(n, block_n), b * h, _cdiv(r, block_r)),
             X=x, T=table, S=out, **_strides("x", x, "bhnd"), **_table_strides("t", table),
