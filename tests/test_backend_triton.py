@@ -24,6 +24,7 @@ from helpers import random_inputs, reference_output
 from relattn import functional as fn
 from relattn.backends import BACKENDS, choose, not_supported_reasons, why_not
 from relattn.backends import triton as tb
+from relattn.backends._common import AttentionCall
 
 CUDA = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -42,6 +43,7 @@ TOL_EPS = 512
 def small_tiles(monkeypatch):
     monkeypatch.setattr(tb, "FWD_TILES", (16, 32))
     monkeypatch.setattr(tb, "BWD_TILES", (32, 16))
+    monkeypatch.setattr(tb, "BAND_SPLIT", 2)  # band tiles 16 wide in the forward and dkdv, as on a GPU narrower
 
 
 def assert_close(got, want, dtype, what=""):
@@ -202,12 +204,59 @@ def test_16_bit_within_2x_of_plain_pytorch(device, dtype, causal, monkeypatch):
         assert 0 < err <= 2 * plain_err, f"{name}: {dtype} error {err:.3g} > 2 x plain PyTorch's {plain_err:.3g}"
 
 
+def _grouped(inputs, hkv):
+    """The inputs with k and v cut to their first ``hkv`` heads (grouped-query attention)."""
+    q, k, v, rk, rv = inputs
+    return q, k[:, :hkv].contiguous(), v[:, :hkv].contiguous(), rk, rv
+
+
+def run_grouped(inputs, kk, go, *, dtype, device, mask=None, is_causal=False, query_offset=0):
+    """The backend's run on an AttentionCall built here, k and v with fewer heads than q: output and gradients."""
+    x = [None if t is None else t.detach().to(device, dtype).requires_grad_() for t in inputs]
+    q, k, v, rk, rv = x
+    tables = [None if t is None else (t if t.dim() == 3 else t[None]) for t in (rk, rv)]
+    call = AttentionCall(q, k, v, *tables, kk, None if mask is None else mask.to(device, dtype), is_causal, 0.0,
+                         q.shape[-1] ** -0.5, query_offset)
+    out = BACKENDS["triton"].run(call)
+    return out, torch.autograd.grad(out, [t for t in x if t is not None], go.to(device, dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads,hkv,tables,causal,off", [(4, 2, "per_head", True, 3), (3, 1, "shared", False, 0)],
+                         ids=["H4-Hkv2-per_head-causal", "H3-Hkv1-shared"])
+def test_grouped_kv_matches_repeated_reference(device, heads, hkv, tables, causal, off):
+    """k, v with Hkv < H heads, read in place: output and gradients equal the reference with k, v repeated to H
+    heads (query head h reads key/value head h // (H // Hkv)), dk and dv summed over each group."""
+    assert BACKENDS["triton"].serves.grouped_kv
+    b, n, m, kk = 2, 37, 45, 4
+    inputs = _grouped(random_inputs(b, heads, n, m, 8, 8, kk, tables=tables, seed=21), hkv)
+    mask = torch.where(torch.rand(b, 1, n, m, generator=torch.Generator().manual_seed(22)) > 0.2, 0.0,
+                       float("-inf")).double()
+    mask[..., 0] = 0.0
+    go = torch.randn(b, heads, n, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(23))
+    got_out, got = run_grouped(inputs, kk, go, dtype=torch.float32, device=device, mask=mask, is_causal=causal,
+                               query_offset=off)
+    q, k, v, rk, rv = (t.detach().requires_grad_() for t in inputs)
+    g = heads // hkv
+    kw = dict(max_relative_position=kk, attn_mask=mask, is_causal=causal, query_offset=off)
+    want_out = fn.relative_attention(q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), rk, rv,
+                                     backend="dense", **kw)
+    want = torch.autograd.grad(want_out, (q, k, v, rk, rv), go)
+    assert got_out.shape == (b, heads, n, 8)
+    assert_close(got_out, reference_output(q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), rk, rv,
+                                           **kw), torch.float32, "out")
+    for name, a, w in zip("q k v rel_k rel_v".split(), got, want, strict=True):
+        assert a.shape == w.shape, name
+        assert_close(a, w, torch.float32, f"d{name}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_backward_is_bitwise_deterministic(device):
-    inputs = random_inputs(2, 2, 45, 45, 8, 8, 4, tables="per_head", seed=14)
-    go = torch.randn(2, 2, 45, 8, dtype=torch.float64)
-    first = run("triton", inputs, 4, go, dtype=torch.float32, device=device, is_causal=True)[1]
-    second = run("triton", inputs, 4, go, dtype=torch.float32, device=device, is_causal=True)[1]
+    """Two backward passes equal bit for bit, grouped key/value heads (dk, dv summed over a group) included."""
+    inputs = _grouped(random_inputs(2, 4, 45, 45, 8, 8, 4, tables="per_head", seed=14), 2)
+    go = torch.randn(2, 4, 45, 8, dtype=torch.float64)
+    first = run_grouped(inputs, 4, go, dtype=torch.float32, device=device, is_causal=True)[1]
+    second = run_grouped(inputs, 4, go, dtype=torch.float32, device=device, is_causal=True)[1]
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 

@@ -1,379 +1,579 @@
-"""The "triton" backend's kernels (``@triton.jit``): forward, the key/value gradients, the query gradients.
+"""The "triton" backend's kernels (``@triton.jit``): table scores, forward, key/value gradients, query gradients.
 
 Imported only by :mod:`relattn.backends.triton` on first use (it needs ``triton``; under ``TRITON_INTERPRET=1``
-the same kernels run interpreted on CPU tensors). Notation as in ``_common.py``; query ``i`` sits at
-``p_i = i + off``, key ``j`` has offset ``r = j - p_i`` and table row ``t = clip(r, -K, K) + K``.
+the same kernels run interpreted on CPU tensors, with the few workarounds of ``_triton_compat.py``). Notation as
+in ``_common.py``; query ``i`` sits at ``p_i = i + off``, key ``j`` has offset ``r = j - p_i`` and table row
+``t = clip(r, -K, K) + K``. Scores are kept in log2 units (``scale * log2(e)`` folded into one factor), so the
+softmax is ``exp2``.
 
-A (query tile, key tile) pair of sizes (BM, BN) spans offsets ``[rmin, rmax]``, rmin = n0 - (m0 + BM - 1) - off.
-Three kinds (the runs of ``csrc/shaw_cpu.cpp``, one level up): ``rmax <= -K`` (left of the band: every pair
-reads row 0, a constant per query row), ``rmin >= K`` (right: row 2K), else a band tile. A band tile loads
-the ``W >= BM + BN - 1`` table rows of its offsets (clipped, so rows repeat at the ends) as a window:
-``x @ window^T`` is gathered into key coordinates (the key term, and dO's value term in the backward), and a
-(BM, BN) weight tile is skewed into window coordinates and multiplied by the window (the value term, and
-the key table's share of dq). Window column ``w`` holds offset ``rmin + w``; pair (i, j) of the tile sits at
-``w = j - i + BM - 1``.
+The key loop of a query tile runs in three stages, as the tutorial's causal ``STAGE`` split does:
+
+* LEFT, key tiles whose every pair has ``r <= -K``: every pair reads table row 0, so the key term is one number
+  per row, ``q_i . a^K_0``, and the value term one running sum per row, ``sum_j P_ij``; plain flash otherwise;
+* BAND, the few tiles (about ``(2K + BM) / BN``) in between: the key term is gathered, per pair, from the
+  row's precomputed table scores ``QA = q a^K^T`` (B, H, N, 2K+1; one small matmul kernel before the loop), and
+  each pair's score with ``|r| < K`` is stored to a per-row bin (its table row ``t``; one key per bin);
+* RIGHT, key tiles whose every pair has ``r > K``: as LEFT with row 2K (never reached when causal).
+
+Band tiles are ``BAND_SPLIT`` times narrower than the others: their per-pair gathers and stores hold addresses
+and indices in registers that a plain tile does not, and registers are allocated for the kernel's widest stage.
+
+After the loop the value term is ``sum_t P_it a^V_t``: the bins, exponentiated with the final row maximum, times
+the value table, one matmul per chunk of table rows, plus the two edge sums times rows 0 and 2K. The backward
+stages its loops the same way (``_dkdv_kernel`` from a key tile's side, ``_dq_kernel`` from a query tile's) and
+shares one tile body, ``_bwd_tile``; ``_dq_kernel`` also stores P and dS per (row, table row) for the table
+gradients (each bin written once, by the program owning the row: no atomics).
+
+Key/value heads: query head ``h`` reads key/value head ``h // GROUP``; ``_dkdv_kernel``'s program for a
+key/value head loops over its group's query heads in a fixed order.
 """
-
-import os
 
 import triton
 import triton.language as tl
 
+from ._triton_compat import cast, device_fn, dot
 
-def _device(fn):
-    """``triton.jit`` for a device function. Under ``TRITON_INTERPRET=1``, Triton 3.9 re-patches
-    ``triton.language`` on every device-function call (about a millisecond each, a dozen calls per tile); the
-    kernel calling it has patched it already, so there the rewritten function is called directly."""
-    jitted = triton.jit(fn)
-    rewrite = getattr(jitted, "rewrite", None)
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") or rewrite is None:
-        return jitted
-    return lambda *args, **kwargs: rewrite()(*args, **kwargs)
+LEFT: tl.constexpr = tl.constexpr(0)
+BAND: tl.constexpr = tl.constexpr(1)
+RIGHT: tl.constexpr = tl.constexpr(2)
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
-@_device
-def _dot(a, b, PREC: tl.constexpr):
-    """a @ b accumulated in float32 (float64 for float64). PREC "bf16-upcast": Triton 3.9's interpreter multiplies
-    bfloat16 operands as their raw uint16 bits, so there they go in as float32 (exact: a bf16 product is exact
-    in float32, as on tensor cores)."""
-    if PREC == "bf16-upcast":
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32))
+# ----------------------------------------------------------------------------------------------- loads and stores
+
+
+@device_fn
+def _load_2d(ptrs, offs_0, offs_1, n_0, n_1, EVEN_0: tl.constexpr, EVEN_1: tl.constexpr):
+    """A tile, masked (zeros outside) only along the dimensions that may run past the tensor's end."""
+    if EVEN_0 and EVEN_1:
+        x = tl.load(ptrs)
+    elif EVEN_0:
+        x = tl.load(ptrs, mask=(offs_1 < n_1)[None, :], other=0.0)
+    elif EVEN_1:
+        x = tl.load(ptrs, mask=(offs_0 < n_0)[:, None], other=0.0)
     else:
-        out = tl.dot(a, b, input_precision=PREC)
-    return out
+        x = tl.load(ptrs, mask=(offs_0 < n_0)[:, None] & (offs_1 < n_1)[None, :], other=0.0)
+    return x
 
 
-@_device
-def _cast(x, dtype: tl.constexpr, PREC: tl.constexpr):
-    """x (float32) rounded to ``dtype`` to nearest. Triton 3.9's interpreter truncates float32 -> bfloat16 (a GPU
-    rounds to nearest even): a bias the sums over many weights would accumulate. There ("bf16-upcast") the
-    rounding is done on the bits first (ties away from zero), so the truncation that follows is exact."""
-    if PREC == "bf16-upcast":
-        bits = x.to(tl.uint32, bitcast=True)
-        x = ((bits + 0x8000) & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return x.to(dtype)
-
-
-@_device
-def _skew(x, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr):
-    """(BM, BN) key coordinates -> (BM, W) window coordinates (zeros where no key of the tile lands)."""
-    i = tl.arange(0, BM)[:, None]
-    j = tl.arange(0, W)[None, :] - (BM - 1) + i
-    ok = (j >= 0) & (j < BN)
-    return tl.where(ok, tl.gather(x, tl.where(ok, j, 0), axis=1), 0.0)
-
-
-@_device
-def _window(T, base, K, dim, s_r, s_d, DP: tl.constexpr, W: tl.constexpr):
-    """The (W, DP) table rows t = clip(base + w, -K, K) + K of one head's table ``T``."""
-    rows = tl.minimum(tl.maximum(base + tl.arange(0, W), -K), K) + K
-    cols = tl.arange(0, DP)
-    return tl.load(T + rows[:, None] * s_r + cols[None, :] * s_d, mask=(cols < dim)[None, :], other=0.0)
-
-
-@_device
-def _edge_row(T, row, dim, s_r, s_d, DP: tl.constexpr, ACC: tl.constexpr):
-    cols = tl.arange(0, DP)
-    return tl.load(T + row * s_r + cols * s_d, mask=cols < dim, other=0.0).to(ACC)
-
-
-@_device
-def _rel_scores(x, T, rmin, rmax, K, dim, s_r, s_d, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                W: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
-    """(BM, BN) in ACC: x_i . T[t(i, j)] for x (BM, DP) (q with a^K, or dO with a^V)."""
-    if rmax <= -K:
-        c = tl.sum(x.to(ACC) * _edge_row(T, 0, dim, s_r, s_d, DP, ACC)[None, :], 1)
-        out = tl.broadcast_to(c[:, None], (BM, BN))
-    elif rmin >= K:
-        c = tl.sum(x.to(ACC) * _edge_row(T, 2 * K, dim, s_r, s_d, DP, ACC)[None, :], 1)
-        out = tl.broadcast_to(c[:, None], (BM, BN))
+@device_fn
+def _store_2d(ptrs, x, offs_0, offs_1, n_0, n_1, EVEN_0: tl.constexpr, EVEN_1: tl.constexpr):
+    if EVEN_0 and EVEN_1:
+        tl.store(ptrs, x)
+    elif EVEN_0:
+        tl.store(ptrs, x, mask=(offs_1 < n_1)[None, :])
+    elif EVEN_1:
+        tl.store(ptrs, x, mask=(offs_0 < n_0)[:, None])
     else:
-        xw = _dot(x, tl.trans(_window(T, rmin, K, dim, s_r, s_d, DP, W)), PREC)
-        idx = tl.arange(0, BN)[None, :] - tl.arange(0, BM)[:, None] + (BM - 1)
-        out = tl.gather(xw, idx, axis=1)
-    return out
+        tl.store(ptrs, x, mask=(offs_0 < n_0)[:, None] & (offs_1 < n_1)[None, :])
 
 
-@_device
-def _rel_values(p, T, rmin, rmax, K, dim, s_r, s_d, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                W: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
-    """(BM, DP) in ACC: sum_j p_ij T[t(i, j)] for p (BM, BN) in ACC (P with a^V, or dS with a^K)."""
-    if rmax <= -K:
-        out = tl.sum(p, 1)[:, None] * _edge_row(T, 0, dim, s_r, s_d, DP, ACC)[None, :]
-    elif rmin >= K:
-        out = tl.sum(p, 1)[:, None] * _edge_row(T, 2 * K, dim, s_r, s_d, DP, ACC)[None, :]
+@device_fn
+def _load_rows(ptrs, offs_m, N, other, EVEN_M: tl.constexpr):
+    """One value per query row (log-sum-exp, delta)."""
+    if EVEN_M:
+        x = tl.load(ptrs)
     else:
-        win = _window(T, rmin, K, dim, s_r, s_d, DP, W)
-        out = _dot(_cast(_skew(p, BM, BN, W), win.dtype, PREC), win, PREC)
-    return out
+        x = tl.load(ptrs, mask=offs_m < N, other=other)
+    return x
 
 
-@_device
-def _scores(q, kt, RK, MASK, oi, oj, N, M, off, K, scale, rmin, rmax, D, s_rk_r, s_rk_d, s_m_n, s_m_m,
-            DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, HAS_RK: tl.constexpr,
-            HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
-    """(BM, BN) scores (in ACC) of a tile: (q k^T + q a^K_t) * scale + mask, -inf where no key may be seen."""
-    s = _dot(q, kt, PREC)
+@device_fn
+def _store_rows(ptrs, x, offs_m, N, EVEN_M: tl.constexpr):
+    if EVEN_M:
+        tl.store(ptrs, x)
+    else:
+        tl.store(ptrs, x, mask=offs_m < N)
+
+
+# ------------------------------------------------------------------------------------------- the tile body parts
+
+
+@device_fn
+def _rel_term(S, offs_m, offs_n, stride_sn, N, MAX_REL, off, STAGE: tl.constexpr, EVEN_M: tl.constexpr):
+    """``x_i . a_t(i, j)`` from one head's precomputed table scores ``S = x a^T`` (rows of 2K+1): (BM, 1) off the band
+    (one table row for the whole tile), gathered per pair to (BM, BN) on the band."""
+    if STAGE == BAND:
+        t = tl.minimum(tl.maximum(offs_n[None, :] - offs_m[:, None] - off, -MAX_REL), MAX_REL) + MAX_REL
+    elif STAGE == LEFT:
+        t = offs_m[:, None] * 0
+    else:
+        t = offs_m[:, None] * 0 + 2 * MAX_REL
+    ptrs = S + offs_m[:, None] * stride_sn + t
+    if EVEN_M:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=(offs_m < N)[:, None], other=0.0)
+    return x
+
+
+@device_fn
+def _scores(q, kT, QA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale, stride_sn, stride_mn, stride_mm,
+            STAGE: tl.constexpr, HAS_RK: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+            EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr):
+    """A tile's scores in log2 units, ``((q k^T + q a^K_t) scale + mask) log2(e)``, -inf where no key may be seen.
+    HAS_MASK: 0 no mask, 1 a mask with one value per key (the same for every row), 2 one value per pair."""
+    qk = dot(q, kT, PREC)
     if HAS_RK:
-        s += _rel_scores(q, RK, rmin, rmax, K, D, s_rk_r, s_rk_d, DP, BM, BN, W, PREC, ACC)
-    s = s * scale
-    if HAS_MASK:
-        ok = (oi < N)[:, None] & (oj < M)[None, :]
-        rows = oi.to(tl.int64)[:, None] * s_m_n  # N * M may pass 2**31
-        s += tl.load(MASK + rows + oj[None, :] * s_m_m, mask=ok, other=0.0).to(ACC)
-    valid = (oj < M)[None, :]
-    if CAUSAL:
-        valid = valid & (oj[None, :] <= oi[:, None] + off)
-    return tl.where(valid, s, float("-inf"))
+        qk += _rel_term(QA, offs_m, offs_n, stride_sn, N, MAX_REL, off, STAGE, EVEN_M)
+    s = qk * qk_scale
+    if HAS_MASK == 1:  # one value per key (a key-padding mask): a row of the tile
+        bias = _load_2d(MASK + offs_n[None, :] * stride_mm, offs_n, offs_n, 1, M, True, EVEN_N)
+        s += bias.to(s.dtype) * LOG2E
+    elif HAS_MASK == 2:  # one value per pair
+        rows = offs_m.to(tl.int64)[:, None] * stride_mn  # N * M may pass 2**31
+        bias = _load_2d(MASK + rows + offs_n[None, :] * stride_mm, offs_m, offs_n, N, M, EVEN_M, EVEN_N)
+        s += bias.to(s.dtype) * LOG2E
+    if CAUSAL and STAGE == BAND:  # the diagonal lies in the band (BAND spans at least BM keys past the rows)
+        s = tl.where(offs_n[None, :] <= offs_m[:, None] + off, s, float("-inf"))
+    if not EVEN_N:
+        s = tl.where((offs_n < M)[None, :], s, float("-inf"))
+    return s
 
 
-@triton.jit
-def _fwd_kernel(Q, Kp, V, RK, RV, MASK, OUT, LSE,
-                s_q_b, s_q_h, s_q_n, s_q_d, s_k_b, s_k_h, s_k_n, s_k_d, s_v_b, s_v_h, s_v_n, s_v_d,
-                s_rk_h, s_rk_r, s_rk_d, s_rv_h, s_rv_r, s_rv_d, s_m_b, s_m_h, s_m_n, s_m_m,
-                s_o_b, s_o_h, s_o_n, s_o_d, s_l_b, s_l_h, s_l_n, s_o_s, s_l_s, split_len,
-                H, N, M, D, DV, K, off, scale,
-                DP: tl.constexpr, DVP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr,
-                HAS_RK: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                PREC: tl.constexpr, ACC: tl.constexpr):
-    """Per (query tile, batch * head, split of the keys): the online softmax over the split's key tiles. One
-    split: out and lse. Several (decoding: too few query tiles to fill the GPU): each split's normalised out
-    and lse, at split strides s_o_s and s_l_s, merged by the launcher."""
-    m0 = tl.program_id(0) * BM
-    start = tl.program_id(2) * split_len
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    Q += b * s_q_b + h * s_q_h
-    Kp += b * s_k_b + h * s_k_h
-    V += b * s_v_b + h * s_v_h
-    RK += h * s_rk_h
-    RV += h * s_rv_h
-    MASK += b * s_m_b + h * s_m_h
-    oi = m0 + tl.arange(0, BM)
-    cd = tl.arange(0, DP)
-    cv = tl.arange(0, DVP)
-    q = tl.load(Q + oi[:, None] * s_q_n + cd[None, :] * s_q_d, mask=(oi < N)[:, None] & (cd < D)[None, :], other=0.0)
-    m_i = tl.full((BM,), float("-inf"), ACC)
-    l_i = tl.zeros((BM,), ACC)
-    acc = tl.zeros((BM, DVP), ACC)
-    end = tl.minimum(M, start + split_len)
-    if CAUSAL:
-        end = tl.minimum(end, m0 + BM + off)
-    for n0 in range(start, end, BN):
-        oj = n0 + tl.arange(0, BN)
-        rmin = n0 - (m0 + BM - 1) - off
-        rmax = n0 + BN - 1 - m0 - off
-        kt = tl.load(Kp + oj[None, :] * s_k_n + cd[:, None] * s_k_d, mask=(oj < M)[None, :] & (cd < D)[:, None],
-                     other=0.0)
-        s = _scores(q, kt, RK, MASK, oi, oj, N, M, off, K, scale, rmin, rmax, D, s_rk_r, s_rk_d, s_m_n, s_m_m,
-                    DP, BM, BN, W, HAS_RK, HAS_MASK, CAUSAL, PREC, ACC)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + oj[:, None] * s_v_n + cv[None, :] * s_v_d, mask=(oj < M)[:, None] & (cv < DV)[None, :],
-                    other=0.0)
-        acc = acc * alpha[:, None] + _dot(_cast(p, v.dtype, PREC), v, PREC)
-        if HAS_RV:
-            acc += _rel_values(p, RV, rmin, rmax, K, DV, s_rv_r, s_rv_d, DVP, BM, BN, W, PREC, ACC)
-        m_i = m_new
-    seen = l_i > 0.0
-    denom = tl.where(seen, l_i, 1.0)
-    out = acc / denom[:, None]
-    lse = tl.where(seen, m_i + tl.log(denom), float("-inf"))
-    OUT += b * s_o_b + h * s_o_h + tl.program_id(2) * s_o_s
-    tl.store(OUT + oi[:, None] * s_o_n + cv[None, :] * s_o_d, _cast(out, OUT.dtype.element_ty, PREC),
-             mask=(oi < N)[:, None] & (cv < DV)[None, :])
-    tl.store(LSE + b * s_l_b + h * s_l_h + tl.program_id(2) * s_l_s + oi * s_l_n, lse, mask=oi < N)
-
-
-@triton.jit
-def _dkdv_kernel(Q, Kp, V, RK, RV, MASK, DO, LSE, DELTA, DK, DV_,
-                 s_q_b, s_q_h, s_q_n, s_q_d, s_k_b, s_k_h, s_k_n, s_k_d, s_v_b, s_v_h, s_v_n, s_v_d,
-                 s_rk_h, s_rk_r, s_rk_d, s_rv_h, s_rv_r, s_rv_d, s_m_b, s_m_h, s_m_n, s_m_m,
-                 s_do_b, s_do_h, s_do_n, s_do_d, s_l_b, s_l_h, s_l_n,
-                 H, N, M, D, DV, K, off, scale,
-                 DP: tl.constexpr, DVP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr,
-                 HAS_RK: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                 PREC: tl.constexpr, ACC: tl.constexpr):
-    """Per key tile, over the query tiles that see it: dv = P^T dO, dk = scale dS^T q. dK/dV are laid out like k/v."""
-    n0 = tl.program_id(0) * BN
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    Q += b * s_q_b + h * s_q_h
-    DO += b * s_do_b + h * s_do_h
-    Kp += b * s_k_b + h * s_k_h
-    V += b * s_v_b + h * s_v_h
-    RK += h * s_rk_h
-    RV += h * s_rv_h
-    MASK += b * s_m_b + h * s_m_h
-    LSE += b * s_l_b + h * s_l_h
-    DELTA += b * s_l_b + h * s_l_h
-    oj = n0 + tl.arange(0, BN)
-    cd = tl.arange(0, DP)
-    cv = tl.arange(0, DVP)
-    k_ok = (oj < M)[:, None] & (cd < D)[None, :]
-    v_ok = (oj < M)[:, None] & (cv < DV)[None, :]
-    k = tl.load(Kp + oj[:, None] * s_k_n + cd[None, :] * s_k_d, mask=k_ok, other=0.0)
-    v = tl.load(V + oj[:, None] * s_v_n + cv[None, :] * s_v_d, mask=v_ok, other=0.0)
-    kt = tl.trans(k)
-    dk = tl.zeros((BN, DP), ACC)
-    dv = tl.zeros((BN, DVP), ACC)
-    start = 0
-    if CAUSAL:
-        start = (tl.maximum(n0 - off, 0) // BM) * BM
-    for m0 in range(start, N, BM):
-        oi = m0 + tl.arange(0, BM)
-        rmin = n0 - (m0 + BM - 1) - off
-        rmax = n0 + BN - 1 - m0 - off
-        q = tl.load(Q + oi[:, None] * s_q_n + cd[None, :] * s_q_d, mask=(oi < N)[:, None] & (cd < D)[None, :],
-                    other=0.0)
-        do = tl.load(DO + oi[:, None] * s_do_n + cv[None, :] * s_do_d, mask=(oi < N)[:, None] & (cv < DV)[None, :],
-                     other=0.0)
-        lse = tl.load(LSE + oi * s_l_n, mask=oi < N, other=float("inf"))
-        delta = tl.load(DELTA + oi * s_l_n, mask=oi < N, other=0.0)
-        s = _scores(q, kt, RK, MASK, oi, oj, N, M, off, K, scale, rmin, rmax, D, s_rk_r, s_rk_d, s_m_n, s_m_m,
-                    DP, BM, BN, W, HAS_RK, HAS_MASK, CAUSAL, PREC, ACC)
-        p = tl.exp(s - lse[:, None])
-        dv += _dot(tl.trans(_cast(p, do.dtype, PREC)), do, PREC)
-        dp = _dot(do, tl.trans(v), PREC)
-        if HAS_RV:
-            dp += _rel_scores(do, RV, rmin, rmax, K, DV, s_rv_r, s_rv_d, DVP, BM, BN, W, PREC, ACC)
-        ds = p * (dp - delta[:, None])
-        dk += _dot(tl.trans(_cast(ds, q.dtype, PREC)), q, PREC)
-    dk = dk * scale
-    DK += b * s_k_b + h * s_k_h
-    DV_ += b * s_v_b + h * s_v_h
-    tl.store(DK + oj[:, None] * s_k_n + cd[None, :] * s_k_d, _cast(dk, DK.dtype.element_ty, PREC), mask=k_ok)
-    tl.store(DV_ + oj[:, None] * s_v_n + cv[None, :] * s_v_d, _cast(dv, DV_.dtype.element_ty, PREC), mask=v_ok)
-
-
-@_device
-def _bucket_edges(x, r, K, left, right, BM: tl.constexpr, BN: tl.constexpr, rmin, rmax):
-    """Running (BM,) sums of ``x`` over the pairs reading row 0 (r <= -K) and row 2K (r >= K, r > -K)."""
-    if rmax <= -K:
+@device_fn
+def _edge_sums(x, left, right, offs_m, offs_n, MAX_REL, off, STAGE: tl.constexpr):
+    """Running (BM,) sums of ``x`` over the pairs reading table row 0 (r <= -K) and row 2K (r >= K, r > -K)."""
+    if STAGE == LEFT:
         left += tl.sum(x, 1)
-    elif (rmin >= K) & (rmin > -K):
+    elif STAGE == RIGHT:
         right += tl.sum(x, 1)
     else:
-        left += tl.sum(tl.where(r <= -K, x, 0.0), 1)
-        right += tl.sum(tl.where((r >= K) & (r > -K), x, 0.0), 1)
+        r = offs_n[None, :] - offs_m[:, None] - off
+        left += tl.sum(tl.where(r <= -MAX_REL, x, 0.0), 1)
+        right += tl.sum(tl.where((r >= MAX_REL) & (r > -MAX_REL), x, 0.0), 1)
     return left, right
 
 
-@_device
-def _bucket_flush(B, acc, oi, wbase, K, N, s_b_r, BM: tl.constexpr, W: tl.constexpr, UPTO: tl.constexpr):
-    """Store window columns w < UPTO whose row t = wbase + w + K is inside the band (0 < t < 2K)."""
-    w = tl.arange(0, W)
-    t = wbase + w + K
-    ok = (oi < N)[:, None] & ((w < UPTO) & (t > 0) & (t < 2 * K))[None, :]
-    tl.store(B + oi[:, None] * s_b_r + t[None, :], acc, mask=ok)
+@device_fn
+def _store_interior(BINS, x, offs_m, offs_n, N, MAX_REL, off, stride_sn, EVEN_M: tl.constexpr):
+    """A band tile's pairs with |r| < K stored to their row's bin t = r + K (one key per bin, so no sums)."""
+    r = offs_n[None, :] - offs_m[:, None] - off
+    ok = (r > -MAX_REL) & (r < MAX_REL)
+    if not EVEN_M:
+        ok = ok & (offs_m < N)[:, None]
+    tl.store(BINS + offs_m[:, None] * stride_sn + (r + MAX_REL), x, mask=ok)
 
 
-@_device
-def _shift(acc, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr):
-    """Window columns w + BN moved to w (zeros come in at the right)."""
-    w = tl.broadcast_to(tl.arange(0, W)[None, :] + BN, (BM, W))
-    return tl.where(w < W, tl.gather(acc, tl.minimum(w, W - 1), axis=1), 0.0)
+@device_fn
+def _tile_start(x, lo, hi, base, BLOCK: tl.constexpr):
+    """The start of the tile (of a grid from ``base``) holding ``clip(x, lo, hi)``."""
+    return base + ((tl.minimum(tl.maximum(x, lo), hi) - base) // BLOCK) * BLOCK
+
+
+@device_fn
+def _tile_end(x, lo, hi, base, BLOCK: tl.constexpr):
+    """The first tile start at or after ``clip(x, lo, hi)``, at most ``hi``."""
+    return tl.minimum(base + tl.cdiv(tl.minimum(tl.maximum(x, lo), hi) - base, BLOCK) * BLOCK, hi)
+
+
+# --------------------------------------------------------------------------------------------------- table scores
 
 
 @triton.jit
-def _dq_kernel(Q, Kp, V, RK, RV, MASK, DO, LSE, DELTA, DQ, PB, SB,
-               s_q_b, s_q_h, s_q_n, s_q_d, s_k_b, s_k_h, s_k_n, s_k_d, s_v_b, s_v_h, s_v_n, s_v_d,
-               s_rk_h, s_rk_r, s_rk_d, s_rv_h, s_rv_r, s_rv_d, s_m_b, s_m_h, s_m_n, s_m_m,
-               s_do_b, s_do_h, s_do_n, s_do_d, s_l_b, s_l_h, s_l_n, s_b_b, s_b_h, s_b_n,
-               H, N, M, D, DV, K, off, scale,
-               DP: tl.constexpr, DVP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr,
+def _table_scores_kernel(X, T, S,
+                         stride_xb, stride_xh, stride_xn, stride_xd,
+                         stride_th, stride_tr, stride_td,
+                         stride_sb, stride_sh, stride_sn,
+                         H, N, D, R,
+                         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, PREC: tl.constexpr):
+    """``S[b, h, i, t] = x_i . T[h, t]`` for t < R = 2K+1 (T's head stride 0 when shared), in S's dtype: the key
+    table's scores ``q a^K^T`` for the forward, and ``dO a^V^T`` for the backward."""
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, HEAD_DIM)
+    X += off_b * stride_xb + off_h * stride_xh
+    T += off_h * stride_th
+    S += off_b * stride_sb + off_h * stride_sh
+    x = _load_2d(X + offs_n[:, None] * stride_xn + offs_d[None, :] * stride_xd, offs_n, offs_d, N, D, False, False)
+    tT = _load_2d(T + offs_d[:, None] * stride_td + offs_r[None, :] * stride_tr, offs_d, offs_r, D, R, False, False)
+    s = dot(x, tT, PREC)
+    _store_2d(S + offs_n[:, None] * stride_sn + offs_r[None, :], s.to(S.dtype.element_ty), offs_n, offs_r, N, R,
+              False, False)
+
+
+# -------------------------------------------------------------------------------------------------------- forward
+
+
+@device_fn
+def _fwd_inner(acc, l_i, m_i, left, right, q, K, V, QA, MASK, BINS, offs_m, lo, hi,
+               stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_mn, stride_mm,
+               N, M, D, DV, MAX_REL, off, qk_scale,
+               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, STAGE: tl.constexpr,
                HAS_RK: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-               PREC: tl.constexpr, ACC: tl.constexpr):
-    """Per query tile, over its key tiles: dq = scale (dS k + sum_j dS_ij a^K_t); and the per-row sums of P
-    (PB) and dS (SB) for each table row t, from which the launcher forms the table gradients. A row's sums
-    of one band tile sit in a (BM, W) window that slides by BN per tile: the BN columns it leaves are final
-    and stored once (no read-modify-write); rows 0 and 2K are running sums stored at the end."""
-    m0 = tl.program_id(0) * BM
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    Q += b * s_q_b + h * s_q_h
-    DO += b * s_do_b + h * s_do_h
-    Kp += b * s_k_b + h * s_k_h
-    V += b * s_v_b + h * s_v_h
-    RK += h * s_rk_h
-    RV += h * s_rv_h
-    MASK += b * s_m_b + h * s_m_h
-    PB += b * s_b_b + h * s_b_h
-    SB += b * s_b_b + h * s_b_h
-    oi = m0 + tl.arange(0, BM)
-    cd = tl.arange(0, DP)
-    cv = tl.arange(0, DVP)
-    q_ok = (oi < N)[:, None] & (cd < D)[None, :]
-    q = tl.load(Q + oi[:, None] * s_q_n + cd[None, :] * s_q_d, mask=q_ok, other=0.0)
-    do = tl.load(DO + oi[:, None] * s_do_n + cv[None, :] * s_do_d, mask=(oi < N)[:, None] & (cv < DV)[None, :],
-                 other=0.0)
-    lse = tl.load(LSE + b * s_l_b + h * s_l_h + oi * s_l_n, mask=oi < N, other=float("inf"))
-    delta = tl.load(DELTA + b * s_l_b + h * s_l_h + oi * s_l_n, mask=oi < N, other=0.0)
-    dq = tl.zeros((BM, DP), ACC)
-    p_win = tl.zeros((BM, W), ACC)
-    s_win = tl.zeros((BM, W), ACC)
-    p_left = tl.zeros((BM,), ACC)
-    p_right = tl.zeros((BM,), ACC)
-    s_left = tl.zeros((BM,), ACC)
-    s_right = tl.zeros((BM,), ACC)
-    wbase = -K
+               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr):
+    """One stage of a query tile's key loop: the online softmax over the key tiles in [lo, hi)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        # -- the scores
+        kT = _load_2d(K + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn, offs_d, offs_n, D, M,
+                      EVEN_D, EVEN_N)
+        s = _scores(q, kT, QA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale, stride_sn, stride_mn, stride_mm,
+                    STAGE, HAS_RK, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, PREC)
+        # -- the online softmax: new row maxima, rescale what was summed so far
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # -- P v
+        v = _load_2d(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, offs_n, offs_dv, M, DV,
+                     EVEN_N, EVEN_D)
+        acc = acc * alpha[:, None] + dot(cast(p, v.dtype), v, PREC)
+        # -- the value table's share: P per table row (edge sums here, the band's interior as scores in BINS)
+        if HAS_RV:
+            left, right = _edge_sums(p, left * alpha, right * alpha, offs_m, offs_n, MAX_REL, off, STAGE)
+            if STAGE == BAND:
+                _store_interior(BINS, s, offs_m, offs_n, N, MAX_REL, off, stride_sn, EVEN_M)
+        m_i = m_new
+    return acc, l_i, m_i, left, right
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, QA, RV, MASK, BINS, OUT, LSE,
+                stride_qb, stride_qh, stride_qn, stride_qd,
+                stride_kb, stride_kh, stride_kn, stride_kd,
+                stride_vb, stride_vh, stride_vn, stride_vd,
+                stride_sb, stride_sh, stride_sn,
+                stride_rvh, stride_rvr, stride_rvd,
+                stride_mb, stride_mh, stride_mn, stride_mm,
+                stride_os, stride_ob, stride_oh, stride_on, stride_od,
+                stride_ls, stride_lb, stride_lh, stride_ln,
+                H, GROUP, N, M, D, DV, MAX_REL, off, qk_scale, split_len,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                HAS_RK: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr,
+                ACC: tl.constexpr, BAND_SPLIT: tl.constexpr):
+    """Per (query tile, batch * head, split of the keys): out and lse of the split's keys. One split: the
+    attention's out and lse. Several (decoding: too few query tiles to fill the GPU): each split's normalised out
+    and lse at split strides stride_os and stride_ls, merged by the launcher. QA: the rows' table scores; BINS:
+    scratch (B, H, N, 2K+1) for the band's scores."""
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    split = tl.program_id(2)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    off_hkv = off_h // GROUP
+    Q += off_b * stride_qb + off_h * stride_qh
+    K += off_b * stride_kb + off_hkv * stride_kh
+    V += off_b * stride_vb + off_hkv * stride_vh
+    QA += off_b * stride_sb + off_h * stride_sh
+    BINS += off_b * stride_sb + off_h * stride_sh
+    RV += off_h * stride_rvh
+    MASK += off_b * stride_mb + off_h * stride_mh
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    q = _load_2d(Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, offs_m, offs_d, N, D, EVEN_M, EVEN_D)
+    m_i = tl.full((BLOCK_M,), float("-inf"), ACC)
+    l_i = tl.zeros((BLOCK_M,), ACC)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM_V), ACC)
+    left = tl.zeros((BLOCK_M,), ACC)
+    right = tl.zeros((BLOCK_M,), ACC)
+
+    # -- this split's keys, in three stages: left of the band (row 0 throughout), the band, right of it (row 2K)
+    start = split * split_len
+    end = tl.minimum(M, start + split_len)
+    if CAUSAL:
+        end = tl.minimum(end, start_m + BLOCK_M + off)
+    end = tl.maximum(end, start)
+    band_lo = _tile_start(start_m + off - MAX_REL + 1, start, end, start, BLOCK_N)
+    band_hi = _tile_end(start_m + off + BLOCK_M + MAX_REL, band_lo, end, start, BLOCK_N)
+    acc, l_i, m_i, left, right = _fwd_inner(
+        acc, l_i, m_i, left, right, q, K, V, QA, MASK, BINS, offs_m, start, band_lo,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_mn, stride_mm, N, M, D, DV, MAX_REL, off,
+        qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, LEFT, HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, PREC)
+    acc, l_i, m_i, left, right = _fwd_inner(
+        acc, l_i, m_i, left, right, q, K, V, QA, MASK, BINS, offs_m, band_lo, band_hi,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_mn, stride_mm, N, M, D, DV, MAX_REL, off,
+        qk_scale, BLOCK_N // BAND_SPLIT, HEAD_DIM, HEAD_DIM_V, BAND, HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N,
+        EVEN_D, PREC)
+    if not CAUSAL:  # causal rows see no key right of the band
+        acc, l_i, m_i, left, right = _fwd_inner(
+            acc, l_i, m_i, left, right, q, K, V, QA, MASK, BINS, offs_m, band_hi, end,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_mn, stride_mm, N, M, D, DV, MAX_REL, off,
+            qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, RIGHT, HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D,
+            PREC)
+
+    # -- the value table's term, sum_t P_it a^V_t: the edge sums, then the band's bins one chunk of rows at a time
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    if HAS_RV:
+        tl.debug_barrier()  # other threads of this program stored the bins
+        first = _load_2d(RV + offs_dv[None, :] * stride_rvd, offs_dv, offs_dv, 1, DV, True, EVEN_D).to(ACC)
+        last = _load_2d(RV + 2 * MAX_REL * stride_rvr + offs_dv[None, :] * stride_rvd, offs_dv, offs_dv, 1, DV, True,
+                        EVEN_D).to(ACC)
+        acc += left[:, None] * first + right[:, None] * last
+        for t0 in range(1, 2 * MAX_REL, BLOCK_N):
+            offs_t = t0 + tl.arange(0, BLOCK_N)
+            key = offs_m[:, None] + off + offs_t[None, :] - MAX_REL
+            ok = (offs_t < 2 * MAX_REL)[None, :] & (key >= start) & (key < end)
+            if not EVEN_M:
+                ok = ok & (offs_m < N)[:, None]
+            s = tl.load(BINS + offs_m[:, None] * stride_sn + offs_t[None, :], mask=ok, other=float("-inf"))
+            p = tl.exp2(s - m_safe[:, None])
+            a = _load_2d(RV + offs_t[:, None] * stride_rvr + offs_dv[None, :] * stride_rvd, offs_t, offs_dv,
+                         2 * MAX_REL, DV, False, EVEN_D)
+            acc += dot(cast(p, a.dtype), a, PREC)
+
+    # -- normalise; the log-sum-exp (natural log, -inf for a row with no key) for the backward and the merge
+    seen = l_i > 0.0
+    denom = tl.where(seen, l_i, 1.0)
+    out = acc / denom[:, None]
+    lse = tl.where(seen, (m_safe + tl.log2(denom)) * LN2, float("-inf"))
+    OUT += split * stride_os + off_b * stride_ob + off_h * stride_oh
+    LSE += split * stride_ls + off_b * stride_lb + off_h * stride_lh
+    _store_2d(OUT + offs_m[:, None] * stride_on + offs_dv[None, :] * stride_od, cast(out, OUT.dtype.element_ty),
+              offs_m, offs_dv, N, DV, EVEN_M, EVEN_D)
+    _store_rows(LSE + offs_m * stride_ln, lse, offs_m, N, EVEN_M)
+
+
+# ------------------------------------------------------------------------------------------------------- backward
+
+
+@device_fn
+def _bwd_tile(q, do, kT, vT, lse2, delta, QA, DOA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale,
+              stride_sn, stride_mn, stride_mm, STAGE: tl.constexpr, HAS_RK: tl.constexpr, HAS_RV: tl.constexpr,
+              HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+              PREC: tl.constexpr):
+    """P and dS of a (query tile, key tile) pair, recomputed from the saved log-sum-exp (FlashAttention-2's
+    backward): P = exp(S - lse), dP = dO v^T + dO . a^V_t, dS = P (dP - delta)."""
+    s = _scores(q, kT, QA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale, stride_sn, stride_mn, stride_mm,
+                STAGE, HAS_RK, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, PREC)
+    p = tl.exp2(s - lse2[:, None])
+    dp = dot(do, vT, PREC)
+    if HAS_RV:
+        dp += _rel_term(DOA, offs_m, offs_n, stride_sn, N, MAX_REL, off, STAGE, EVEN_M)
+    ds = p * (dp - delta[:, None])
+    return p, ds
+
+
+@device_fn
+def _dkdv_inner(dk, dv, kT, vT, Q, DO, LSE, DELTA, QA, DOA, MASK, offs_n, lo, hi,
+                stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_sn, stride_mn, stride_mm,
+                N, M, D, DV, MAX_REL, off, qk_scale,
+                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, STAGE: tl.constexpr,
+                HAS_RK: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr):
+    """One stage of a key tile's loop over query tiles [lo, hi): dv += P^T dO, dk += dS^T q."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_2d(Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, offs_m, offs_d, N, D,
+                     EVEN_M, EVEN_D)
+        do = _load_2d(DO + offs_m[:, None] * stride_don + offs_dv[None, :] * stride_dod, offs_m, offs_dv, N, DV,
+                      EVEN_M, EVEN_D)
+        lse2 = _load_rows(LSE + offs_m * stride_ln, offs_m, N, float("inf"), EVEN_M) * LOG2E
+        delta = _load_rows(DELTA + offs_m * stride_ln, offs_m, N, 0.0, EVEN_M)
+        p, ds = _bwd_tile(q, do, kT, vT, lse2, delta, QA, DOA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale,
+                          stride_sn, stride_mn, stride_mm, STAGE, HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N,
+                          PREC)
+        dv += dot(tl.trans(cast(p, do.dtype)), do, PREC)
+        dk += dot(tl.trans(cast(ds, q.dtype)), q, PREC)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(Q, K, V, QA, DOA, MASK, DO, LSE, DELTA, DK, DV_,
+                 stride_qb, stride_qh, stride_qn, stride_qd,
+                 stride_kb, stride_kh, stride_kn, stride_kd,
+                 stride_vb, stride_vh, stride_vn, stride_vd,
+                 stride_sb, stride_sh, stride_sn,
+                 stride_mb, stride_mh, stride_mn, stride_mm,
+                 stride_dob, stride_doh, stride_don, stride_dod,
+                 stride_lb, stride_lh, stride_ln,
+                 H_KV, GROUP, N, M, D, DV, MAX_REL, off, qk_scale, scale,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                 HAS_RK: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                 EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr,
+                 ACC: tl.constexpr, BAND_SPLIT: tl.constexpr):
+    """Per (key tile, batch * key/value head): dk = scale dS^T q and dv = P^T dO, summed over the group's query
+    heads in order (DK, DV_ laid out like k, v)."""
+    start_n = tl.program_id(0) * BLOCK_N
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H_KV).to(tl.int64)
+    off_hkv = (off_bh % H_KV).to(tl.int64)
+    K += off_b * stride_kb + off_hkv * stride_kh
+    V += off_b * stride_vb + off_hkv * stride_vh
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    kT = _load_2d(K + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn, offs_d, offs_n, D, M, EVEN_D, EVEN_N)
+    vT = _load_2d(V + offs_dv[:, None] * stride_vd + offs_n[None, :] * stride_vn, offs_dv, offs_n, DV, M, EVEN_D,
+                  EVEN_N)
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), ACC)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM_V), ACC)
+
+    # -- the query tiles that see this key tile, in three stages: rows whose every pair reads table row 2K (the
+    # keys right of their band), the band, rows whose every pair reads row 0
+    first = 0
+    if CAUSAL:
+        first = _tile_start(start_n - off, 0, N, 0, BLOCK_M)
+    band_lo = _tile_start(start_n - MAX_REL - off, first, N, 0, BLOCK_M)
+    band_hi = _tile_end(start_n + BLOCK_N - 1 + MAX_REL - off, band_lo, N, 0, BLOCK_M)
+    for g in range(0, GROUP):
+        off_h = off_hkv * GROUP + g
+        Q_h = Q + off_b * stride_qb + off_h * stride_qh
+        DO_h = DO + off_b * stride_dob + off_h * stride_doh
+        LSE_h = LSE + off_b * stride_lb + off_h * stride_lh
+        DELTA_h = DELTA + off_b * stride_lb + off_h * stride_lh
+        QA_h = QA + off_b * stride_sb + off_h * stride_sh
+        DOA_h = DOA + off_b * stride_sb + off_h * stride_sh
+        MASK_h = MASK + off_b * stride_mb + off_h * stride_mh
+        if not CAUSAL:  # causal rows never see keys right of their band
+            dk, dv = _dkdv_inner(
+                dk, dv, kT, vT, Q_h, DO_h, LSE_h, DELTA_h, QA_h, DOA_h, MASK_h, offs_n, first, band_lo,
+                stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_sn, stride_mn, stride_mm,
+                N, M, D, DV, MAX_REL, off, qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_V, RIGHT,
+                HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, PREC)
+        dk, dv = _dkdv_inner(
+            dk, dv, kT, vT, Q_h, DO_h, LSE_h, DELTA_h, QA_h, DOA_h, MASK_h, offs_n, band_lo, band_hi,
+            stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_sn, stride_mn, stride_mm,
+            N, M, D, DV, MAX_REL, off, qk_scale, BLOCK_M // BAND_SPLIT, HEAD_DIM, HEAD_DIM_V, BAND,
+            HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, PREC)
+        dk, dv = _dkdv_inner(
+            dk, dv, kT, vT, Q_h, DO_h, LSE_h, DELTA_h, QA_h, DOA_h, MASK_h, offs_n, band_hi, N,
+            stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_sn, stride_mn, stride_mm,
+            N, M, D, DV, MAX_REL, off, qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_V, LEFT,
+            HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, PREC)
+
+    DK += off_b * stride_kb + off_hkv * stride_kh
+    DV_ += off_b * stride_vb + off_hkv * stride_vh
+    _store_2d(DK + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, cast(dk * scale, DK.dtype.element_ty),
+              offs_n, offs_d, M, D, EVEN_N, EVEN_D)
+    _store_2d(DV_ + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, cast(dv, DV_.dtype.element_ty),
+              offs_n, offs_dv, M, DV, EVEN_N, EVEN_D)
+
+
+@device_fn
+def _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, K, V, QA, DOA, MASK, PB, SB, offs_m, lo, hi,
+              stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_mn, stride_mm,
+              N, M, D, DV, MAX_REL, off, qk_scale,
+              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, STAGE: tl.constexpr,
+              HAS_RK: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+              EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr):
+    """One stage of a query tile's loop over key tiles [lo, hi): dq += dS k, and P, dS per table row."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kT = _load_2d(K + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn, offs_d, offs_n, D, M,
+                      EVEN_D, EVEN_N)
+        vT = _load_2d(V + offs_dv[:, None] * stride_vd + offs_n[None, :] * stride_vn, offs_dv, offs_n, DV, M,
+                      EVEN_D, EVEN_N)
+        p, ds = _bwd_tile(q, do, kT, vT, lse2, delta, QA, DOA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale,
+                          stride_sn, stride_mn, stride_mm, STAGE, HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N,
+                          PREC)
+        dq += dot(cast(ds, kT.dtype), tl.trans(kT), PREC)
+        if HAS_RV:
+            p_left, p_right = _edge_sums(p, p_left, p_right, offs_m, offs_n, MAX_REL, off, STAGE)
+            if STAGE == BAND:
+                _store_interior(PB, p, offs_m, offs_n, N, MAX_REL, off, stride_sn, EVEN_M)
+        if HAS_RK:
+            s_left, s_right = _edge_sums(ds, s_left, s_right, offs_m, offs_n, MAX_REL, off, STAGE)
+            if STAGE == BAND:
+                _store_interior(SB, ds, offs_m, offs_n, N, MAX_REL, off, stride_sn, EVEN_M)
+    return dq, p_left, p_right, s_left, s_right
+
+
+@device_fn
+def _store_edges(B, left, right, offs_m, N, MAX_REL, stride_sn, EVEN_M: tl.constexpr):
+    """Bins 0 and 2K of the rows (one bin when K = 0: both edges are table row 0)."""
+    if MAX_REL == 0:
+        _store_rows(B + offs_m * stride_sn, left + right, offs_m, N, EVEN_M)
+    else:
+        _store_rows(B + offs_m * stride_sn, left, offs_m, N, EVEN_M)
+        _store_rows(B + offs_m * stride_sn + 2 * MAX_REL, right, offs_m, N, EVEN_M)
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, QA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB,
+               stride_qb, stride_qh, stride_qn, stride_qd,
+               stride_kb, stride_kh, stride_kn, stride_kd,
+               stride_vb, stride_vh, stride_vn, stride_vd,
+               stride_sb, stride_sh, stride_sn,
+               stride_rkh, stride_rkr, stride_rkd,
+               stride_mb, stride_mh, stride_mn, stride_mm,
+               stride_dob, stride_doh, stride_don, stride_dod,
+               stride_lb, stride_lh, stride_ln,
+               H, GROUP, N, M, D, DV, MAX_REL, off, qk_scale, scale,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               HAS_RK: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr,
+               ACC: tl.constexpr, BAND_SPLIT: tl.constexpr):
+    """Per (query tile, batch * head): dq = scale (dS k + sum_t SB_it a^K_t), and the per-row bins of P (PB) and
+    dS (SB) per table row (zeros where no pair falls), from which the launcher forms the table gradients."""
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    off_hkv = off_h // GROUP
+    Q += off_b * stride_qb + off_h * stride_qh
+    DO += off_b * stride_dob + off_h * stride_doh
+    K += off_b * stride_kb + off_hkv * stride_kh
+    V += off_b * stride_vb + off_hkv * stride_vh
+    QA += off_b * stride_sb + off_h * stride_sh
+    DOA += off_b * stride_sb + off_h * stride_sh
+    PB += off_b * stride_sb + off_h * stride_sh
+    SB += off_b * stride_sb + off_h * stride_sh
+    RK += off_h * stride_rkh
+    MASK += off_b * stride_mb + off_h * stride_mh
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    q = _load_2d(Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, offs_m, offs_d, N, D, EVEN_M, EVEN_D)
+    do = _load_2d(DO + offs_m[:, None] * stride_don + offs_dv[None, :] * stride_dod, offs_m, offs_dv, N, DV, EVEN_M,
+                  EVEN_D)
+    lse2 = _load_rows(LSE + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ln, offs_m, N, float("inf"),
+                      EVEN_M) * LOG2E
+    delta = _load_rows(DELTA + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ln, offs_m, N, 0.0, EVEN_M)
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), ACC)
+    p_left = tl.zeros((BLOCK_M,), ACC)
+    p_right = tl.zeros((BLOCK_M,), ACC)
+    s_left = tl.zeros((BLOCK_M,), ACC)
+    s_right = tl.zeros((BLOCK_M,), ACC)
+
+    # -- the key tiles, in the forward's three stages
     end = M
     if CAUSAL:
-        end = tl.minimum(M, m0 + BM + off)
-    for n0 in range(0, end, BN):
-        oj = n0 + tl.arange(0, BN)
-        rmin = n0 - (m0 + BM - 1) - off
-        rmax = n0 + BN - 1 - m0 - off
-        k = tl.load(Kp + oj[:, None] * s_k_n + cd[None, :] * s_k_d, mask=(oj < M)[:, None] & (cd < D)[None, :],
-                    other=0.0)
-        v = tl.load(V + oj[:, None] * s_v_n + cv[None, :] * s_v_d, mask=(oj < M)[:, None] & (cv < DV)[None, :],
-                    other=0.0)
-        s = _scores(q, tl.trans(k), RK, MASK, oi, oj, N, M, off, K, scale, rmin, rmax, D, s_rk_r, s_rk_d, s_m_n,
-                    s_m_m, DP, BM, BN, W, HAS_RK, HAS_MASK, CAUSAL, PREC, ACC)
-        p = tl.exp(s - lse[:, None])
-        dp = _dot(do, tl.trans(v), PREC)
-        if HAS_RV:
-            dp += _rel_scores(do, RV, rmin, rmax, K, DV, s_rv_r, s_rv_d, DVP, BM, BN, W, PREC, ACC)
-        ds = p * (dp - delta[:, None])
-        dq += _dot(_cast(ds, k.dtype, PREC), k, PREC)
-        r = oj[None, :] - (oi[:, None] + off)
-        band = (rmax > -K) & (rmin < K)
-        if HAS_RK:
-            dq += _rel_values(ds, RK, rmin, rmax, K, D, s_rk_r, s_rk_d, DP, BM, BN, W, PREC, ACC)
-            s_left, s_right = _bucket_edges(ds, r, K, s_left, s_right, BM, BN, rmin, rmax)
-            if band:
-                s_win += _skew(ds, BM, BN, W)
-                _bucket_flush(SB, s_win, oi, rmin, K, N, s_b_n, BM, W, BN)
-                s_win = _shift(s_win, BM, BN, W)
-        if HAS_RV:
-            p_left, p_right = _bucket_edges(p, r, K, p_left, p_right, BM, BN, rmin, rmax)
-            if band:
-                p_win += _skew(p, BM, BN, W)
-                _bucket_flush(PB, p_win, oi, rmin, K, N, s_b_n, BM, W, BN)
-                p_win = _shift(p_win, BM, BN, W)
-        if band:
-            wbase = rmin + BN
-    DQ += b * s_q_b + h * s_q_h
-    tl.store(DQ + oi[:, None] * s_q_n + cd[None, :] * s_q_d, _cast(dq * scale, DQ.dtype.element_ty, PREC), mask=q_ok)
-    if HAS_RK:
-        _bucket_flush(SB, s_win, oi, wbase, K, N, s_b_n, BM, W, W)
-        _store_edges(SB, s_left, s_right, oi, K, N, s_b_n)
+        end = tl.maximum(tl.minimum(M, start_m + BLOCK_M + off), 0)
+    band_lo = _tile_start(start_m + off - MAX_REL + 1, 0, end, 0, BLOCK_N)
+    band_hi = _tile_end(start_m + off + BLOCK_M + MAX_REL, band_lo, end, 0, BLOCK_N)
+    dq, p_left, p_right, s_left, s_right = _dq_inner(
+        dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, K, V, QA, DOA, MASK, PB, SB, offs_m, 0, band_lo,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_mn, stride_mm, N, M, D, DV, MAX_REL, off,
+        qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, LEFT, HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, PREC)
+    dq, p_left, p_right, s_left, s_right = _dq_inner(
+        dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, K, V, QA, DOA, MASK, PB, SB, offs_m, band_lo,
+        band_hi, stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_mn, stride_mm, N, M, D, DV, MAX_REL,
+        off, qk_scale, BLOCK_N // BAND_SPLIT, HEAD_DIM, HEAD_DIM_V, BAND, HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M,
+        EVEN_N, EVEN_D, PREC)
+    if not CAUSAL:
+        dq, p_left, p_right, s_left, s_right = _dq_inner(
+            dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, K, V, QA, DOA, MASK, PB, SB, offs_m, band_hi,
+            end, stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_mn, stride_mm, N, M, D, DV, MAX_REL,
+            off, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, RIGHT, HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N,
+            EVEN_D, PREC)
+
+    # -- the edge bins; then the key table's share of dq, sum_t SB_it a^K_t, one chunk of table rows at a time
     if HAS_RV:
-        _bucket_flush(PB, p_win, oi, wbase, K, N, s_b_n, BM, W, W)
-        _store_edges(PB, p_left, p_right, oi, K, N, s_b_n)
-
-
-@_device
-def _store_edges(B, left, right, oi, K, N, s_b_n):
-    """Rows 0 and 2K of the sums (one row when K = 0: both edges are row 0)."""
-    if K == 0:
-        tl.store(B + oi * s_b_n, left + right, mask=oi < N)
-    else:
-        tl.store(B + oi * s_b_n, left, mask=oi < N)
-        tl.store(B + oi * s_b_n + 2 * K, right, mask=oi < N)
+        _store_edges(PB, p_left, p_right, offs_m, N, MAX_REL, stride_sn, EVEN_M)
+    if HAS_RK:
+        _store_edges(SB, s_left, s_right, offs_m, N, MAX_REL, stride_sn, EVEN_M)
+        tl.debug_barrier()  # other threads of this program stored the bins
+        for t0 in range(0, 2 * MAX_REL + 1, BLOCK_N):
+            offs_t = t0 + tl.arange(0, BLOCK_N)
+            ds = _load_2d(SB + offs_m[:, None] * stride_sn + offs_t[None, :], offs_m, offs_t, N, 2 * MAX_REL + 1,
+                          EVEN_M, False)
+            a = _load_2d(RK + offs_t[:, None] * stride_rkr + offs_d[None, :] * stride_rkd, offs_t, offs_d,
+                         2 * MAX_REL + 1, D, False, EVEN_D)
+            dq += dot(cast(ds, a.dtype), a, PREC)
+    DQ += off_b * stride_qb + off_h * stride_qh
+    _store_2d(DQ + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, cast(dq * scale, DQ.dtype.element_ty),
+              offs_m, offs_d, N, D, EVEN_M, EVEN_D)

@@ -1,13 +1,15 @@
-"""The "triton" backend: Shaw attention as one flash-style Triton kernel, forward and backward, on CUDA.
+"""The "triton" backend: Shaw attention as flash-style Triton kernels, forward and backward, on CUDA.
 
-The kernels (``_triton_kernels.py``) follow ``blocked.py`` tile for tile: per (batch, head, query tile) an
-online softmax over key tiles with float32 statistics; a key tile left of the band of ``2K+1`` offsets (or
-right of it) reads one table row for all its pairs, a band tile loads the window of table rows its offsets
-span, adds ``q @ window^T`` to the scores with a gather, and multiplies its weights, skewed into window
-coordinates, by the window of ``a^V``. The backward is FlashAttention-2's (P recomputed from the saved
-log-sum-exp; one kernel per key tile for dk and dv, one per query tile for dq); the table gradients come
-from per-row sums of P and dS per table row, written once each by the dq kernel and reduced by torch in a
-fixed order: no atomics, two backward passes are bitwise equal.
+The kernels (``_triton_kernels.py``) split each query tile's key loop into three stages, as the Triton tutorial
+splits its causal loop: key tiles left of the band of ``2K+1`` offsets (plain flash plus one key-table score per
+row), the band tiles (the key term gathered per pair from ``QA = q a^K^T``, precomputed by one small matmul
+kernel; the scores of the band's interior stored per row and table row), and key tiles right of it. The value
+term is ``bins @ a^V`` after the loop. The backward is FlashAttention-2's (P recomputed from the saved log-sum-
+exp; one kernel per key tile for dk and dv, one per query tile for dq, sharing one tile body); the table
+gradients come from per-row bins of P and dS, written once each by the dq kernel and reduced by torch in a fixed
+order: no atomics, two backward passes are bitwise equal. k and v may have fewer heads than q (grouped-query
+attention): query head ``h`` reads key/value head ``h // (H // Hkv)``, and dk, dv of a key/value head are summed
+over its group by one program, in order.
 
 Serves CUDA tensors when ``triton`` is importable; with ``TRITON_INTERPRET=1`` in the environment when
 relattn is imported, also CPU tensors (the same kernels, interpreted: how CI tests them; slow, so "auto"
@@ -15,6 +17,10 @@ never picks it on the CPU). float16 and bfloat16 (float32 statistics, 16-bit mat
 attention: the weights rounded to 16 bits on their way into a matmul), float32 (IEEE float32 matmuls, no
 TF32) and float64 (gradcheck); head dims up to 128 (D != Dv allowed); any K; any mask that needs no
 gradient; no dropout.
+
+Tiles, warps and pipeline stages per kernel come from ``config`` (by GPU architecture, element size and head
+dim); ``benchmarks/triton_compile.py`` compiles every launch of this module for sm_80 and sm_90a without a GPU
+and reports registers and spills.
 """
 
 from __future__ import annotations
@@ -37,13 +43,26 @@ from ._common import (
 
 MAX_HEAD_DIM = 128
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-# Largest tiles (queries, keys) per program: powers of two, at least 16 (tl.dot's minimum), cut to the next power of
-# two of N and M. On a GPU flash-attention's sizes. The interpreter pays per tile operation (about 0.2 ms, little
-# more for a larger tile), so there they are large; the tests set small ones where they mean to cross tile edges.
-FWD_TILES = (128, 128) if INTERPRET else (64, 64)
-BWD_TILES = (128, 128) if INTERPRET else (32, 32)
-NUM_WARPS = 4
-NUM_STAGES = 2  # software pipelining depth of the key/value loads
+LOG2E = 1.4426950408889634
+# (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages, BAND_SPLIT) per kernel, by (arch, padded head dim up to 64
+# or 128) for 16-bit inputs. BAND_SPLIT: the band's tiles are that many times narrower (keys for the forward and dq,
+# queries for dkdv) than the others: a band tile's per-pair gathers and stores cost registers the plain tiles do
+# not. Each entry compiles without spills for its arch under Triton 3.6 and 3.9 (benchmarks/triton_compile.py;
+# docs/backends-triton.md has the table); none is tuned on a GPU yet.
+CONFIGS = {
+    ("fwd", 90, 64): (128, 64, 8, 3, 2), ("fwd", 90, 128): (128, 64, 8, 2, 4),
+    ("dkdv", 90, 64): (32, 64, 4, 2, 2), ("dkdv", 90, 128): (32, 64, 8, 2, 2),
+    ("dq", 90, 64): (64, 32, 4, 2, 2), ("dq", 90, 128): (64, 32, 8, 2, 2),
+    ("fwd", 80, 64): (128, 64, 8, 2, 2), ("fwd", 80, 128): (128, 64, 8, 2, 4),
+    ("dkdv", 80, 64): (32, 64, 8, 1, 2), ("dkdv", 80, 128): (32, 64, 8, 2, 2),
+    ("dq", 80, 64): (64, 32, 4, 2, 2), ("dq", 80, 128): (32, 64, 8, 2, 4),
+}
+FP32_CONFIGS = {"fwd": (32, 32, 8, 1, 2), "dkdv": (16, 16, 8, 1, 1), "dq": (32, 16, 4, 2, 1)}  # float32, float64
+# The interpreter pays per tile operation (about 0.2 ms, little more for a larger tile): large tiles there.
+INTERPRETED_TILES = (128, 128)
+FWD_TILES: tuple[int, int] | None = None  # (BLOCK_M, BLOCK_N) instead of the table (the tests set small ones)
+BWD_TILES: tuple[int, int] | None = None
+BAND_SPLIT: int | None = None  # instead of the table's
 KV_SPLITS = 0  # forward: splits of the keys (0: chosen by kv_splits)
 _state: dict = {}  # "kernels": the imported module; "error": None once imported, else why not
 
@@ -72,53 +91,100 @@ def _kernels():
     return _state["kernels"]
 
 
+def _launch(kernel, grid, **kwargs) -> None:
+    """Every kernel launch of this module goes through here (benchmarks/triton_compile.py records them)."""
+    kernel[grid](**kwargs)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _pow2(x: int) -> int:
     return max(16, 1 << max(0, x - 1).bit_length())
 
 
-def _table_strides(t: Tensor | None) -> tuple[int, int, int]:
-    """(head, row, dim) strides; head stride 0 for a shared (1, 2K+1, d) table."""
-    if t is None:
-        return 0, 0, 0
-    return (0 if t.shape[0] == 1 else t.stride(0)), t.stride(1), t.stride(2)
+def _arch(device: torch.device) -> int | None:
+    """The GPU's compute capability as 80, 90, ...; None when interpreted."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
-def _launch_args(q, k, v, rel_k, rel_v, mask):
-    """Pointers and strides shared by the three kernels: q, k, v, tables, mask (broadcast dims stride 0)."""
-    b, h, n, _ = q.shape
-    m = k.shape[2]
-    full_mask = None if mask is None else mask.expand(b, h, n, m)
-    ptrs = (q, k, v, q if rel_k is None else rel_k, q if rel_v is None else rel_v,
-            q if full_mask is None else full_mask)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *_table_strides(rel_k), *_table_strides(rel_v),
-               *((0, 0, 0, 0) if full_mask is None else full_mask.stride()))
-    return ptrs, strides
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """tl.dot's input_precision: IEEE for float32 and float64 (no TF32); see ``_dot`` for bf16 interpreted."""
-    if dtype == torch.bfloat16 and INTERPRET:
-        return "bf16-upcast"
-    return "tf32" if dtype in LOW_PRECISION else "ieee"
+def config(kernel: str, dtype: torch.dtype, head_dim: int, arch: int | None) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, BAND_SPLIT) of ``kernel`` ("fwd", "dkdv", "dq") for a padded head
+    dim on a GPU of compute capability ``arch`` (None: interpreted)."""
+    if arch is None:
+        return (*INTERPRETED_TILES, 4, 1, 1)
+    if dtype not in LOW_PRECISION:
+        return FP32_CONFIGS[kernel]
+    return CONFIGS[(kernel, 90 if arch == 90 else 80, 64 if head_dim <= 64 else 128)]
 
 
-def _meta(q, k, v, rel_k, rel_v, mask, is_causal, tiles):
+def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal):
+    """The constexprs and launch options of one kernel for these inputs."""
+    n, m = q.shape[2], k.shape[2]
     dp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
-    # The tiles are sized for 16-bit elements and head dims up to 128; wider elements get proportionally
-    # fewer rows, so the tiles (and the window of table rows) stay within a GPU's shared memory.
-    shrink = max(1, q.element_size() * max(dp, dvp) // 256)
-    bm, bn = (max(16, t // shrink) for t in tiles)
-    bm, bn = min(bm, _pow2(q.shape[2])), min(bn, _pow2(k.shape[2]))  # no tile longer than needed
-    return dict(DP=dp, DVP=dvp, BM=bm, BN=bn, W=_pow2(bm + bn - 1),
-                HAS_RK=rel_k is not None, HAS_RV=rel_v is not None, HAS_MASK=mask is not None, CAUSAL=is_causal,
-                PREC=_precision(q.dtype),
-                ACC=_kernels().tl.float64 if q.dtype == torch.float64 else _kernels().tl.float32,
-                num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device))
+    override = FWD_TILES if kernel == "fwd" else BWD_TILES
+    if override is not None:
+        bm, bn = override
+    bm, bn = min(bm, _pow2(n)), min(bn, _pow2(m))  # no tile longer than needed
+    split = BAND_SPLIT or split
+    split = max(1, min(split, (bm if kernel == "dkdv" else bn) // 16))  # band tiles of at least 16 (tl.dot's minimum)
+    kern = _kernels()
+    return dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=dp, HEAD_DIM_V=dvp,
+                HAS_RK=rel_k is not None, HAS_RV=rel_v is not None, HAS_MASK=_mask_kind(q, k, mask), CAUSAL=is_causal,
+                EVEN_M=n % bm == 0, EVEN_N=m % bn == 0, EVEN_D=(dp == q.shape[-1] and dvp == v.shape[-1]),
+                PREC="ieee" if q.dtype not in LOW_PRECISION else "tf32",
+                ACC=kern.tl.float64 if q.dtype == torch.float64 else kern.tl.float32,
+                BAND_SPLIT=split, num_warps=warps, num_stages=stages)
 
 
-def _sizes(q, k, v, kk, query_offset, scale):
-    b, h, n, d = q.shape
-    return (h, n, k.shape[2], d, v.shape[3], kk, query_offset, scale)
+def _strides(prefix: str, t: Tensor | None, names: str) -> dict:
+    """``{stride_<prefix><name>: t.stride(i)}`` (zeros for a missing tensor)."""
+    return {f"stride_{prefix}{c}": (0 if t is None else t.stride(i)) for i, c in enumerate(names)}
+
+
+def _table_strides(prefix: str, t: Tensor | None) -> dict:
+    """(head, row, dim) strides; head stride 0 for a shared (1, 2K+1, d) table."""
+    s = _strides(prefix, t, "hrd")
+    if t is not None and t.shape[0] == 1:
+        s[f"stride_{prefix}h"] = 0
+    return s
+
+
+def _mask_kind(q, k, mask) -> int:
+    """0: no mask; 1: one value per key, the same for every query (a key-padding mask); 2: one per pair."""
+    if mask is None:
+        return 0
+    return 2 if q.shape[2] > 1 and mask.expand(*q.shape[:3], k.shape[2]).stride(2) != 0 else 1
+
+
+def _mask_args(q, k, mask) -> dict:
+    b, h, n, _ = q.shape
+    full = None if mask is None else mask.expand(b, h, n, k.shape[2])
+    return dict(MASK=q if full is None else full, **_strides("m", full, "bhnm"))
+
+
+def table_scores(x: Tensor, table: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x @ table^T`` per head: (B, H, N, d), (Hr, 2K+1, d) -> (B, H, N, 2K+1) in ``dtype`` (one launch)."""
+    b, h, n, d = x.shape
+    r = table.shape[1]
+    out = x.new_empty(b, h, n, r, dtype=dtype)
+    block_n, block_r = (128, 128) if INTERPRET else (64, 64) if x.element_size() == 2 else (32, 32)
+    block_n, block_r = min(block_n, _pow2(n)), min(block_r, _pow2(r))
+    _launch(_kernels()._table_scores_kernel, (_cdiv(n, block_n), b * h, _cdiv(r, block_r)),
+            X=x, T=table, S=out, **_strides("x", x, "bhnd"), **_table_strides("t", table),
+            **_strides("s", out, "bhn"), H=h, N=n, D=d, R=r,
+            BLOCK_N=block_n, BLOCK_R=block_r, HEAD_DIM=_pow2(d),
+            PREC="ieee" if x.dtype not in LOW_PRECISION else "tf32", num_warps=4, num_stages=1)
+    return out
 
 
 def kv_splits(q_tiles: int, heads: int, m: int, bn: int, device: torch.device) -> int:
@@ -128,57 +194,69 @@ def kv_splits(q_tiles: int, heads: int, m: int, bn: int, device: torch.device) -
         return KV_SPLITS
     if device.type != "cuda":
         return 1
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    target = 2 * _sm_count(device)
     programs = q_tiles * heads
     if programs >= target // 2:
         return 1
     return max(1, min(math.ceil(target / programs), m // (4 * bn)))
 
 
+def _common_args(q, k, v, max_relative_position, query_offset, scale) -> dict:
+    b, h, n, d = q.shape
+    return dict(**_strides("q", q, "bhnd"), **_strides("k", k, "bhnd"), **_strides("v", v, "bhnd"),
+                GROUP=h // k.shape[1], N=n, M=k.shape[2], D=d, DV=v.shape[3], MAX_REL=max_relative_position,
+                off=query_offset, qk_scale=scale * LOG2E)
+
+
 def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
             query_offset: int) -> tuple[Tensor, Tensor]:
-    """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros and lse -inf."""
+    """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros and lse -inf.
+    k, v: (B, Hkv, M, D|Dv) with H % Hkv == 0."""
     b, h, n, _ = q.shape
-    m, dv = k.shape[2], v.shape[3]
+    m, dv, kk = k.shape[2], v.shape[3], max_relative_position
     sdt = stats_dtype(q.dtype)
     if b * h * n == 0:
         return q.new_zeros(b, h, n, dv), q.new_full((b, h, n), float("-inf"), dtype=sdt)
-    ptrs, strides = _launch_args(q, k, v, rel_k, rel_v, mask)
-    meta = _meta(q, k, v, rel_k, rel_v, mask, is_causal, FWD_TILES)
-    q_tiles = math.ceil(n / meta["BM"])
-    splits = kv_splits(q_tiles, b * h, m, meta["BN"], q.device)
-    split_len = math.ceil(math.ceil(max(m, 1) / splits) / meta["BN"]) * meta["BN"]
+    meta = _meta("fwd", q, k, v, rel_k, rel_v, mask, is_causal)
+    q_tiles = math.ceil(n / meta["BLOCK_M"])
+    splits = kv_splits(q_tiles, b * h, m, meta["BLOCK_N"], q.device)
+    split_len = math.ceil(math.ceil(max(m, 1) / splits) / meta["BLOCK_N"]) * meta["BLOCK_N"]
     splits = max(1, math.ceil(m / split_len))
     if splits == 1:
-        out, lse = q.new_empty(b, h, n, dv), q.new_empty(b, h, n, dtype=sdt)
+        out, lse = q.new_empty(1, b, h, n, dv), q.new_empty(1, b, h, n, dtype=sdt)
     else:  # each split's normalised output, in the statistics' dtype, merged below
         out, lse = q.new_empty(splits, b, h, n, dv, dtype=sdt), q.new_empty(splits, b, h, n, dtype=sdt)
-    o_strides, l_strides = out.stride()[-4:], lse.stride()[-3:]
-    split_strides = (out.stride(0), lse.stride(0)) if splits > 1 else (0, 0)
-    _kernels()._fwd_kernel[(q_tiles, b * h, splits)](
-        *ptrs, out, lse, *strides, *o_strides, *l_strides, *split_strides, split_len,
-        *_sizes(q, k, v, max_relative_position, query_offset, scale), **meta)
+    qa = table_scores(q, rel_k, sdt) if rel_k is not None else None
+    bins = q.new_empty(b, h, n, 2 * kk + 1, dtype=sdt) if rel_v is not None else None
+    scratch = qa if qa is not None else bins
+    _launch(_kernels()._fwd_kernel, (q_tiles, b * h, splits),
+            Q=q, K=k, V=v, QA=q if qa is None else qa, RV=q if rel_v is None else rel_v, **_mask_args(q, k, mask),
+            BINS=q if bins is None else bins, OUT=out, LSE=lse,
+            **_strides("s", scratch, "bhn"), **_table_strides("rv", rel_v), **_strides("o", out, "sbhnd"),
+            **_strides("l", lse, "sbhn"), **_common_args(q, k, v, kk, query_offset, scale), H=h, split_len=split_len,
+            **meta)
     if splits == 1:
-        return out, lse
+        return out[0], lse[0]
     total = torch.logsumexp(lse, 0)  # fixed order: deterministic
     weights = torch.exp(lse - torch.where(torch.isfinite(total), total, torch.zeros_like(total)))
     return (weights[..., None] * out).sum(0).to(q.dtype), total
 
 
-def _table_grad(sums: Tensor, x: Tensor, hr: int, dtype: torch.dtype, scale: float = 1.0) -> Tensor:
-    """scale * sum over batch (and heads when shared) of sums^T @ x: (B,H,N,R), (B,H,N,d) -> (Hr, R, d)."""
-    b, h, n, r = sums.shape
-    lhs = sums.permute(1, 3, 0, 2).reshape(h, r, b * n)
-    rhs = x.to(sums.dtype).permute(1, 0, 2, 3).reshape(h, b * n, x.shape[-1])
+def _table_grad(bins: Tensor, x: Tensor, hr: int, dtype: torch.dtype, scale: float = 1.0) -> Tensor:
+    """scale * sum over batch (and heads when shared) of bins^T @ x: (B,H,N,R), (B,H,N,d) -> (Hr, R, d)."""
+    b, h, n, r = bins.shape
+    lhs = bins.permute(1, 3, 0, 2).reshape(h, r, b * n)
+    rhs = x.to(bins.dtype).permute(1, 0, 2, 3).reshape(h, b * n, x.shape[-1])
     g = torch.bmm(lhs, rhs) * scale
     return (g.sum(0, keepdim=True) if hr == 1 else g).to(dtype)
 
 
 def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
              scale: float, query_offset: int) -> tuple[Tensor, ...]:
-    """(dq, dk, dv, d_rel_k | None, d_rel_v | None) in their inputs' dtypes, dq, dk, dv contiguous."""
+    """(dq, dk, dv, d_rel_k | None, d_rel_v | None) in their inputs' dtypes, dq, dk, dv contiguous; dk, dv of a
+    key/value head summed over its group of query heads."""
     b, h, n, _ = q.shape
-    m, kk = k.shape[2], max_relative_position
+    hkv, m, kk = k.shape[1], k.shape[2], max_relative_position
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     d_rel_k = None if rel_k is None else torch.zeros_like(rel_k)
@@ -189,22 +267,25 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     sdt = stats_dtype(q.dtype)
     delta = (grad_out.to(sdt) * out.to(sdt)).sum(-1)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse).contiguous()  # empty rows: P = 0
-    ptrs, strides = _launch_args(q, k, v, rel_k, rel_v, mask)
-    meta = _meta(q, k, v, rel_k, rel_v, mask, is_causal, BWD_TILES)
-    sizes = _sizes(q, k, v, kk, query_offset, scale)
-    kern = _kernels()
-    kern._dkdv_kernel[(math.ceil(m / meta["BN"]), b * h)](
-        *ptrs, grad_out, lse, delta, dk, dv, *strides, *grad_out.stride(), *lse.stride(), *sizes, **meta)
-    sums = [torch.zeros(b, h, n, 2 * kk + 1, dtype=sdt, device=q.device) if t is not None else lse
-            for t in (rel_v, rel_k)]  # per row, per table row: sums of P (for a^V) and of dS (for a^K)
-    b_strides = sums[0].stride()[:3] if rel_v is not None else sums[1].stride()[:3]
-    kern._dq_kernel[(math.ceil(n / meta["BM"]), b * h)](
-        *ptrs, grad_out, lse, delta, dq, *sums, *strides, *grad_out.stride(), *lse.stride(), *b_strides, *sizes,
-        **meta)
+    qa = table_scores(q, rel_k, sdt) if rel_k is not None else None
+    doa = table_scores(grad_out, rel_v, sdt) if rel_v is not None else None
+    # per row, per table row: P (for a^V) and dS (for a^K); zeros where no pair falls
+    pb = torch.zeros(b, h, n, 2 * kk + 1, dtype=sdt, device=q.device) if rel_v is not None else None
+    sb = torch.zeros(b, h, n, 2 * kk + 1, dtype=sdt, device=q.device) if rel_k is not None else None
+    scratch = next((t for t in (qa, doa, pb, sb) if t is not None), None)
+    args = dict(Q=q, K=k, V=v, QA=q if qa is None else qa, DOA=q if doa is None else doa, **_mask_args(q, k, mask),
+                DO=grad_out, LSE=lse, DELTA=delta, **_strides("s", scratch, "bhn"), **_strides("do", grad_out, "bhnd"),
+                **_strides("l", lse, "bhn"), **_common_args(q, k, v, kk, query_offset, scale), scale=scale)
+    meta = _meta("dkdv", q, k, v, rel_k, rel_v, mask, is_causal)
+    _launch(_kernels()._dkdv_kernel, (math.ceil(m / meta["BLOCK_N"]), b * hkv), DK=dk, DV_=dv, H_KV=hkv,
+            **args, **meta)
+    meta = _meta("dq", q, k, v, rel_k, rel_v, mask, is_causal)
+    _launch(_kernels()._dq_kernel, (math.ceil(n / meta["BLOCK_M"]), b * h), DQ=dq, RK=q if rel_k is None else rel_k,
+            PB=q if pb is None else pb, SB=q if sb is None else sb, H=h, **_table_strides("rk", rel_k), **args, **meta)
     if rel_k is not None:
-        d_rel_k = _table_grad(sums[1], q, rel_k.shape[0], rel_k.dtype, scale)
+        d_rel_k = _table_grad(sb, q, rel_k.shape[0], rel_k.dtype, scale)
     if rel_v is not None:
-        d_rel_v = _table_grad(sums[0], grad_out, rel_v.shape[0], rel_v.dtype)
+        d_rel_v = _table_grad(pb, grad_out, rel_v.shape[0], rel_v.dtype)
     return dq, dk, dv, d_rel_k, d_rel_v
 
 
@@ -221,7 +302,8 @@ def triton_attention(call: AttentionCall) -> Tensor:
 
 BACKEND = Backend("triton", triton_attention,
                   Serves(devices=frozenset({"cuda", "cpu"} if INTERPRET else {"cuda"}),
-                         max_head_dim=MAX_HEAD_DIM),
-                  "Triton flash kernel, forward and backward: band tiles add the key term by a gathered window "
-                  "matmul and the value term by a skewed one; CUDA (CPU under TRITON_INTERPRET=1), no dropout",
+                         max_head_dim=MAX_HEAD_DIM, grouped_kv=True),
+                  "Triton flash kernels, forward and backward: key loops in three stages (left of the band, band, "
+                  "right), the key term gathered from q a^K^T, the value term as per-row bins times a^V; CUDA (CPU "
+                  "under TRITON_INTERPRET=1), no dropout",
                   unavailable=unavailable)

@@ -1,0 +1,199 @@
+"""Compile the "triton" backend's kernels for real GPUs on a machine without one, and report registers and spills.
+
+Every launch of ``relattn.backends.triton`` is recorded as the launcher makes it for an A100 (sm_80) or an H100
+(sm_90a): its forward and backward run on meta tensors (no memory, no GPU) with the launcher's own tile table for
+that architecture, and each recorded launch is compiled by ``triton.compile`` with the same arguments, constexprs,
+warps, stages and argument specialisation (divisibility by 16) as Triton's JIT would give it on that GPU. ``ptxas
+-v`` (shipped inside the triton wheel) then reports registers and spill bytes; shared memory comes from Triton.
+
+    python benchmarks/triton_compile.py            # every user shape, sm_80 and sm_90a (a few minutes)
+    python benchmarks/triton_compile.py --ci       # the subset tests/test_triton_compile.py runs
+    python benchmarks/triton_compile.py --arch 90  # one architecture (gpu.sh: the GPU's own)
+
+Under another Triton, run it with that Triton's python, relattn from src/:
+``PYTHONPATH=src /path/to/venv/bin/python benchmarks/triton_compile.py``. Exit code 1 when a 16-bit launch spills
+or fails to compile, or a float32 one spills more than 1 KB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels: set before relattn.backends.triton is imported
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+from relattn.backends import triton as tb  # noqa: E402
+
+ARCHS = {80: "sm_80 (A100)", 90: "sm_90a (H100)"}
+SMS = {80: 108, 90: 132}
+FP32_SPILL_LIMIT = 1024
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One user shape: what the forward and backward are called with."""
+
+    name: str
+    dtype: torch.dtype = torch.bfloat16
+    d: int = 64
+    causal: bool = False
+    tables: str = "both"  # both, keys, per_head
+    mask: bool = False  # a key-padding mask (B, 1, 1, M)
+    n: int = 2048
+    m: int = 2048
+    kk: int = 64
+    backward: bool = True
+    offset: int = 0
+
+
+SHAPES = [
+    Shape("bf16 D=64"),
+    Shape("bf16 D=64 causal", causal=True),
+    Shape("bf16 D=128", d=128),
+    Shape("bf16 D=128 causal", d=128, causal=True),
+    Shape("fp16 D=64 causal padding mask", dtype=torch.float16, causal=True, mask=True),
+    Shape("fp16 D=128 padding mask", dtype=torch.float16, d=128, mask=True),
+    Shape("bf16 D=64 keys table only", tables="keys"),
+    Shape("bf16 D=64 per-head tables", tables="per_head"),
+    Shape("bf16 D=64 decoding 1 x 4096", n=1, m=4096, causal=True, offset=4095, backward=False),
+    Shape("bf16 D=128 decoding 1 x 4096", d=128, n=1, m=4096, causal=True, offset=4095, backward=False),
+    Shape("fp32 D=64", dtype=torch.float32),
+    Shape("fp32 D=128 causal", dtype=torch.float32, d=128, causal=True),
+]
+CI_SHAPES = ["bf16 D=64", "fp16 D=128 padding mask", "bf16 D=64 decoding 1 x 4096"]
+
+
+def record(shape: Shape, arch: int) -> list[tuple]:
+    """The launches (kernel, kwargs) the launcher makes for ``shape`` on a GPU of compute capability ``arch``."""
+    launches = []
+    saved = tb._launch, tb._arch, tb._sm_count
+    tb._launch = lambda kernel, grid, **kw: launches.append((kernel, kw))
+    tb._arch = lambda device: arch
+    tb._sm_count = lambda device: SMS[arch]
+    try:
+        b, h, heads = 2, 8, 8
+        meta = dict(device="meta", dtype=shape.dtype)
+        q = torch.empty(b, h, shape.n, shape.d, **meta)
+        k, v = torch.empty(b, heads, shape.m, shape.d, **meta), torch.empty(b, heads, shape.m, shape.d, **meta)
+        rows = 2 * shape.kk + 1
+        hr = h if shape.tables == "per_head" else 1
+        rk = torch.empty(hr, rows, shape.d, **meta)
+        rv = None if shape.tables == "keys" else torch.empty(hr, rows, shape.d, **meta)
+        mask = torch.empty(b, 1, 1, shape.m, **meta) if shape.mask else None
+        kw = dict(max_relative_position=shape.kk, is_causal=shape.causal, scale=shape.d ** -0.5,
+                  query_offset=shape.offset)
+        out, lse = tb.forward(q, k, v, rk, rv, mask, **kw)
+        if shape.backward:
+            tb.backward(torch.empty_like(out), q, k, v, rk, rv, mask, out, lse, **kw)
+    finally:
+        tb._launch, tb._arch, tb._sm_count = saved
+    return launches
+
+
+def _ptxas() -> str:
+    here = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for name in ("ptxas-blackwell", "ptxas"):
+        if os.path.exists(os.path.join(here, name)):
+            return os.path.join(here, name)
+    raise FileNotFoundError(f"no ptxas in {here}")
+
+
+def compile_launch(kernel, kwargs: dict, arch: int) -> dict:
+    """Registers, spill bytes and shared memory of one launch compiled for ``arch``, specialised as the JIT would."""
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(**kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                              options=options.__dict__)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    try:
+        sm = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        log = subprocess.run([_ptxas(), f"-arch={sm}", "-v", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, check=True).stderr
+    finally:
+        os.unlink(f.name)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return dict(regs=int(re.search(r"Used (\d+) registers", log).group(1)),
+                spill=int(spills.group(1)) + int(spills.group(2)) if spills else 0,
+                smem=compiled.metadata.shared)
+
+
+def _key(kernel, kwargs) -> tuple:
+    """What makes two launches compile to the same code: the kernel, the argument types and the constexprs."""
+    def kind(x):
+        if isinstance(x, torch.Tensor):
+            return str(x.dtype)
+        if isinstance(x, int) and not isinstance(x, bool):
+            return "1" if x == 1 else ("16" if x % 16 == 0 else "i")
+        return repr(x)
+
+    return (kernel.__name__, tuple(sorted((k, kind(v)) for k, v in kwargs.items())))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ci", action="store_true", help="only the shapes of CI_SHAPES")
+    ap.add_argument("--arch", type=int, choices=sorted(ARCHS), action="append", help="80 or 90 (default both)")
+    args = ap.parse_args(argv)
+    archs = args.arch or sorted(ARCHS)
+    shapes = [s for s in SHAPES if not args.ci or s.name in CI_SHAPES]
+    print(f"triton {triton.__version__}, torch {torch.__version__}; B = 2, H = 8, N = M = 2048, K = 64, "
+          "both tables shared unless said; registers / spill bytes (stores + loads) / shared memory KB")
+    cols = " | ".join(f"{ARCHS[a]}" for a in archs)
+    print(f"| shape | kernel | tiles, warps, stages | {cols} |")
+    print("|---|---|---|" + "---|" * len(archs))
+    done: dict = {}
+    bad = []
+    start = time.time()
+    for shape in shapes:
+        rows: dict = {}
+        for arch in archs:
+            for kernel, kw in record(shape, arch):
+                key = (arch, _key(kernel, kw))
+                if key not in done:
+                    try:
+                        done[key] = compile_launch(kernel, kw, arch)
+                    except Exception as exc:  # a failed compile is a result too
+                        done[key] = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+                name = kernel.__name__.strip("_").replace("_kernel", "")
+                tiles = f"{kw.get('BLOCK_M', kw.get('BLOCK_N'))}×{kw.get('BLOCK_N', kw.get('BLOCK_R'))}" \
+                    f", {kw['num_warps']}, {kw['num_stages']}"
+                rows.setdefault(name, {})[arch] = (tiles, done[key])
+        for name, per_arch in rows.items():
+            cells = []
+            for arch in archs:
+                tiles, r = per_arch[arch]
+                if "error" in r:
+                    cells.append(f"{tiles}: FAILED {r['error']}")
+                    bad.append(f"{shape.name} {name} {ARCHS[arch]}: {r['error']}")
+                    continue
+                cells.append(f"{tiles}: {r['regs']} / **{r['spill']}** / {r['smem'] / 1024:.0f}" if r["spill"]
+                             else f"{tiles}: {r['regs']} / 0 / {r['smem'] / 1024:.0f}")
+                limit = FP32_SPILL_LIMIT if shape.dtype == torch.float32 else 0
+                if r["spill"] > limit:
+                    bad.append(f"{shape.name} {name} {ARCHS[arch]}: {r['spill']} spill bytes (at most {limit})")
+            print(f"| {shape.name} | {name} | " + " | ".join(cells) + " |", flush=True)
+    print(f"{len(done)} compiles in {time.time() - start:.0f} s")
+    for line in bad:
+        print("FAIL:", line)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The "triton" backend compiled for real GPUs without one: ``benchmarks/triton_compile.py --ci`` records the
+launcher's launches for an A100 (sm_80) and an H100 (sm_90a) on meta tensors, compiles each as Triton's JIT would
+and reads ``ptxas -v``. Fails on any spill or failed compile of a 16-bit launch."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+def test_gpu_tiles_are_at_least_the_floor():
+    """Forward tiles at least 64 x 64, backward at least 32 x 64 (either way round), for every arch and head dim."""
+    from relattn.backends import triton as tb
+
+    assert {a for _, a, _ in tb.CONFIGS} == {80, 90} and {d for *_, d in tb.CONFIGS} == {64, 128}
+    for (kernel, arch, d), (bm, bn, _, _, split) in tb.CONFIGS.items():
+        if kernel == "fwd":
+            assert bm >= 64 and bn >= 64, (kernel, arch, d)
+        else:
+            assert min(bm, bn) >= 32 and bm * bn >= 32 * 64, (kernel, arch, d)
+        assert (bn if kernel != "dkdv" else bm) // split >= 16, (kernel, arch, d)  # band tiles: tl.dot's minimum
+
+
+def test_kernels_compile_for_a100_and_h100_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, os.path.join("benchmarks", "triton_compile.py"), "--ci"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| bf16 ")
+            or line.startswith("| fp16 ")]
+    kernels = {row[1].strip() for row in rows}
+    assert kernels == {"table_scores", "fwd", "dkdv", "dq"}, kernels
+    for row in rows:  # "tiles: registers / spill bytes / shared KB" per arch
+        for cell in row[2:]:
+            regs, spill, _ = cell.split(": ")[1].split(" / ")
+            assert int(spill) == 0 and 0 < int(regs) <= 255, row
+
+
+def test_gpu_script_parses():
+    """benchmarks/gpu.sh (run only on a CUDA machine) is valid bash, and each Python program it embeds compiles."""
+    path = os.path.join(ROOT, "benchmarks", "gpu.sh")
+    done = subprocess.run(["bash", "-n", path], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    text = open(path, encoding="utf-8").read()
+    programs = [part.split("\nEOF\n")[0] for part in text.split("<<'EOF'\n")[1:]]
+    assert len(programs) == 2  # the peers and decoding
+    for program in programs:
+        compile(program, "gpu.sh", "exec")
+        assert "TFLOP/s" in program
