@@ -409,5 +409,62 @@ def all_gather_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_positi
     return torch.cat(outs, 2)
 
 
-__all__ = ["LAYOUTS", "RING_BACKENDS", "all_gather_attention", "context_parallel_attention", "gather", "positions",
-           "record_timeline", "segments", "shard"]
+# ------------------------------------------------------------------------------------------------------ modules
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """How a model splits its sequences: over ``group`` (None: the world) in ``layout``, the ring's chunks computed
+    by ``backend``. What :func:`self_attention` and a model's ``context_parallel=`` argument take."""
+
+    group: object = None
+    layout: str = "contiguous"
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_layout(self.layout)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def shard(self, x: Tensor, *, dim: int) -> Tensor:
+        """This rank's part of the full sequence ``x`` (along ``dim``)."""
+        return shard(x, self.rank, self.world, dim=dim, layout=self.layout)
+
+    def positions(self, n: int, device=None) -> Tensor:
+        """The global positions of this rank's ``n`` local positions."""
+        return positions(n, self.rank, self.world, self.layout, device=device)
+
+
+def self_attention(module, x: Tensor, *, is_causal: bool = False, context_parallel: ContextParallel) -> Tensor:
+    """The self-attention of a :class:`relattn.RelativeMultiheadAttention` (batch first) over a sequence split as
+    ``context_parallel`` says: ``x`` (B, n, E) is this rank's part, the result (B, n, E) its part of the module's
+    output on the whole sequence. The module's parameters are used as they are (plain, DDP or FSDP)."""
+    if not module.batch_first:
+        raise ValueError("self_attention takes a batch_first module: x is (B, n, E)")
+    if module.training and module.dropout > 0.0:
+        raise ValueError(f"attention dropout ({module.dropout}) is not served under context parallelism; use "
+                         f"dropout=0 or eval mode")
+    if x.dim() != 3 or x.shape[-1] != module.embed_dim:
+        raise ValueError(f"x must be (B, n, {module.embed_dim}); got {tuple(x.shape)}")
+
+    def heads(t: Tensor) -> Tensor:
+        return t.unflatten(-1, (module.num_heads, module.head_dim)).transpose(1, 2)
+
+    q, k, v = heads(module.q_proj(x)), heads(module.k_proj(x)), heads(module.v_proj(x))
+    rel_k = None if module.rel_k is None else module.rel_k.to(q.dtype)
+    rel_v = None if module.rel_v is None else module.rel_v.to(q.dtype)
+    cp = context_parallel
+    out = context_parallel_attention(q, k, v, rel_k, rel_v, max_relative_position=module.max_relative_position,
+                                     beyond=module.beyond, is_causal=is_causal, group=cp.group, layout=cp.layout,
+                                     backend=cp.backend)
+    return module.out_proj(out.transpose(1, 2).flatten(2))
+
+
+__all__ = ["LAYOUTS", "RING_BACKENDS", "ContextParallel", "all_gather_attention", "context_parallel_attention",
+           "gather", "positions", "record_timeline", "segments", "self_attention", "shard"]
