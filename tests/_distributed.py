@@ -153,9 +153,14 @@ def op_worker(rank: int, world: int, out_dir: str) -> None:
         results[name] = errors
 
     (q, k, v, rel_k, rel_v, grad_out, _), kw, _, _ = _case_inputs("K<chunk shared causal", world)
-    mine = [shard(t, rank, world, dim=2).requires_grad_() for t in (q, k, v)]
-    with record_timeline() as events:
-        context_parallel_attention(*mine, rel_k, rel_v, **kw).backward(shard(grad_out, rank, world, dim=2))
+    runs = []
+    for _ in range(2):
+        mine = [shard(t, rank, world, dim=2).requires_grad_() for t in (q, k, v)]
+        with record_timeline() as events:
+            out = context_parallel_attention(*mine, rel_k, rel_v, **kw)
+            out.backward(shard(grad_out, rank, world, dim=2))
+        runs.append([out.detach(), *(t.grad for t in mine)])
+    deterministic = all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
     errors = {}
     bad = {"backend": dict(backend="dense"), "layout": dict(layout="spiral"),
            "mask": dict(attn_mask=torch.ones(2, 3, N_LOCAL, N_LOCAL, dtype=torch.bool))}
@@ -165,4 +170,5 @@ def op_worker(rank: int, world: int, out_dir: str) -> None:
             errors[what] = None
         except (ValueError, TypeError) as e:
             errors[what] = str(e)
-    write(out_dir, rank, {"cases": results, "timeline": [list(e) for e in events], "errors": errors})
+    write(out_dir, rank, {"cases": results, "timeline": [list(e) for e in events], "errors": errors,
+                          "deterministic": deterministic})

@@ -65,6 +65,11 @@ def test_ring_posts_transfers_before_computing_and_waits_after(ring_results):
                 assert t == sorted(t), (phase, step, t)
 
 
+def test_two_runs_agree_bit_for_bit(ring_results):
+    _, results = ring_results
+    assert all(result["deterministic"] for result in results)
+
+
 def test_bad_calls_name_the_argument(ring_results):
     _, results = ring_results
     errors = results[0]["errors"]

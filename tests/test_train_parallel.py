@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,15 +29,17 @@ ARGS = ["--d-model", "16", "--heads", "2", "--layers", "2", "--d-ff", "32", "--m
 CLOSE = dict(rtol=1e-5, atol=1e-6)  # float32 rounding: the sums are formed in another order
 
 
+def single_options(out) -> TrainOptions:
+    return TrainOptions(out=str(out), steps=6, batch_size=8, eval_tokens=512, eval_every=3, checkpoint_every=3,
+                        sample_bytes=0, plots=False, progress=False, device="cpu")
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        out = tmp_path_factory.mktemp("single")
-        return train(TINY, TrainOptions(out=str(out), steps=6, batch_size=8, eval_tokens=512, eval_every=3,
-                                        checkpoint_every=3, sample_bytes=0, plots=False, progress=False,
-                                        device="cpu"))
+        return train(TINY, single_options(tmp_path_factory.mktemp("single")))
     finally:
         torch.set_num_threads(before)
 
@@ -52,6 +56,7 @@ def torchrun(out: Path, *extra: str) -> dict:
 
 def assert_same_run(metrics: dict, single) -> None:
     assert metrics["world_size"] == 2 and metrics["steps"] == 6
+    assert len(metrics["train_loss"]) == 6
     torch.testing.assert_close(torch.tensor(metrics["train_loss"], dtype=torch.float64),
                                torch.tensor(single.train_loss, dtype=torch.float64), **CLOSE)
     torch.testing.assert_close(metrics["val_loss_by_context"], single.metrics["val_loss_by_context"], **CLOSE)
@@ -75,6 +80,12 @@ def test_fsdp_two_processes_match_a_single_process_run(tmp_path, single):
     for name, p in single.model.state_dict().items():
         if not name.endswith("k_proj.bias"):  # exact gradient 0: Adam turns rounding into lr-sized steps
             assert (model.state_dict()[name] - p).norm() <= 1e-5 * p.norm() + 1e-6, name
+    # ... and an FSDP run resumes from them (optimizer state re-sharded) as the single-process run does
+    resumed = torchrun(tmp_path / "fsdp", "--fsdp", "--resume", "--steps", "8")
+    shutil.copytree(single.out, tmp_path / "single")
+    single_resumed = train(TINY, replace(single_options(tmp_path / "single"), steps=8, resume="latest"))
+    torch.testing.assert_close(torch.tensor(resumed["train_loss"], dtype=torch.float64),
+                               torch.tensor(single_resumed.train_loss, dtype=torch.float64), **CLOSE)
 
 
 @pytest.mark.parametrize("flag", [["--context-parallel", "2"], ["--fsdp"]])
