@@ -1,11 +1,11 @@
 """Context parallelism on this machine: the ring (``relattn.distributed.context_parallel_attention``) against an
 all-gather of k and v, for P = 1, 2, 4 gloo processes at a fixed total sequence length N.
 
-Per P, per implementation: forward + backward ms (median over repeats of the slowest rank), the peak extra memory
-of one forward + backward on a rank (``relattn.bench.measure.peak_extra_bytes``, torch.profiler on the CPU), and
-the bytes each rank hands to ``torch.distributed`` per forward + backward. The all-gather baseline gathers k and v
-(``torch.distributed.nn.functional.all_gather``, whose backward sends each rank its gradients back by
-all-to-all), then calls ``relative_attention`` on its queries against the whole sequence. Both use the same
+Per P, per implementation: forward + backward ms (median of interleaved repeats; the slowest rank), the peak
+extra memory of one forward + backward on a rank (``relattn.bench.measure.peak_extra_bytes``, torch.profiler on
+the CPU), and the bytes each rank hands to ``torch.distributed`` per forward + backward. The all-gather baseline
+gathers k and v (``torch.distributed.nn.functional.all_gather``, whose backward sends each rank its gradients
+back by all-to-all), then calls ``relative_attention`` on its queries against the whole sequence. Both use the same
 backend for the attention itself. The ring's overlap is shown per step from its timeline
 (``relattn.distributed.record_timeline``): compute time, time left waiting for the transfer after the compute, and
 the same transfer timed alone.
@@ -93,18 +93,21 @@ def _measure(rank: int, world: int, a: dict) -> dict:
     kv_bytes = 2 * q.numel() * q.element_size()
     gather_bytes = 2 * (world - 1) * kv_bytes  # forward: k, v to each other rank; backward: their gradients back
     result = {"n_local": n, "ring_bytes": ring_bytes, "gather_bytes": gather_bytes}
-    for name, fn in (("ring", ring), ("all-gather", gathered)):
+    calls = {"ring": ring, "all-gather": gathered}
+    times = {name: [] for name in calls}
+    for fn in calls.values():
         fn()  # warm-up
-        times = []
-        for _ in range(a["repeats"]):
+    for _ in range(a["repeats"]):  # interleaved: drift in the machine's load reaches both alike
+        for name, fn in calls.items():
             dist.barrier()
             t0 = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - t0)
+            times[name].append(time.perf_counter() - t0)
+    for name, fn in calls.items():
         dist.barrier()
-        result[f"{name}_ms"] = 1e3 * statistics.median(times)
+        result[f"{name}_ms"] = 1e3 * statistics.median(times[name])
         result[f"{name}_peak_bytes"] = peak_extra_bytes(fn, torch.device("cpu"))
-        dist.barrier()
+    dist.barrier()
     with cp.record_timeline() as events:
         ring()
     at = {(p, s, e): t for p, s, e, t in events}

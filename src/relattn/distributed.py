@@ -149,15 +149,37 @@ def _merge(out: Tensor | None, lse: Tensor | None, o: Tensor, lo: Tensor) -> tup
     return out * torch.exp(lse - ref)[..., None] + o * torch.exp(lo - ref)[..., None], both
 
 
+@dataclass(frozen=True)
+class _Pair:
+    """One backend call: a segment of this rank's queries against a segment of the chunk held."""
+
+    qs: tuple  # (global start, length, local start)
+    ks: tuple
+    is_causal: bool
+    query_offset: int
+    rows: slice  # the table rows the pair meets: all of them, or the one edge row of a pair beyond the window
+
+
 def _pairs(ring: _Ring, src: int):
-    """The (query segment, key segment, is_causal, query_offset) pairs rank ``ring.rank`` computes against the
-    chunk of ``src``; under causality pairs wholly in the future are left out and wholly past ones need no mask."""
+    """The pairs rank ``ring.rank`` computes against the chunk of ``src``. Under causality pairs wholly in the
+    future are left out and wholly past ones need no causal test. A pair whose offsets ``j - i`` all lie beyond
+    ``-K`` (or all beyond ``K``) meets one table row only, ``a[0]`` (or ``a[2K]``), and runs with that row as a
+    table of ``K = 0``: every key of the pair takes it, and the call costs no ``2K + 1`` dot products per query."""
+    kk = ring.max_relative_position
     for qs in ring.segments[ring.rank]:
         for ks in ring.segments[src]:
             q0, q1, k0, k1 = qs[0], qs[0] + qs[1], ks[0], ks[0] + ks[1]
             if ring.is_causal and k0 > q1 - 1:
                 continue
-            yield qs, ks, ring.is_causal and k1 - 1 > q0, q0 - k0
+            rows = slice(0, 1) if k1 - 1 - q0 < -kk else slice(2 * kk, 2 * kk + 1) if k0 - (q1 - 1) > kk else None
+            yield _Pair(qs, ks, ring.is_causal and k1 - 1 > q0, q0 - k0, rows)
+
+
+def _tables(pair: _Pair, rel_k, rel_v, kk: int):
+    """The tables and ``K`` a pair's call takes."""
+    if pair.rows is None:
+        return rel_k, rel_v, kk
+    return (None if rel_k is None else rel_k[:, pair.rows], None if rel_v is None else rel_v[:, pair.rows], 0)
 
 
 def _mask_for(mask: Tensor | None, qs, ks) -> Tensor | None:
@@ -212,10 +234,12 @@ def _ring_forward(ring: _Ring, q, k, v, rel_k, rel_v, mask):
         works = ring.exchange([(kv, _TAG_KV)], [(spare, _TAG_KV)]) if step < ring.world - 1 else []
         _mark("forward", step, "issue")
         _mark("forward", step, "compute_start")
-        for qs, ks, causal, offset in _pairs(ring, src):
+        for pair in _pairs(ring, src):
+            qs, ks = pair.qs, pair.ks
+            pair_k, pair_v, pair_kk = _tables(pair, rel_k, rel_v, ring.max_relative_position)
             o, lo = _chunk_forward(ring.backend, _rows(q, qs), _rows(kv[..., :d], ks), _rows(kv[..., d:], ks),
-                                   rel_k, rel_v, _mask_for(mask, qs, ks), ring.max_relative_position, causal,
-                                   ring.scale, offset)
+                                   pair_k, pair_v, _mask_for(mask, qs, ks), pair_kk, pair.is_causal, ring.scale,
+                                   pair.query_offset)
             acc[qs] = _merge(*acc[qs], o.to(stats), lo)
         _mark("forward", step, "compute_end")
         _wait(works)
@@ -245,18 +269,21 @@ def _ring_backward(ring: _Ring, grad_out, q, k, v, rel_k, rel_v, mask, out, lse)
         _mark("backward", step, "issue")
         _mark("backward", step, "compute_start")
         dkv = torch.zeros_like(kv, dtype=acc_dtype)
-        for qs, ks, causal, offset in _pairs(ring, src):
+        for pair in _pairs(ring, src):
+            qs, ks = pair.qs, pair.ks
+            pair_k, pair_v, pair_kk = _tables(pair, rel_k, rel_v, ring.max_relative_position)
             gq, gk, gv, grk, grv = _chunk_backward(
                 ring.backend, _rows(grad_out, qs), _rows(q, qs), _rows(kv[..., :d], ks), _rows(kv[..., d:], ks),
-                rel_k, rel_v, _mask_for(mask, qs, ks), _rows(out, qs), _rows(lse, qs),
-                ring.max_relative_position, causal, ring.scale, offset)
+                pair_k, pair_v, _mask_for(mask, qs, ks), _rows(out, qs), _rows(lse, qs), pair_kk,
+                pair.is_causal, ring.scale, pair.query_offset)
             _rows(dq, qs).add_(gq)
             _rows(dkv[..., :d], ks).add_(gk)
             _rows(dkv[..., d:], ks).add_(gv)
+            rows = slice(None) if pair.rows is None else pair.rows
             if d_rel_k is not None:
-                d_rel_k.add_(grk)
+                d_rel_k[:, rows].add_(grk)
             if d_rel_v is not None:
-                d_rel_v.add_(grv)
+                d_rel_v[:, rows].add_(grv)
         _mark("backward", step, "compute_end")
         _wait(works)
         _wait(pending)
