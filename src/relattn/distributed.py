@@ -289,7 +289,7 @@ def _ring_backward(ring: _Ring, grad_out, q, k, v, rel_k, rel_v, mask, out, lse)
         _wait(pending)
         _mark("backward", step, "wait_end")
         if step > 0:
-            dkv = arriving + dkv  # contributions to a chunk summed in ring order: deterministic
+            dkv.add_(arriving)  # a chunk's contributions summed in ring order: deterministic
         if ring.world > 1:
             pending, sent = ring.exchange([(dkv, _TAG_GRAD)], []), dkv
             if step < ring.world - 1:
