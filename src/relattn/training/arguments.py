@@ -26,7 +26,8 @@ MODEL_ARGS = {  # CLI flag (argparse dest) -> TransformerConfig field
     "tie_embeddings": "tie_embeddings",
 }
 OPTION_ARGS = tuple(f.name for f in fields(TrainOptions))
-_NOT_FROM_CHECKPOINT = ("out", "resume", "progress", "plots")  # about this invocation, not the run
+_NOT_FROM_CHECKPOINT = ("out", "resume", "progress", "plots",  # about this invocation, not the run
+                        "context_parallel", "fsdp")
 
 
 def add_model_arguments(p: argparse.ArgumentParser, *, leave_out: tuple[str, ...] = ()) -> None:
@@ -123,4 +124,15 @@ def run_command(args: argparse.Namespace, body) -> int:
     return 0
 
 
-__all__ = ["add_model_arguments", "add_train_arguments", "configs_from_args", "run_command"]
+def add_parallel_arguments(p: argparse.ArgumentParser, defaults: TrainOptions) -> None:
+    """How a torchrun run splits its work: context parallelism and FSDP2 (docs/distributed.md)."""
+    g = p.add_argument_group("parallelism (under torchrun; docs/distributed.md)")
+    g.add_argument("--context-parallel", type=int, default=None, metavar="P",
+                   help=f"split each sequence over P ranks, keys and values passed around a ring (the world is P "
+                        f"x data-parallel groups; default: {defaults.context_parallel})")
+    g.add_argument("--fsdp", action="store_true", default=None,
+                   help="shard parameters, gradients and optimizer state over the ranks (FSDP2) instead of DDP")
+
+
+__all__ = ["add_model_arguments", "add_parallel_arguments", "add_train_arguments", "configs_from_args",
+           "run_command"]

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed import ContextParallel, self_attention
 from ..modules import KVCache, RelativeMultiheadAttention
 
 POSITIONS = ("relative", "absolute", "none")
@@ -123,8 +124,12 @@ class Block(nn.Module):
                                 nn.Linear(config.d_ff, config.d_model))
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, x, *, key_padding_mask=None, is_causal=False, kv_cache: KVCache | None = None):
-        a, _ = self.attn(self.ln1(x), key_padding_mask=key_padding_mask, is_causal=is_causal, kv_cache=kv_cache)
+    def forward(self, x, *, key_padding_mask=None, is_causal=False, kv_cache: KVCache | None = None,
+                context_parallel: ContextParallel | None = None):
+        if context_parallel is not None:  # x is this rank's part of the sequence
+            a = self_attention(self.attn, self.ln1(x), is_causal=is_causal, context_parallel=context_parallel)
+        else:
+            a, _ = self.attn(self.ln1(x), key_padding_mask=key_padding_mask, is_causal=is_causal, kv_cache=kv_cache)
         x = x + self.drop(a)
         return x + self.drop(self.ff(self.ln2(x)))
 
@@ -160,23 +165,32 @@ class TransformerEncoder(nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         is_causal: bool = False,
         kv_caches: list[KVCache] | None = None,
+        context_parallel: ContextParallel | None = None,
     ) -> torch.Tensor:
         """Encode ``x`` (B, N, E); ``key_padding_mask`` (B, L + N) bool, True = padding (ignored).
 
         ``kv_caches``: one cache per layer (see :meth:`new_caches`); this call's keys and values are
         appended and its positions continue after the cached ones.
+        ``context_parallel``: ``x`` is this rank's part of a sequence split over a process group (see
+        :mod:`relattn.distributed`), and so is the result; no caches or padding mask then.
         """
         if x.dim() != 3 or x.shape[-1] != self.config.d_model:
             raise ValueError(f"x must be (B, N, {self.config.d_model}); got {tuple(x.shape)}")
         if kv_caches is not None and len(kv_caches) != len(self.blocks):
             raise ValueError(f"kv_caches must hold one cache per layer ({len(self.blocks)}); got {len(kv_caches)}")
-        if self.config.positions == "absolute":
+        if context_parallel is not None and (kv_caches is not None or key_padding_mask is not None):
+            raise ValueError("context_parallel takes no kv_caches and no key_padding_mask")
+        if self.config.positions == "absolute" and context_parallel is not None:
+            n, cp = x.shape[1], context_parallel
+            x = x + sinusoidal_positions(n * cp.world, x.shape[2], dtype=x.dtype, device=x.device)[cp.positions(n)]
+        elif self.config.positions == "absolute":
             offset = len(kv_caches[0]) if kv_caches is not None else 0
             x = x + sinusoidal_positions(x.shape[1], x.shape[2], offset=offset, dtype=x.dtype, device=x.device)
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
             cache = None if kv_caches is None else kv_caches[i]
-            x = block(x, key_padding_mask=key_padding_mask, is_causal=is_causal, kv_cache=cache)
+            x = block(x, key_padding_mask=key_padding_mask, is_causal=is_causal, kv_cache=cache,
+                      context_parallel=context_parallel)
         return self.ln_f(x)
 
 
@@ -205,12 +219,14 @@ class TransformerLM(nn.Module):
         """See :meth:`TransformerEncoder.new_caches`."""
         return self.encoder.new_caches(max_len)
 
-    def forward(self, tokens: torch.Tensor, *, kv_caches: list[KVCache] | None = None) -> torch.Tensor:
-        """Logits (B, N, V) for ids ``tokens`` (B, N); with ``kv_caches``, ``tokens`` continue the cached ones."""
+    def forward(self, tokens: torch.Tensor, *, kv_caches: list[KVCache] | None = None,
+                context_parallel: ContextParallel | None = None) -> torch.Tensor:
+        """Logits (B, N, V) for ids ``tokens`` (B, N); with ``kv_caches``, ``tokens`` continue the cached ones.
+        With ``context_parallel``, ``tokens`` (B, n) are this rank's part of the sequences and so are the logits."""
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"tokens must be (B, N) int64; got {tuple(tokens.shape)} {tokens.dtype}")
         x = self.embed(tokens) * math.sqrt(self.config.d_model)
-        return self.head(self.encoder(x, is_causal=True, kv_caches=kv_caches))
+        return self.head(self.encoder(x, is_causal=True, kv_caches=kv_caches, context_parallel=context_parallel))
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy in nats of ``targets`` (B, N) given ``tokens`` (B, N)."""

@@ -55,6 +55,12 @@ class TrainOptions:
     top_k: int | None = 40
     plots: bool = True
     progress: bool = True
+    context_parallel: int = 1
+    """Under torchrun: ranks each sequence is split over (context parallelism, a ring of keys and values); the
+    world is ``context_parallel`` x data-parallel groups."""
+    fsdp: bool = False
+    """Under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2, ``fully_shard``)
+    instead of replicating them (DistributedDataParallel)."""
 
     # Fields that must match a checkpoint's for a resumed run to continue the same run.
     FIXED = ("data_sha256", "batch_size", "lr", "weight_decay", "grad_clip", "seed", "val_fraction")
@@ -89,6 +95,9 @@ class TrainOptions:
             raise UsageError(f"--temperature must be >= 0, got {self.temperature}")
         if self.top_k is not None and not 1 <= self.top_k <= 256:
             raise UsageError(f"--top-k must be in [1, 256], got {self.top_k}")
+        cp = self.context_parallel
+        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+            raise UsageError(f"--context-parallel must be a positive integer, got {cp!r}")
 
 
 __all__ = ["TrainOptions", "UsageError"]

@@ -144,9 +144,11 @@ class TrainingRecipe:
                                         name=data_name)
         self.data_sha = hashlib.sha256(raw).hexdigest()
         self.dist = dist = Dist.from_env()
-        if options.batch_size % dist.world_size:
+        self._check_parallel()
+        if options.batch_size % self.data_parallel[1]:
             raise UsageError(f"--batch-size {options.batch_size} must be divisible by the number of processes "
-                             f"({dist.world_size})")
+                             f"({dist.world_size})" + (f" over --context-parallel {options.context_parallel}"
+                                                        if options.context_parallel > 1 else ""))
         self.eval_total, self.eval_lengths, self.contexts_skipped = eval_plan(len(self.data.val), config.context,
                                                                               options.eval_tokens)
         # validation at the training context during training: up to 4096 bytes
@@ -168,8 +170,11 @@ class TrainingRecipe:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             torch.distributed.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.cp = self._context_parallel_group()
         self.wrapped = self.model  # what a step calls: the model, or its DistributedDataParallel wrapper
-        if dist.enabled:
+        if options.fsdp:
+            self._fully_shard()
+        elif dist.enabled:
             from torch.nn.parallel import DistributedDataParallel
 
             self.wrapped = DistributedDataParallel(self.model, device_ids=[self.device.index]
@@ -240,9 +245,8 @@ class TrainingRecipe:
         torch.manual_seed(step_seed(options.seed, step) + 104_729 * dist.rank)  # dropout: a function of the step
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, options)
-        x, y = get_batch(self.data.train, step=step, seed=options.seed, batch_size=options.batch_size,
-                         context=self.config.context, rank=dist.rank, world_size=dist.world_size)
-        logits = self.wrapped(x.to(self.device))
+        x, y = self.batch(step)
+        logits = self.wrapped(x.to(self.device), **({} if self.cp is None else {"context_parallel": self.cp}))
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(self.device).flatten())
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -263,16 +267,18 @@ class TrainingRecipe:
 
     def evaluate(self, length: int, total: int) -> float:
         """Validation loss (nats/byte) of the first ``total`` validation predictions in windows of ``length``."""
-        return evaluate(self.model, self.data.val, length, total, dist=self.dist)
+        # FSDP: every rank scores every window (its forward passes gather parameters: the ranks go in step)
+        return evaluate(self.model, self.data.val, length, total, dist=None if self.options.fsdp else self.dist)
 
     def save_checkpoint(self, step: int) -> None:
         """Write the checkpoint of ``step`` (rank 0 only) and prune old ones."""
+        model, optimizer = self.full_copies() if self.options.fsdp else (self.model, self.optimizer)
         if self.dist.main:
             meta = {"config": self.config.to_dict(), "options": self.options_record, "train_loss": self.train_loss,
                     "val_loss": self.val_loss,
                     "data": {"sampler": "batch of step s drawn from (seed, s)", "next_step": step},
                     "train_seconds": self.prior_s + self.train_s}
-            save_checkpoint(self.ckpt_dir, step, self.model, self.optimizer, meta)
+            save_checkpoint(self.ckpt_dir, step, model, optimizer, meta)
             prune(self.ckpt_dir, self.options.keep_checkpoints)
 
     def train(self) -> TrainResult:
@@ -305,7 +311,9 @@ class TrainingRecipe:
         bar.close()
         if self.start >= options.steps:
             self._say(f"checkpoint is already at step {self.start} >= --steps {options.steps}; evaluating it")
-        return TrainResult(self.model, self.final_metrics(), self.out, self.train_loss)
+        metrics = self.final_metrics()
+        return TrainResult(self.full_copies()[0] if self.options.fsdp else self.model, metrics, self.out,
+                           self.train_loss)
 
     def final_metrics(self) -> dict:
         """Validation loss at every evaluation context and the run's record, as written to metrics.json."""
@@ -338,6 +346,105 @@ class TrainingRecipe:
             "resumed_from": self.resumed_from,
         }
 
+    # ------------------------------------------------------------------------------------------------ parallelism
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """(index, count) of this rank's data-parallel group: ranks ``g P .. g P + P - 1`` (``P`` the
+        ``context_parallel`` ranks) share their sequences, each holding its part of every position."""
+        p = self.options.context_parallel
+        return self.dist.rank // p, self.dist.world_size // p
+
+    def _check_parallel(self) -> None:
+        options, config, world = self.options, self.config, self.dist.world_size
+        p = options.context_parallel
+        if (p > 1 or options.fsdp) and not self.dist.enabled:
+            raise UsageError("--context-parallel and --fsdp split the work over processes: run under torchrun "
+                             "with more than one process")
+        if world % p:
+            raise UsageError(f"--context-parallel {p} must divide the number of processes ({world})")
+        if p > 1:
+            from ..distributed import RING_BACKENDS
+
+            if config.context % (2 * p):
+                raise UsageError(f"--context {config.context} must be a multiple of 2 x --context-parallel "
+                                 f"({2 * p}): each rank holds two chunks of every sequence (zigzag)")
+            if config.dropout > 0:
+                raise UsageError("--context-parallel needs --dropout 0 (attention dropout is not served by the ring)")
+            if config.backend not in ("auto", *RING_BACKENDS):
+                raise UsageError(f"--context-parallel needs --backend auto or one of {', '.join(RING_BACKENDS)} "
+                                 f"(a backend that returns its log-sum-exp); got {config.backend!r}")
+
+    def _context_parallel_group(self):
+        """The :class:`~relattn.distributed.ContextParallel` of this rank (None without context parallelism):
+        its group of ``P`` consecutive ranks, zigzag layout (causal attention then costs every rank the same)."""
+        p = self.options.context_parallel
+        if p == 1:
+            return None
+        from ..distributed import ContextParallel
+
+        world = self.dist.world_size
+        groups = [torch.distributed.new_group(list(range(g * p, (g + 1) * p))) for g in range(world // p)]
+        return ContextParallel(groups[self.dist.rank // p], layout="zigzag", backend=self.config.backend)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's inputs and targets of step ``step``: its data-parallel group's rows of the global batch,
+        and under context parallelism its part of each sequence."""
+        index, count = self.data_parallel
+        x, y = get_batch(self.data.train, step=step, seed=self.options.seed, batch_size=self.options.batch_size,
+                         context=self.config.context, rank=index, world_size=count)
+        if self.cp is not None:
+            x, y = self.cp.shard(x, dim=1), self.cp.shard(y, dim=1)
+        return x, y
+
+    def _fully_shard(self) -> None:
+        """FSDP2: every block, then the whole model, under ``fully_shard``; the optimizer rebuilt over the sharded
+        parameters, with the state a resumed run restored sharded the same way."""
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import distribute_tensor
+
+        restored = self.optimizer.state_dict()
+        for block in self.model.encoder.blocks:
+            fully_shard(block)
+        fully_shard(self.model)
+        self.optimizer = torch.optim.AdamW(parameter_groups(self.model, self.options.weight_decay),
+                                           lr=self.options.lr, betas=(0.9, 0.95))
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for index, state in restored["state"].items():
+            p = params[index]
+            restored["state"][index] = {k: distribute_tensor(v.to(self.device), p.device_mesh, p.placements,
+                                                           src_data_rank=None)
+                                        if torch.is_tensor(v) and v.shape == p.shape else v for k, v in state.items()}
+        self.optimizer.load_state_dict(restored)
+        self.wrapped = self.model
+
+    def full_copies(self) -> tuple[TransformerLM, torch.optim.Optimizer]:
+        """An FSDP run's model and optimizer as plain ones holding the full state, on this run's device (every rank
+        calls it: each sharded tensor is gathered)."""
+        from torch.distributed.tensor import DTensor
+
+        def full(t):
+            return t.full_tensor() if isinstance(t, DTensor) else t
+
+        with torch.random.fork_rng(devices=[]):  # building the copy must not move the run's random state
+            model = TransformerLM(self.config)
+        model.load_state_dict({k: full(v).detach() for k, v in self.model.state_dict().items()})
+        model.to(self.device)
+        optimizer = torch.optim.AdamW(parameter_groups(model, self.options.weight_decay), lr=self.options.lr,
+                                      betas=(0.9, 0.95))
+        sd = self.optimizer.state_dict()
+        # gathered in one order on every rank (a restored state's order is the checkpoint reader's)
+        sd["state"] = {i: {k: full(sd["state"][i][k]) for k in sorted(sd["state"][i])} for i in sorted(sd["state"])}
+        optimizer.load_state_dict(sd)
+        return model, optimizer
+
+    def _release_parallel(self) -> None:
+        """Drop what holds the process group (the sharded model, the context-parallel group) before it is left."""
+        if getattr(self, "options", None) is not None and self.options.fsdp and hasattr(self, "model"):
+            self.model = self.wrapped = self.optimizer = None
+            gc.collect()
+        self.cp = None
+
     def cleanup(self, *, finished: bool = False) -> None:
         """Leave the process group of a distributed run (safe to call whether or not ``setup()`` got that far).
 
@@ -351,6 +458,7 @@ class TrainingRecipe:
             return
         if finished:
             torch.distributed.barrier()
+        self._release_parallel()
         self.wrapped = getattr(self, "model", None)
         gc.collect()  # the wrapper and its reducer, should a reference cycle hold them
         torch.distributed.destroy_process_group()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from .arguments import add_model_arguments, add_train_arguments, configs_from_args, run_command
+from .arguments import add_model_arguments, add_parallel_arguments, add_train_arguments, configs_from_args, run_command
 from .evaluation import eval_plan, evaluate, key_table_stats
 from .model import TransformerConfig
 from .options import TrainOptions, UsageError
@@ -58,6 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=None, help=f"default: {d.temperature}")
     p.add_argument("--top-k", type=int, default=None, help=f"default: {d.top_k}")
     add_model_arguments(p)
+    add_parallel_arguments(p, d)
     p.set_defaults(func=main)
 
 
