@@ -93,11 +93,9 @@ def test_tile_q_by_length_for_causal_calls(monkeypatch):
 
 
 @needs_native
-def test_default_tiles_match_dense(monkeypatch):
+def test_default_tiles_match_dense(small_tiles):
     """The tiles a user gets (TILE_Q = 0: 64-query tiles for this causal N = 200), with a query offset."""
-    monkeypatch.setattr(native, "TILE_Q", 0)
-    monkeypatch.setattr(native, "TILE_K", 512)
-    run = _case_runner(monkeypatch, (1, 2, 200, 230, 8, 8, 5, "per_head", True, 30), tiles=(0, 512), seed=8)
+    run = _case_runner(small_tiles, (1, 2, 200, 230, 8, 8, 5, "per_head", True, 30), tiles=(0, 512), seed=8)
     want_out, want = run("dense")
     got_out, got = run("native")
     assert_close(got_out, want_out, torch.float64, "out")
