@@ -15,7 +15,7 @@ import math
 import torch
 
 from .backends import AttentionCall, resolve
-from .positions import check_beyond, check_window, symmetric_table
+from .positions import check_beyond, check_positions, symmetric_table, table_rows
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -86,7 +86,7 @@ def _autocast(tensors: list) -> list:
 
 
 def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_causal, dropout_p, scale,
-             query_offset, beyond="clip") -> AttentionCall:
+             query_offset, beyond="clip", rel_q=None) -> AttentionCall:
     """Check every argument and bring it to the canonical form backends receive."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -95,7 +95,7 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
             raise ValueError(f"{name} must be 4-D (B, H, L, D); got {t.dim()} dims {_shape(t)}")
     if not q.is_floating_point():
         raise TypeError(f"q must be floating point, got {q.dtype}")
-    q, k, v, rel_k, rel_v = _autocast([q, k, v, rel_k, rel_v])
+    q, k, v, rel_k, rel_v, rel_q = _autocast([q, k, v, rel_k, rel_v, rel_q])
     _check_like("k", k, q)
     _check_like("v", v, q)
     b, h, n, d = q.shape
@@ -104,13 +104,16 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
         raise ValueError(f"k must be (B, H, M, D) = ({b}, {h}, M, {d}) to match q {_shape(q)}; got {_shape(k)}")
     if v.shape[:3] != (b, h, m):
         raise ValueError(f"v must be (B, H, M, Dv) = ({b}, {h}, {m}, Dv) to match k {_shape(k)}; got {_shape(v)}")
-    window = check_window(max_relative_position)
+    window = check_positions(max_relative_position)
     beyond = check_beyond(beyond)
-    rows = window[0] + window[1] + 1
+    rows = table_rows(window)
+    offsets = (-(n - 1) - query_offset, m - 1 - query_offset) if isinstance(query_offset, int) else (0, 0)
     rel_k = _check_table("rel_k", rel_k, heads=h, rows=rows, dim=d, like=q)
     rel_v = _check_table("rel_v", rel_v, heads=h, rows=rows, dim=v.shape[3], like=q)
-    rel_k, kk = symmetric_table(rel_k, window, beyond)
-    rel_v, _ = symmetric_table(rel_v, window, beyond)
+    rel_q = _check_table("rel_q", rel_q, heads=h, rows=rows, dim=d, like=q)
+    rel_k, kk = symmetric_table(rel_k, window, beyond, offsets=offsets)
+    rel_v, _ = symmetric_table(rel_v, window, beyond, offsets=offsets)
+    rel_q, _ = symmetric_table(rel_q, window, beyond, offsets=offsets)
     mask = _check_mask(attn_mask, target=(b, h, n, m), like=q)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
@@ -122,7 +125,8 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
         scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    return AttentionCall(q, k, v, rel_k, rel_v, kk, mask, is_causal, float(dropout_p), float(scale), query_offset)
+    return AttentionCall(q, k, v, rel_k, rel_v, kk, mask, is_causal, float(dropout_p), float(scale), query_offset,
+                         rel_q=rel_q)
 
 
 def relative_attention(
@@ -133,6 +137,7 @@ def relative_attention(
     rel_v: torch.Tensor | None = None,
     *,
     max_relative_position: int | tuple[int, int],
+    rel_q: torch.Tensor | None = None,
     beyond: str = "clip",
     attn_mask: torch.Tensor | None = None,
     is_causal: bool = False,
@@ -150,9 +155,13 @@ def relative_attention(
         rel_k: key-side table ``a^K``: (2K+1, D) shared by all heads, (H, 2K+1, D) one per head, or
             None for no relative term on the keys.
         rel_v: value-side table ``a^V``: (2K+1, Dv), (H, 2K+1, Dv) or None.
+        rel_q: position-to-content table ``a^Q`` (DeBERTa's p2c term, BERT's ``relative_key_query``): (2K+1, D),
+            (H, 2K+1, D) or None. It adds ``k_j . a^Q[idx_ij]`` to the scores, at the same row ``idx_ij`` as the
+            key term, and has the key term's window and ``beyond``.
         max_relative_position: ``K``; offsets ``j - i`` are clipped to ``[-K, K]`` and shifted by ``K``.
             A pair ``(left, right)`` clips to ``[-left, right]`` and shifts by ``left`` (tables of
-            ``left + right + 1`` rows).
+            ``left + right + 1`` rows). A :class:`relattn.positions.LogBuckets` maps offsets to the rows of
+            tables of ``2 * span`` rows as DeBERTa does (log buckets, saturating); ``beyond`` must be ``"clip"``.
         beyond: ``"clip"`` (offsets beyond the window take the edge rows, Shaw et al.) or ``"zero"``
             (they get no relative term: zero embeddings).
         attn_mask: bool (True = may attend, as SDPA) or float (added to the scores), broadcastable
@@ -167,25 +176,26 @@ def relative_attention(
 
     Returns:
         (B, H, N, Dv): ``out_i = sum_j w_ij (v_j + a^V[idx_ij])`` with
-        ``w_i = softmax_j((q_i . k_j + q_i . a^K[idx_ij]) * scale + mask_ij)`` and
+        ``w_i = softmax_j((q_i . k_j + q_i . a^K[idx_ij] + k_j . a^Q[idx_ij]) * scale + mask_ij)`` and
         ``idx_ij = clip(j - i - query_offset, -K, K) + K``. A row with nothing to attend to gives
         zeros (and zero gradients); a NaN in the inputs reaches the rows it touches, as in the reference.
         Under ``torch.autocast`` the inputs are cast as autocast casts SDPA's (tables included).
     """
     call = validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, attn_mask=attn_mask,
-                    is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset, beyond=beyond)
+                    is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset, beyond=beyond,
+                    rel_q=rel_q)
     return resolve(backend, call).run(call)
 
 
-def relative_attention_weights(q, k, rel_k=None, *, max_relative_position, beyond="clip", attn_mask=None,
-                               is_causal=False, scale=None, query_offset=0) -> torch.Tensor:
+def relative_attention_weights(q, k, rel_k=None, *, max_relative_position, rel_q=None, beyond="clip",
+                               attn_mask=None, is_causal=False, scale=None, query_offset=0) -> torch.Tensor:
     """The (B, H, N, M) attention weights ``w`` of :func:`relative_attention` (no dropout)."""
     from .backends.dense import dense_weights
 
     call = validate(q, k, k[..., :0], rel_k, None, max_relative_position=max_relative_position,
                     attn_mask=attn_mask, is_causal=is_causal, dropout_p=0.0, scale=scale,
-                    query_offset=query_offset, beyond=beyond)
+                    query_offset=query_offset, beyond=beyond, rel_q=rel_q)
     weights, _ = dense_weights(call.q, call.k, call.rel_k, max_relative_position=call.max_relative_position,
                                mask=call.mask, is_causal=call.is_causal, scale=call.scale,
-                               query_offset=call.query_offset)
+                               query_offset=call.query_offset, rel_q=call.rel_q)
     return weights

@@ -33,6 +33,9 @@ class AttentionCall:
     ``Hkv < H``, the others get k and v repeated to H heads by the op); tables (Hr,2K+1,D|Dv) or None, clipped
     symmetrically to [-K, K] (:func:`relattn.functional.validate` brings asymmetric windows and zero-beyond
     tables to this form); ``mask`` None or an additive float tensor of 4 dims broadcastable to (B,H,N,M).
+    ``rel_q`` (Hr,2K+1,D) or None: the position-to-content table, adding ``k_j . rel_q[idx_ij]`` to the scores at
+    the key term's row ``idx_ij = clip(j - i - query_offset, -K, K) + K``; only backends declaring
+    ``Serves(pos_to_content=True)`` ever see one.
     """
 
     q: Tensor
@@ -46,6 +49,7 @@ class AttentionCall:
     dropout_p: float
     scale: float
     query_offset: int
+    rel_q: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class Serves:
     max_head_dim: int | None = None
     head_dims_differ: bool = True  # D != Dv
     grouped_kv: bool = False  # takes k, v with fewer heads than q (H % Hkv == 0) without repeating them
+    pos_to_content: bool = False  # takes rel_q, the position-to-content table (DeBERTa's p2c, BERT's key_query)
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,8 @@ def not_supported_reasons(backend: Backend, call: AttentionCall) -> list[str]:
         reasons.append("an attn_mask (takes none; use is_causal, or 'blocked')")
     if call.mask is not None and call.mask.requires_grad and not s.mask_grad:
         reasons.append("attn_mask requires grad (only 'dense' differentiates the mask)")
+    if call.rel_q is not None and not s.pos_to_content:
+        reasons.append("a position-to-content table rel_q (no k . a^Q term; 'blocked' and 'dense' take it)")
     d, dv = q.shape[-1], call.v.shape[-1]
     if s.max_head_dim is not None and max(d, dv) > s.max_head_dim:
         reasons.append(f"head dim {max(d, dv)} (at most {s.max_head_dim})")

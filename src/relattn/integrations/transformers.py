@@ -28,6 +28,7 @@ from torch import nn
 
 from ..backends import check_name
 from ..functional import relative_attention, relative_attention_weights
+from .deberta import HANDLERS as _DEBERTA
 
 SUPPORTED = ("Wav2Vec2-BERT (relative_key)", "SeamlessM4T-v2 speech encoder (relative_key)", "SpeechT5 encoder",
              "VITS")
@@ -155,6 +156,7 @@ _HANDLERS = {
     "transformers.models.seamless_m4t_v2.modeling_seamless_m4t_v2.SeamlessM4Tv2ConformerSelfAttention":
         (_conformer_forward, _conformer_reason),
     "transformers.models.vits.modeling_vits.VitsAttention": (_vits_forward, _vits_reason),
+    **_DEBERTA,  # DeBERTa-v2/v3: integrations/deberta.py
 }
 _SPEECHT5 = "transformers.models.speecht5.modeling_speecht5."
 
