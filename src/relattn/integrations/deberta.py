@@ -34,7 +34,7 @@ _MODULE = "transformers.models.deberta_v2.modeling_deberta_v2."
 def positions(module: nn.Module) -> LogBuckets:
     """The :class:`LogBuckets` of a ``DisentangledSelfAttention`` (its ``pos_ebd_size`` rows each side)."""
     buckets = module.position_buckets if module.position_buckets > 0 else 0
-    return LogBuckets(module.pos_ebd_size, buckets, module.max_relative_positions)
+    return LogBuckets(module.pos_ebd_size, buckets, module.max_relative_positions if buckets else 0)
 
 
 def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
