@@ -85,25 +85,26 @@ class _Tile:
         rows = torch.arange(n, device=dev)
         cols = torch.arange(j0, j1, device=dev)
         self.idx = clip_and_shift(cols[None, :] - (rows[:, None] + query_offset), kk)  # (N, Bk)
-        s = q @ k[:, :, j0:j1].transpose(-1, -2)
+        s = q @ k[:, :, j0:j1].transpose(-1, -2)  # a fresh (B, H, N, Bk) tile: the terms are added in place
         if rel_scores is not None:
-            s = s + torch.gather(rel_scores, -1, self.idx.expand(b, h, n, j1 - j0))
+            s += torch.gather(rel_scores, -1, self.idx.expand(b, h, n, j1 - j0))
         if rel_q is not None:
             by_key = k[:, :, j0:j1] @ rel_q.transpose(-1, -2)  # (B, H, Bk, 2K+1): this block's keys x the window
-            s = s + torch.gather(by_key, -1, self.idx.T.expand(b, h, j1 - j0, n)).transpose(-1, -2)
-        s = s * scale
+            s += torch.gather(by_key, -1, self.idx.T.expand(b, h, j1 - j0, n)).transpose(-1, -2)
+        s *= scale
         if mask is not None:
-            s = s + (mask[..., j0:j1] if mask.shape[-1] == m else mask)
+            s += mask[..., j0:j1] if mask.shape[-1] == m else mask
         if is_causal:
-            s = s.masked_fill(cols[None, :] > rows[:, None] + query_offset, float("-inf"))
+            s.masked_fill_(cols[None, :] > rows[:, None] + query_offset, float("-inf"))
         self.s = s
         self.keep = None
         if dropout_p > 0.0:
             self.keep = dropout_keep(seed, (b, h, n, m), rows, cols, dropout_p).to(s.dtype) / (1.0 - dropout_p)
 
-    def bucket(self, x: torch.Tensor, kk: int) -> torch.Tensor:
-        """(B, H, N, Bk) -> (B, H, N, 2K+1): sums of ``x`` over the keys sharing a table row."""
-        return x.new_zeros(*x.shape[:-1], 2 * kk + 1).scatter_add_(-1, self.idx.expand_as(x), x)
+    def bucket_into(self, acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``acc`` (B, H, N, 2K+1) plus, in place, the sums of ``x`` (B, H, N, Bk) over the keys sharing a table row
+        (no (N, 2K+1) temporary per block)."""
+        return acc.scatter_add_(-1, self.idx.expand_as(x), x)
 
     def key_bins(self, x: torch.Tensor, kk: int) -> torch.Tensor:
         """(B, H, N, Bk) -> (B, H, Bk, 2K+1): per key, sums of ``x`` over the queries sharing a table row."""
@@ -136,13 +137,13 @@ def blocked_forward(q, k, v, rel_k, rel_v, mask, seed, *, max_relative_position:
         new_max = torch.maximum(run_max, tile.s.amax(-1))
         safe = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
         correction = torch.exp(run_max - safe)
-        e = torch.exp(tile.s - safe[..., None])
+        e = tile.s.sub_(safe[..., None]).exp_()
         total = total * correction + e.sum(-1)
         if tile.keep is not None:
             e = e * tile.keep
         acc = acc * correction[..., None] + e @ v[:, :, j0:j1]
         if acc_rel is not None:
-            acc_rel = acc_rel * correction[..., None] + tile.bucket(e, kk)
+            acc_rel = tile.bucket_into(acc_rel.mul_(correction[..., None]), e)
         run_max = new_max
     if acc_rel is not None:
         acc = acc + acc_rel @ rel_v
@@ -177,20 +178,20 @@ def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, m
         j1 = min(m, j0 + block)
         tile = _Tile(q, k, rel_scores, mask, seed, j0=j0, j1=j1, n=n, m=m, kk=kk, is_causal=is_causal,
                      dropout_p=dropout_p, scale=scale, query_offset=query_offset, rel_q=rel_q)
-        p = torch.exp(tile.s - lse[..., None])
+        p = tile.s.sub_(lse[..., None]).exp_()
         pz = p if tile.keep is None else p * tile.keep
         dv[:, :, j0:j1] = pz.transpose(-1, -2) @ grad_out
         dp = grad_out @ v[:, :, j0:j1].transpose(-1, -2)
         if grad_rel_out is not None:
-            p_buckets += tile.bucket(pz, kk)
+            tile.bucket_into(p_buckets, pz)
             dp = dp + torch.gather(grad_rel_out, -1, tile.idx.expand_as(dp))
         if tile.keep is not None:
-            dp = dp * tile.keep
-        ds = p * (dp - rowdot) * scale
+            dp *= tile.keep
+        ds = dp.sub_(rowdot).mul_(p).mul_(scale)
         dq += ds @ k[:, :, j0:j1]
         dk[:, :, j0:j1] = ds.transpose(-1, -2) @ q
         if d_rel_scores is not None:
-            d_rel_scores += tile.bucket(ds, kk)
+            tile.bucket_into(d_rel_scores, ds)
         if d_rel_q is not None:
             bins = tile.key_bins(ds, kk)  # (B, H, Bk, 2K+1): this block's key rows only, no other block writes them
             dk[:, :, j0:j1] += bins @ rel_q
