@@ -12,6 +12,7 @@ class, its parameters and its ``state_dict`` names; only its ``forward`` is repl
   which is the flipped table in window ``(L - 1, L)``. The encoder's (N, N, D) embedding is no longer built: its
   ``embed_positions`` hands the (2L, D) table to the layers.
 - VITS: key and value tables ``emb_rel_k``, ``emb_rel_v`` (1, 2W+1, D), window ``W``, zero beyond it.
+- DeBERTa-v2/v3: disentangled attention, :mod:`relattn.integrations.deberta`.
 
 Patched modules return ``None`` as attention weights, except SpeechT5 and VITS with ``output_attentions=True``
 (they return the weights, from :func:`relative_attention_weights`).
