@@ -90,7 +90,7 @@ class _Tile:
             s += torch.gather(rel_scores, -1, self.idx.expand(b, h, n, j1 - j0))
         if rel_q is not None:
             by_key = k[:, :, j0:j1] @ rel_q.transpose(-1, -2)  # (B, H, Bk, 2K+1): this block's keys x the window
-            s += torch.gather(by_key, -1, self.idx.T.expand(b, h, j1 - j0, n)).transpose(-1, -2)
+            s += torch.gather(by_key.flatten(-2), -1, self.key_rows(kk).expand(b, h, -1)).view(b, h, n, j1 - j0)
         s *= scale
         if mask is not None:
             s += mask[..., j0:j1] if mask.shape[-1] == m else mask
@@ -106,10 +106,17 @@ class _Tile:
         (no (N, 2K+1) temporary per block)."""
         return acc.scatter_add_(-1, self.idx.expand_as(x), x)
 
+    def key_rows(self, kk: int) -> torch.Tensor:
+        """(N * Bk,) positions in a flattened (Bk, 2K+1) per-key table of each (query, key) pair of the tile: key
+        ``j``'s row ``idx_ij``, laid out like the (N, Bk) tile (no transposed gather)."""
+        width = self.idx.shape[1]
+        return (torch.arange(width, device=self.idx.device) * (2 * kk + 1) + self.idx).flatten()
+
     def key_bins(self, x: torch.Tensor, kk: int) -> torch.Tensor:
         """(B, H, N, Bk) -> (B, H, Bk, 2K+1): per key, sums of ``x`` over the queries sharing a table row."""
-        xt = x.transpose(-1, -2)
-        return xt.new_zeros(*xt.shape[:-1], 2 * kk + 1).scatter_add_(-1, self.idx.T.expand_as(xt), xt)
+        b, h, _, width = x.shape
+        bins = x.new_zeros(b, h, width * (2 * kk + 1))
+        return bins.scatter_add_(-1, self.key_rows(kk).expand(b, h, -1), x.reshape(b, h, -1)).view(b, h, width, -1)
 
 
 def _prepare(*tensors):
