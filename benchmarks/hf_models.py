@@ -13,6 +13,11 @@ Cases (defaults; ``--quick`` shrinks every size to seconds):
 - ``bert-relative-key-query/model``: a BERT-base-shaped ``relative_key_query`` model (``--layers`` layers) from
   ``load_bert_relative_key`` at 512 tokens. Unpatched: transformers 4's formula (an (N, N, D) embedding and two
   einsums), as ``v4-eager``; transformers 5 has no relative BERT of its own.
+- ``deberta-v3-base/attention``: one DeBERTa-v3-base attention (``DebertaV2Attention``: hidden 768, 12 heads, 256
+  log buckets, max 512, shared keys, c2p and p2c) at 512, 2048 and 8192 tokens, with what its encoder hands it
+  (unpatched: the (B, 1, N, N) mask and (1, N, N) positions it builds, timed with it; patched: a padding mask);
+  ``deberta-v3-base/model``: ``DebertaV2Model`` with ``--layers`` layers. Unpatched: transformers' eager path
+  (DeBERTa has no sdpa).
 
 Every variant runs the same weights and inputs (the model is patched and unpatched in place between calls). Time:
 medians of ``--reps`` interleaved rounds after a warm-up; forward under ``torch.no_grad()``, forward+backward
@@ -221,6 +226,49 @@ def bert_cases(quick: bool, layers: int, lengths: list[int], kind: str = "relati
     return cases
 
 
+def deberta_cases(quick: bool, layers: int, lengths: list[int]) -> list[Case]:
+    import transformers
+
+    from relattn.integrations.transformers import is_patched
+
+    shape = dict(hidden_size=32, num_attention_heads=4, intermediate_size=48, position_buckets=8,
+                 max_relative_positions=20) if quick else dict(
+        hidden_size=768, num_attention_heads=12, intermediate_size=3072, position_buckets=256,
+        max_relative_positions=512)
+    cfg = transformers.DebertaV2Config(
+        vocab_size=1000, num_hidden_layers=layers, relative_attention=True, pos_att_type=["p2c", "c2p"],
+        share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False, max_position_embeddings=512,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **shape)
+    model = transformers.DebertaV2Model(cfg).eval()
+    unpatched, patched = _states(model)
+    encoder, heads = model.encoder, shape["num_attention_heads"]
+    variants = {"eager": unpatched(None), "relattn": patched}
+    cases = []
+    for n in lengths:
+        g = torch.Generator().manual_seed(n)
+        h = torch.randn(1, n, shape["hidden_size"], generator=g, requires_grad=True)
+        padding = torch.ones(1, n)
+        ids = torch.randint(1, 1000, (1, n), generator=g)
+
+        def attention(h=h, padding=padding):
+            if is_patched(encoder):
+                mask, positions = padding[:, None, None, :], None
+            else:
+                mask, positions = encoder.get_attention_mask(padding), encoder.get_rel_pos(h)
+            return encoder.layer[0].attention(h, mask, relative_pos=positions,
+                                              rel_embeddings=encoder.get_rel_embedding())[0]
+
+        one = n * n * 4 / 1e9  # GB of one (N, N) float32 map
+        est = {"eager": one * 7 * heads}  # measured fwd+bwd peak: 6.2 (N, N) maps per head at N = 2048
+        cases.append(Case("deberta-v3-base", "attention", n, attention, variants,
+                          [h, *encoder.layer[0].attention.parameters(), *encoder.rel_embeddings.parameters(),
+                           *encoder.LayerNorm.parameters()], est))
+        cases.append(Case("deberta-v3-base", f"model ({layers} layers)", n,
+                          lambda ids=ids: model(input_ids=ids).last_hidden_state, variants, list(model.parameters()),
+                          {"eager": est["eager"] * layers}))
+    return cases
+
+
 def _step(case: Case, mode: str, grad: torch.Tensor):
     if mode == "forward":
         def run():
@@ -251,7 +299,7 @@ def _interleaved(variants: dict, step, reps: int, warmup: int) -> dict[str, list
     return times
 
 
-def measure(case: Case, reps: int, warmup: int, max_gb: float) -> list[dict]:
+def measure(case: Case, reps: int, warmup: int, max_gb: float, modes=MODES) -> list[dict]:
     """Both modes of one case: ms and peak extra MB per variant, and unpatched/relattn ratios."""
     skipped = {name: f"predicted {gb:.1f} GB > --max-gb {max_gb:g}" for name, gb in case.estimate_gb.items()
                if gb > max_gb}
@@ -265,7 +313,7 @@ def measure(case: Case, reps: int, warmup: int, max_gb: float) -> list[dict]:
     agreement = {name: (out - outputs["relattn"]).abs().max().item() for name, out in outputs.items()
                  if name != "relattn"}
     rows = []
-    for mode in MODES:
+    for mode in modes:
         times = _interleaved(live, _step(case, mode, grad), reps, warmup)
         row = {"model": case.model, "scope": case.scope, "length": case.length, "mode": mode, "variants": {},
                "skipped": skipped, "speedup": {}, "memory_ratio": {},
@@ -292,11 +340,12 @@ def measure(case: Case, reps: int, warmup: int, max_gb: float) -> list[dict]:
 def plan(quick: bool, layers: int) -> dict[str, list[int]]:
     """Lengths per model family."""
     if quick:
-        return {"w2v-bert": [40], "vits": [20], "speecht5": [30], "bert": [48]}
-    return {"w2v-bert": [1500, 6000], "vits": [100, 500], "speecht5": [500, 1500], "bert": [512]}
+        return {"w2v-bert": [40], "vits": [20], "speecht5": [30], "bert": [48], "deberta": [40]}
+    return {"w2v-bert": [1500, 6000], "vits": [100, 500], "speecht5": [500, 1500], "bert": [512],
+            "deberta": [512, 2048, 8192]}
 
 
-FAMILIES = ("w2v-bert", "vits", "speecht5", "bert")
+FAMILIES = ("w2v-bert", "vits", "speecht5", "bert", "deberta")
 
 
 def build_cases(quick: bool, layers: int, only=FAMILIES, lengths: list[int] | None = None) -> list[Case]:
@@ -305,7 +354,8 @@ def build_cases(quick: bool, layers: int, only=FAMILIES, lengths: list[int] | No
     builders = {"w2v-bert": lambda: w2v_cases(quick, layers, at["w2v-bert"]),
                 "vits": lambda: vits_cases(quick, at["vits"]),
                 "speecht5": lambda: speecht5_cases(quick, layers, at["speecht5"]),
-                "bert": lambda: bert_cases(quick, layers, at["bert"])}
+                "bert": lambda: bert_cases(quick, layers, at["bert"]),
+                "deberta": lambda: deberta_cases(quick, layers, at["deberta"])}
     return [case for family in only for case in builders[family]()]
 
 
@@ -332,6 +382,9 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="model families to run")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="lengths for every family run "
                    "(default: each family's own)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="what to time")
+    p.add_argument("--scopes", nargs="+", default=None, help="only the cases whose scope starts with one of these "
+                   "(e.g. attention, model)")
     p.add_argument("--out", default="hf_models.json", help="JSON results")
     args = p.parse_args(argv)
     import transformers
@@ -344,7 +397,8 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     rows = []
     for case in build_cases(args.quick, layers, args.only, args.lengths):
-        rows.extend(measure(case, reps, args.warmup, max_gb))
+        if args.scopes is None or case.scope.startswith(tuple(args.scopes)):
+            rows.extend(measure(case, reps, args.warmup, max_gb, args.modes))
     result = {"machine": _machine(), "torch": torch.__version__, "transformers": transformers.__version__,
               "quick": args.quick, "layers": layers, "reps": reps, "max_gb": max_gb, "command": sys.argv,
               "memory_method": "relattn.bench.measure.peak_extra_bytes (torch.profiler CPU allocator events)",

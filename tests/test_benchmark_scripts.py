@@ -95,3 +95,14 @@ def test_variants(tmp_path):
     assert all(ms > 0 for ms in medians.values())
     for name, ms in medians.items():  # every case printed with its ratio to the symmetric 73-row window
         assert f"{name:>20}: {ms:9.1f} ms  {ms / medians['K=36 (73 rows)']:5.2f}x K=36" in out
+
+
+def test_log_buckets(tmp_path):
+    out = _run("log_buckets.py", "--n", "40", "--heads", "2", "--reps", "1", "--threads", "1",
+               "--json", str(tmp_path / "lb.json"))
+    result = json.loads((tmp_path / "lb.json").read_text())
+    medians = result["median_ms"]
+    assert result["K"] == 39  # N = 40: offsets up to 39, all inside the buckets' identity range
+    assert set(medians) == {"log buckets (expanded)", "clipped, 511 rows", "expansion only"}
+    for name, ms in medians.items():
+        assert ms > 0 and f"{name:>24}: {ms:9.1f} ms  {ms / medians['clipped, 511 rows']:5.2f}x" in out

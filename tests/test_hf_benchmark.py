@@ -21,6 +21,8 @@ EXPECTED = {  # (model, scope, length) -> variants; each in both modes
     ("vits", "text-encoder", 20): {"eager", "relattn"},
     ("speecht5", "encoder (1 layers)", 30): {"eager", "relattn"},
     ("bert-relative-key-query", "model (1 layers)", 48): {"v4-eager", "relattn"},
+    ("deberta-v3-base", "attention", 40): {"eager", "relattn"},
+    ("deberta-v3-base", "model (1 layers)", 40): {"eager", "relattn"},
 }
 
 

@@ -18,7 +18,7 @@ import math
 import torch
 
 from .backends import AttentionCall, Backend, check_name, refusals, resolve
-from .positions import check_beyond, check_window, symmetric_table
+from .positions import check_beyond, check_positions, symmetric_table, table_rows
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -101,7 +101,7 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
 
 
 def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_causal, dropout_p, scale,
-             query_offset, beyond="clip", enable_gqa=False) -> AttentionCall:
+             query_offset, beyond="clip", enable_gqa=False, rel_q=None) -> AttentionCall:
     """Check every argument and bring it to the canonical form backends receive (k and v keep their ``Hkv``
     heads; :func:`relative_attention` repeats them for the backends that need H)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -113,7 +113,7 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
         raise TypeError(f"q must be floating point, got {q.dtype}")
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
-    q, k, v, rel_k, rel_v = _autocast([q, k, v, rel_k, rel_v])
+    q, k, v, rel_k, rel_v, rel_q = _autocast([q, k, v, rel_k, rel_v, rel_q])
     _check_like("k", k, q)
     _check_like("v", v, q)
     lead, n, d = tuple(q.shape[:-2]), q.shape[-2], q.shape[-1]
@@ -133,13 +133,16 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
         want = ", ".join(str(x) for x in (*k.shape[:-1], "Dv"))
         raise ValueError(f"v must be {layout.replace('D)', 'Dv)')} = ({want}) to match k {_shape(k)}; "
                          f"got {_shape(v)}")
-    window = check_window(max_relative_position)
+    window = check_positions(max_relative_position)
     beyond = check_beyond(beyond)
-    rows = window[0] + window[1] + 1
+    rows = table_rows(window)
+    offsets = (-(n - 1) - query_offset, m - 1 - query_offset) if isinstance(query_offset, int) else (0, 0)
     rel_k = _check_table("rel_k", rel_k, heads=h, rows=rows, dim=d, like=q)
     rel_v = _check_table("rel_v", rel_v, heads=h, rows=rows, dim=v.shape[-1], like=q)
-    rel_k, kk = symmetric_table(rel_k, window, beyond)
-    rel_v, _ = symmetric_table(rel_v, window, beyond)
+    rel_q = _check_table("rel_q", rel_q, heads=h, rows=rows, dim=d, like=q)
+    rel_k, kk = symmetric_table(rel_k, window, beyond, offsets=offsets)
+    rel_v, _ = symmetric_table(rel_v, window, beyond, offsets=offsets)
+    rel_q, _ = symmetric_table(rel_q, window, beyond, offsets=offsets)
     mask = _check_mask(attn_mask, target=(*lead, n, m), like=q)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
@@ -152,7 +155,7 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     return AttentionCall(_as_4d(q), _as_4d(k), _as_4d(v), rel_k, rel_v, kk, mask, is_causal, float(dropout_p),
-                         float(scale), query_offset)
+                         float(scale), query_offset, rel_q=rel_q)
 
 
 def backend_refusals(backend: str, **kinds) -> list[str]:
@@ -183,6 +186,7 @@ def relative_attention(
     rel_v: torch.Tensor | None = None,
     *,
     max_relative_position: int | tuple[int, int],
+    rel_q: torch.Tensor | None = None,
     beyond: str = "clip",
     attn_mask: torch.Tensor | None = None,
     is_causal: bool = False,
@@ -202,9 +206,13 @@ def relative_attention(
         rel_k: key-side table ``a^K``: (2K+1, D) shared by all heads, (H, 2K+1, D) one per head, or
             None for no relative term on the keys.
         rel_v: value-side table ``a^V``: (2K+1, Dv), (H, 2K+1, Dv) or None.
+        rel_q: position-to-content table ``a^Q`` (DeBERTa's p2c term, BERT's ``relative_key_query``): (2K+1, D),
+            (H, 2K+1, D) or None. It adds ``k_j . a^Q[idx_ij]`` to the scores, at the same row ``idx_ij`` as the
+            key term, and has the key term's window and ``beyond``.
         max_relative_position: ``K``; offsets ``j - i`` are clipped to ``[-K, K]`` and shifted by ``K``.
             A pair ``(left, right)`` clips to ``[-left, right]`` and shifts by ``left`` (tables of
-            ``left + right + 1`` rows).
+            ``left + right + 1`` rows). A :class:`relattn.positions.LogBuckets` maps offsets to the rows of
+            tables of ``2 * span`` rows as DeBERTa does (log buckets, saturating); ``beyond`` must be ``"clip"``.
         beyond: ``"clip"`` (offsets beyond the window take the edge rows, Shaw et al.) or ``"zero"``
             (they get no relative term: zero embeddings).
         attn_mask: bool (True = may attend, as SDPA) or float (added to the scores), broadcastable
@@ -222,14 +230,14 @@ def relative_attention(
 
     Returns:
         (B, H, N, Dv) (q's leading dims, then (N, Dv)): ``out_i = sum_j w_ij (v_j + a^V[idx_ij])`` with
-        ``w_i = softmax_j((q_i . k_j + q_i . a^K[idx_ij]) * scale + mask_ij)`` and
+        ``w_i = softmax_j((q_i . k_j + q_i . a^K[idx_ij] + k_j . a^Q[idx_ij]) * scale + mask_ij)`` and
         ``idx_ij = clip(j - i - query_offset, -K, K) + K``. A row with nothing to attend to gives
         zeros (and zero gradients); a NaN in the inputs reaches the rows it touches, as in the reference.
         Under ``torch.autocast`` the inputs are cast as autocast casts SDPA's (tables included).
     """
     call = validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, attn_mask=attn_mask,
                     is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset, beyond=beyond,
-                    enable_gqa=enable_gqa)
+                    enable_gqa=enable_gqa, rel_q=rel_q)
     chosen = resolve(backend, call)
     return _shaped_like(chosen.run(_served(chosen, call)), q)
 
@@ -241,23 +249,24 @@ def _dense_with_weights(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor
     return dense_attention(_served(DENSE, call), need_weights=True)
 
 
-def relative_attention_with_weights(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, beyond="clip",
-                                    attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, query_offset=0,
-                                    enable_gqa=False) -> tuple[torch.Tensor, torch.Tensor]:
+def relative_attention_with_weights(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, rel_q=None,
+                                    beyond="clip", attn_mask=None, is_causal=False, dropout_p=0.0, scale=None,
+                                    query_offset=0, enable_gqa=False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`relative_attention`'s output and its attention weights ``w`` (before dropout), ``(out, w)``:
     out (B, H, N, Dv) and w (B, H, N, M), in q's leading dims. Computed by the "dense" backend, the one that
     forms the weights; the arguments are :func:`relative_attention`'s."""
     call = validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, attn_mask=attn_mask,
                     is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset, beyond=beyond,
-                    enable_gqa=enable_gqa)
+                    enable_gqa=enable_gqa, rel_q=rel_q)
     out, weights = _dense_with_weights(call)
     return _shaped_like(out, q), _shaped_like(weights, q)
 
 
-def relative_attention_weights(q, k, rel_k=None, *, max_relative_position, beyond="clip", attn_mask=None,
-                               is_causal=False, scale=None, query_offset=0, enable_gqa=False) -> torch.Tensor:
+def relative_attention_weights(q, k, rel_k=None, *, max_relative_position, rel_q=None, beyond="clip",
+                               attn_mask=None, is_causal=False, scale=None, query_offset=0,
+                               enable_gqa=False) -> torch.Tensor:
     """The (B, H, N, M) attention weights ``w`` of :func:`relative_attention` (no dropout), in q's leading dims."""
     call = validate(q, k, k[..., :0], rel_k, None, max_relative_position=max_relative_position,
                     attn_mask=attn_mask, is_causal=is_causal, dropout_p=0.0, scale=scale,
-                    query_offset=query_offset, beyond=beyond, enable_gqa=enable_gqa)
+                    query_offset=query_offset, beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q)
     return _shaped_like(_dense_with_weights(call)[1], q)

@@ -5,9 +5,16 @@ A window is ``(left, right)``: offsets ``j - i`` from ``-left`` to ``right`` hav
 (offset ``r`` at row ``r + left``). An int ``K`` is the symmetric window ``(K, K)`` of Shaw et al., with
 ``2K + 1`` rows. Beyond the window, ``beyond="clip"`` repeats the edge rows (Shaw et al.) and ``beyond="zero"``
 gives zero embeddings (tensor2tensor's ``relative_v2``, VITS).
+
+Offset maps beyond clipping: :class:`LogBuckets` is DeBERTa's map from an offset to a row of a ``2 * span``-row
+table (log-spaced buckets far away, or plain clipping without buckets). The row depends only on the offset, so
+the op turns such a table into the equivalent symmetric clipped one (:meth:`LogBuckets.expand`, gradients flowing
+back to the compact table) and the kernels see only ``clip(j - i, -K, K) + K``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +47,93 @@ def check_window(max_relative_position: object) -> tuple[int, int]:
     return k, k
 
 
+@dataclass(frozen=True)
+class LogBuckets:
+    """DeBERTa's relative positions (transformers' ``make_log_bucket_position`` and ``disentangled_attention_bias``),
+    as a map from relattn's offset ``r = j - i`` to a row of a table of ``2 * span`` rows.
+
+    DeBERTa writes positions as ``i - j``: with ``delta = log_bucket_position(i - j, buckets, max_position)``
+    (identity for ``|i - j| <= buckets // 2``, log-spaced beyond, unbounded), key ``j`` seen from query ``i`` takes
+    row ``clamp(delta + span, 0, 2 * span - 1)`` of the table as DeBERTa stores it (no flip needed).
+    ``buckets <= 0`` means no buckets: ``delta = i - j``, plain clipping to ``[-span, span - 1]``.
+
+    Attributes:
+        span: DeBERTa's ``att_span`` (``position_buckets`` when bucketed, else ``max_relative_positions``).
+        buckets: ``position_buckets`` (<= 0: none).
+        max_position: ``max_relative_positions``: the offset the log buckets reach ``buckets // 2 - 1`` steps
+            past ``buckets // 2`` (used only with buckets).
+    """
+
+    span: int
+    buckets: int = 0
+    max_position: int = 0
+
+    def __post_init__(self):
+        for name in ("span", "buckets", "max_position"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"LogBuckets.{name} must be an int, got {type(value).__name__}")
+        if self.span < 1:
+            raise ValueError(f"LogBuckets.span must be >= 1, got {self.span}")
+        if self.buckets > 0 and (self.buckets < 2 or self.max_position <= self.buckets // 2 + 1):
+            raise ValueError(f"LogBuckets with buckets={self.buckets} needs buckets >= 2 and max_position > "
+                             f"buckets // 2 + 1; got max_position={self.max_position}")
+
+    @property
+    def rows(self) -> int:
+        """Rows of the compact table: ``2 * span``."""
+        return 2 * self.span
+
+    def row(self, offsets: torch.Tensor) -> torch.Tensor:
+        """LongTensor: the compact table's row for each raw offset ``r = j - i``."""
+        delta = -offsets
+        if self.buckets > 0:
+            delta = log_bucket_position(delta, self.buckets, self.max_position)
+        return (delta + self.span).clamp(0, 2 * self.span - 1)
+
+    def max_relative_position(self, lowest: int, highest: int) -> int:
+        """The smallest ``K`` such that clipping to ``[-K, K]`` gives every offset in ``[lowest, highest]`` its row:
+        beyond ``K`` the row no longer changes (it saturates) or no offset reaches."""
+        reach = max(-lowest, highest, 0)
+        rows = self.row(torch.arange(-reach, reach + 1))
+        changes_right = torch.nonzero(rows[reach:] != rows[-1])
+        changes_left = torch.nonzero(rows[: reach + 1].flip(0) != rows[0])
+        right = int(changes_right[-1]) + 1 if len(changes_right) else 0
+        left = int(changes_left[-1]) + 1 if len(changes_left) else 0
+        return max(left, right)
+
+    def expand(self, table: torch.Tensor, max_relative_position: int) -> torch.Tensor:
+        """``(..., 2 * span, D)`` -> the equivalent ``(..., 2K + 1, D)`` table of clipped offsets: row ``r + K`` is
+        the compact table's :meth:`row` of ``r``. An index (gradients flow back, summed over rows sharing one)."""
+        kk = max_relative_position
+        index = self.row(torch.arange(-kk, kk + 1)).to(table.device)
+        return table.index_select(-2, index)
+
+
+def log_bucket_position(relative_pos: torch.Tensor, buckets: int, max_position: int) -> torch.Tensor:
+    """DeBERTa's log buckets of signed positions (transformers' ``make_log_bucket_position``), LongTensor.
+
+    With ``mid = buckets // 2``: ``r`` itself for ``|r| <= mid``; beyond,
+    ``sign(r) * (ceil(log(|r| / mid) / log((max_position - 1) / mid) * (mid - 1)) + mid)`` (an odd function of
+    ``r``, growing without bound). Computed in float32 as transformers computes it, so the buckets match bit for bit.
+    """
+    relative_pos = relative_pos.long()
+    mid = buckets // 2
+    sign = torch.sign(relative_pos)
+    abs_pos = torch.where((relative_pos < mid) & (relative_pos > -mid), torch.full_like(relative_pos, mid - 1),
+                          relative_pos.abs())
+    ratio = torch.log(torch.tensor((max_position - 1) / mid, dtype=torch.float32))
+    log_pos = torch.ceil(torch.log(abs_pos.float() / mid) / ratio * (mid - 1)) + mid
+    return torch.where(abs_pos <= mid, relative_pos, (log_pos * sign).long())
+
+
+def check_positions(max_relative_position: object) -> tuple[int, int] | LogBuckets:
+    """A window ``(left, right)`` (:func:`check_window`), or a :class:`LogBuckets` map as it is."""
+    if isinstance(max_relative_position, LogBuckets):
+        return max_relative_position
+    return check_window(max_relative_position)
+
+
 def check_beyond(beyond: object) -> str:
     if beyond not in BEYOND:
         raise ValueError(f"beyond must be one of {BEYOND}; got {beyond!r}")
@@ -47,7 +141,10 @@ def check_beyond(beyond: object) -> str:
 
 
 def table_rows(max_relative_position) -> int:
-    """Rows of a table for this window: ``left + right + 1`` (``2K + 1`` for an int K)."""
+    """Rows of a table for this window: ``left + right + 1`` (``2K + 1`` for an int K; ``2 * span`` for
+    :class:`LogBuckets`)."""
+    if isinstance(max_relative_position, LogBuckets):
+        return max_relative_position.rows
     left, right = check_window(max_relative_position)
     return left + right + 1
 
@@ -96,14 +193,21 @@ def relative_position_index(
     return index
 
 
-def symmetric_table(table: torch.Tensor | None, window: tuple[int, int],
-                    beyond: str) -> tuple[torch.Tensor | None, int]:
+def symmetric_table(table: torch.Tensor | None, window: tuple[int, int] | LogBuckets,
+                    beyond: str, *, offsets: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor | None, int]:
     """A ``(..., left + right + 1, D)`` table as the equivalent symmetric one the kernels take, and its ``K``.
 
     Clipping to ``[-left, right]`` equals clipping to ``[-K, K]``, ``K = max(left, right)``, with the edge rows
     repeated out to ``K``; zero beyond the window equals clipping to ``K = max(left, right) + 1`` with zero rows
-    out to ``K``. The symmetric clipped window is returned as it is. Gradients flow back to ``table``.
+    out to ``K``. The symmetric clipped window is returned as it is. A :class:`LogBuckets` table
+    (``2 * span`` rows) becomes :meth:`LogBuckets.expand`'s, for the offsets ``j - i`` in the range ``offsets``
+    (lowest, highest) that occur. Gradients flow back to ``table``.
     """
+    if isinstance(window, LogBuckets):
+        if beyond != "clip":
+            raise ValueError(f"beyond={beyond!r} does not apply to LogBuckets positions (they saturate); use 'clip'")
+        k = window.max_relative_position(*offsets)
+        return (None if table is None else window.expand(table, k)), k
     left, right = window
     k = max(left, right) + (beyond == "zero")
     if table is None or (left == right == k):

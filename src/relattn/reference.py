@@ -12,6 +12,10 @@ Two variants the published models use extend the spec: a window ``(left, right)`
 (rows ``0 .. left + right``, offset ``r`` at row ``r + left``; ``K`` is ``(K, K)``), and ``beyond="zero"``:
 offsets outside the window have no embedding (a zero vector) instead of the edge row.
 
+A third table, ``a_Q`` (position-to-content: DeBERTa's p2c term, BERT's ``relative_key_query``), adds
+``k_j . a^Q_{j-i}`` to the score of query ``i`` and key ``j``, at the same row of the same offset ``j - i`` as
+``a^K``: ``e_ij = (q_i . k_j + q_i . a^K_{j-i} + k_j . a^Q_{j-i}) * scale``.
+
 Seeding: the spec seeds numpy's *global* generator. Here every random draw goes through a local
 ``np.random.RandomState`` built from ``seed`` (legacy ``RandomState(s)`` draws exactly what
 ``np.random.seed(s)`` followed by ``np.random.randn`` draws), so the spec's printed numbers are
@@ -105,13 +109,15 @@ class RelativePositionEmbedding:
         scale_v = np.sqrt(2.0 / (n_positions + d_v))
         self.a_K = _randn(gen, n_positions, d_k) * scale_k
         self.a_V = _randn(gen, n_positions, d_v) * scale_v
+        self.a_Q = None  # no position-to-content term unless given (from_tables)
         self.beyond = beyond
 
     @classmethod
-    def from_tables(cls, a_K, a_V, max_distance, *, beyond: str = "clip") -> RelativePositionEmbedding:
-        """Given tables (``left + right + 1`` rows each) instead of drawn ones."""
+    def from_tables(cls, a_K, a_V, max_distance, *, beyond: str = "clip", a_Q=None) -> RelativePositionEmbedding:
+        """Given tables (``left + right + 1`` rows each) instead of drawn ones; ``a_Q`` (rows as ``a_K``) or None."""
         emb = cls(max_distance, 1, 1, rng=np.random.RandomState(0), beyond=beyond)
         emb.a_K, emb.a_V = np.asarray(a_K, dtype=np.float64), np.asarray(a_V, dtype=np.float64)
+        emb.a_Q = None if a_Q is None else np.asarray(a_Q, dtype=np.float64)
         return emb
 
     @property
@@ -140,6 +146,10 @@ class RelativePositionEmbedding:
         """``a^V`` for the raw offset ``rel_pos = j - i``."""
         return self._row(self.a_V, rel_pos)
 
+    def get_query_embedding(self, rel_pos: int) -> np.ndarray | None:
+        """``a^Q`` (position-to-content) for the raw offset ``rel_pos = j - i``; None without that table."""
+        return None if self.a_Q is None else self._row(self.a_Q, rel_pos)
+
     def index_matrix(self, n: int, m: int, *, query_offset: int = 0) -> np.ndarray:
         """(N, M) rows of :meth:`index`, with ``left + right + 1`` (one past the last row) for None."""
         rows = self.max_left + self.max_right + 1
@@ -156,7 +166,8 @@ def _with_zero_row(table: np.ndarray) -> np.ndarray:
 
 
 def relative_attention_scores(Q, K, rel_embed: RelativePositionEmbedding, *, query_offset: int = 0, scale=None):
-    """Loop form: ``e_ij = (q_i . k_j + q_i . a^K_{j-i}) * scale``, scale ``1/sqrt(d_k)`` by default.
+    """Loop form: ``e_ij = (q_i . k_j + q_i . a^K_{j-i} [+ k_j . a^Q_{j-i}]) * scale``, scale ``1/sqrt(d_k)`` by
+    default; the bracketed position-to-content term when ``rel_embed`` has an ``a_Q`` table.
 
     Q (N, d_k), K (M, d_k) -> (N, M). Query ``i`` sits at absolute position ``i + query_offset``.
     """
@@ -168,14 +179,21 @@ def relative_attention_scores(Q, K, rel_embed: RelativePositionEmbedding, *, que
             content_score = np.dot(Q[i], K[j])
             a_k = rel_embed.get_key_embedding(j - (i + query_offset))
             scores[i, j] = content_score + np.dot(Q[i], a_k)
+            a_q = rel_embed.get_query_embedding(j - (i + query_offset))
+            if a_q is not None:
+                scores[i, j] += np.dot(K[j], a_q)
     return scores * (1.0 / np.sqrt(d_k) if scale is None else scale)
 
 
 def relative_attention_scores_vectorized(Q, K, rel_embed, *, query_offset: int = 0, scale=None):
-    """Same as :func:`relative_attention_scores`, by gathering ``Q @ a_K.T`` through the index matrix."""
+    """Same as :func:`relative_attention_scores`, by gathering ``Q @ a_K.T`` (and ``K @ a_Q.T``) through the index
+    matrix."""
     n, d_k = Q.shape
-    idx = rel_embed.index_matrix(n, K.shape[0], query_offset=query_offset)
+    m = K.shape[0]
+    idx = rel_embed.index_matrix(n, m, query_offset=query_offset)
     rel = (Q @ _with_zero_row(rel_embed.a_K).T)[np.arange(n)[:, None], idx]
+    if rel_embed.a_Q is not None:
+        rel = rel + (K @ _with_zero_row(rel_embed.a_Q).T)[np.arange(m)[None, :], idx]
     return (Q @ K.T + rel) * (1.0 / np.sqrt(d_k) if scale is None else scale)
 
 
@@ -236,11 +254,11 @@ class RelativeSelfAttention:
         return relative_attention_output(weights, V, self.rel_embed), weights
 
 
-def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, beyond="clip", attn_mask=None,
-                       is_causal=False, scale=None, query_offset=0, return_weights=False):
+def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, rel_q=None, beyond="clip",
+                       attn_mask=None, is_causal=False, scale=None, query_offset=0, return_weights=False):
     """Batched multi-head reference for the torch op, built from the spec's functions above.
 
-    q (B, H, N, D), k (B, H, M, D), v (B, H, M, Dv); rel_k/rel_v (R, D) or (H, R, D) or None, with R = 2K+1 rows
+    q (B, H, N, D), k (B, H, M, D), v (B, H, M, Dv); rel_k/rel_v/rel_q (R, D) or (H, R, D) or None, R = 2K+1 rows
     (``left + right + 1`` for a window ``max_relative_position=(left, right)``); ``beyond`` as in
     :class:`RelativePositionEmbedding`;
     attn_mask bool (True = may attend) or float (added), broadcastable to (B, H, N, M). Fully masked
@@ -255,6 +273,7 @@ def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position
     for t, dim in ((rel_k, d), (rel_v, dv)):
         t = np.zeros((h, rows, dim)) if t is None else np.asarray(t, dtype=np.float64)
         tables.append(np.broadcast_to(t, (h, rows, dim)))
+    rel_q = None if rel_q is None else np.broadcast_to(np.asarray(rel_q, dtype=np.float64), (h, rows, d))
     bias = np.zeros((b, h, n, m))
     if attn_mask is not None:
         mask = np.asarray(attn_mask)
@@ -266,7 +285,8 @@ def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position
     weights = np.zeros((b, h, n, m))
     for bi in range(b):
         for hi in range(h):
-            emb = RelativePositionEmbedding.from_tables(tables[0][hi], tables[1][hi], (left, right), beyond=beyond)
+            emb = RelativePositionEmbedding.from_tables(tables[0][hi], tables[1][hi], (left, right), beyond=beyond,
+                                                        a_Q=None if rel_q is None else rel_q[hi])
             s = relative_attention_scores_vectorized(q[bi, hi], k[bi, hi], emb, query_offset=query_offset,
                                                      scale=scale)
             weights[bi, hi] = softmax(s + bias[bi, hi])

@@ -33,6 +33,9 @@ class AttentionCall:
     ``Hkv < H``, the others get k and v repeated to H heads by the op); tables (Hr,2K+1,D|Dv) or None, clipped
     symmetrically to [-K, K] (:func:`relattn.functional.validate` brings asymmetric windows and zero-beyond
     tables to this form); ``mask`` None or an additive float tensor of 4 dims broadcastable to (B,H,N,M).
+    ``rel_q`` (Hr,2K+1,D) or None: the position-to-content table, adding ``k_j . rel_q[idx_ij]`` to the scores at
+    the key term's row ``idx_ij = clip(j - i - query_offset, -K, K) + K``; only backends declaring
+    ``Serves(pos_to_content=True)`` ever see one.
     """
 
     q: Tensor
@@ -46,6 +49,7 @@ class AttentionCall:
     dropout_p: float
     scale: float
     query_offset: int
+    rel_q: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class Serves:
     max_head_dim: int | None = None
     head_dims_differ: bool = True  # D != Dv
     grouped_kv: bool = False  # takes k, v with fewer heads than q (H % Hkv == 0) without repeating them
+    pos_to_content: bool = False  # takes rel_q, the position-to-content table (DeBERTa's p2c, BERT's key_query)
 
 
 @dataclass(frozen=True)
@@ -76,12 +81,13 @@ class Backend:
 
 def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.dtype | None = None,
                      dropout: bool = False, mask: bool = False, mask_grad: bool = False, head_dim: int | None = None,
-                     v_head_dim: int | None = None) -> list[str]:
+                     v_head_dim: int | None = None, pos_to_content: bool = False) -> list[str]:
     """Every reason a backend declaring ``serves`` refuses calls of this kind; empty when it serves them.
 
     ``device`` (a device type), ``dtype`` and the head dims ``D`` (``head_dim``) and ``Dv`` (``v_head_dim``, default
     ``D``) are left unchecked when None; ``dropout``, ``mask`` and ``mask_grad`` say whether the calls have
-    ``dropout_p > 0``, an ``attn_mask``, a mask that requires grad. :func:`not_supported_reasons` asks this about
+    ``dropout_p > 0``, an ``attn_mask``, a mask that requires grad; ``pos_to_content`` whether they carry a
+    ``rel_q`` table. :func:`not_supported_reasons` asks this about
     one call; the module and ``relattn train`` ask it at construction, before there is any call.
     """
     s, reasons = serves, []
@@ -101,6 +107,8 @@ def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.
         reasons.append(f"head dim {max(d, dv)} (at most {s.max_head_dim})")
     if d is not None and d != dv and not s.head_dims_differ:
         reasons.append(f"D = {d} != Dv = {dv} (needs equal head dims)")
+    if pos_to_content and not s.pos_to_content:
+        reasons.append("a position-to-content table rel_q (no k . a^Q term; 'blocked' and 'dense' take it)")
     return reasons
 
 
@@ -109,7 +117,8 @@ def not_supported_reasons(backend: Backend, call: AttentionCall) -> list[str]:
     q, mask = call.q, call.mask
     reasons = declared_reasons(backend.serves, device=q.device.type, dtype=q.dtype, dropout=call.dropout_p > 0.0,
                                mask=mask is not None, mask_grad=mask is not None and mask.requires_grad,
-                               head_dim=q.shape[-1], v_head_dim=call.v.shape[-1])
+                               head_dim=q.shape[-1], v_head_dim=call.v.shape[-1],
+                               pos_to_content=call.rel_q is not None)
     if not reasons and (why := backend.unavailable()) is not None:
         reasons.append(why)
     return reasons

@@ -5,7 +5,8 @@ position, ``p_i = i + query_offset``. This is the readable statement of the algo
 
 forward, for each block of ``Bk`` keys (all queries at once; memory O(N (D + K + Bk))):
     idx   = clip(j - p_i, -K, K) + K                      (positions.clip_and_shift, per tile)
-    s     = (q k_blk^T + gather(q a^K^T, idx)) * scale + mask_blk, -inf where causal forbids
+    s     = (q k_blk^T + gather(q a^K^T, idx) + gather(k_blk a^Q^T, idx^T)^T) * scale + mask_blk,
+            -inf where causal forbids                      (k_blk a^Q^T: (Bk, 2K+1), the block's keys x the window)
     m'    = max(m, rowmax s);  c = exp(m - m');  e = exp(s - m')
     l     = c l + rowsum e                                 (normaliser: before dropout)
     e~    = e * keep / (1 - p)                             (dropout: same weights for both sums)
@@ -15,6 +16,7 @@ out = (acc + acc_r a^V) / l, lse = m + log l. Rows with nothing to attend to giv
 backward, per key block, recomputing ``p = exp(s - lse)`` and the same dropout mask:
     dv_blk = (p z)^T dO;  bucket(p z, idx) -> d a^V;  dp = (dO v_blk^T + gather(dO a^V^T, idx)) z
     ds = p (dp - rowsum(dO * out)) * scale;  dq += ds k_blk;  dk_blk = ds^T q;  bucket(ds, idx) -> d(q a^K^T)
+    key_bins = bucket(ds^T, idx^T) (Bk, 2K+1), per key row;  dk_blk += key_bins a^Q;  d a^Q += key_bins^T k_blk
 
 The dropout mask is a counter-based hash of (seed, b, h, i, j) in integer torch ops, so the backward
 regenerates exactly the forward's mask whatever the tiling; ``seed`` is drawn from torch's default
@@ -35,7 +37,6 @@ from ._common import (
     grads_fake,
     grads_laid_out,
     no_autocast,
-    register_stats_autograd,
     stats_dtype,
     stats_fake,
 )
@@ -78,41 +79,57 @@ class _Tile:
     """Everything about one key block that forward and backward both recompute."""
 
     def __init__(self, q, k, rel_scores, mask, seed, *, j0, j1, n, m, kk, is_causal, dropout_p, scale,
-                 query_offset):
+                 query_offset, rel_q=None):
         b, h = q.shape[:2]
         dev = q.device
         rows = torch.arange(n, device=dev)
         cols = torch.arange(j0, j1, device=dev)
         self.idx = clip_and_shift(cols[None, :] - (rows[:, None] + query_offset), kk)  # (N, Bk)
-        s = q @ k[:, :, j0:j1].transpose(-1, -2)
+        s = q @ k[:, :, j0:j1].transpose(-1, -2)  # a fresh (B, H, N, Bk) tile: the terms are added in place
         if rel_scores is not None:
-            s = s + torch.gather(rel_scores, -1, self.idx.expand(b, h, n, j1 - j0))
-        s = s * scale
+            s += torch.gather(rel_scores, -1, self.idx.expand(b, h, n, j1 - j0))
+        if rel_q is not None:
+            by_key = k[:, :, j0:j1] @ rel_q.transpose(-1, -2)  # (B, H, Bk, 2K+1): this block's keys x the window
+            s += torch.gather(by_key.flatten(-2), -1, self.key_rows(kk).expand(b, h, -1)).view(b, h, n, j1 - j0)
+        s *= scale
         if mask is not None:
-            s = s + (mask[..., j0:j1] if mask.shape[-1] == m else mask)
+            s += mask[..., j0:j1] if mask.shape[-1] == m else mask
         if is_causal:
-            s = s.masked_fill(cols[None, :] > rows[:, None] + query_offset, float("-inf"))
+            s.masked_fill_(cols[None, :] > rows[:, None] + query_offset, float("-inf"))
         self.s = s
         self.keep = None
         if dropout_p > 0.0:
             self.keep = dropout_keep(seed, (b, h, n, m), rows, cols, dropout_p).to(s.dtype) / (1.0 - dropout_p)
 
-    def bucket(self, x: torch.Tensor, kk: int) -> torch.Tensor:
-        """(B, H, N, Bk) -> (B, H, N, 2K+1): sums of ``x`` over the keys sharing a table row."""
-        return x.new_zeros(*x.shape[:-1], 2 * kk + 1).scatter_add_(-1, self.idx.expand_as(x), x)
+    def bucket_into(self, acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``acc`` (B, H, N, 2K+1) plus, in place, the sums of ``x`` (B, H, N, Bk) over the keys sharing a table row
+        (no (N, 2K+1) temporary per block)."""
+        return acc.scatter_add_(-1, self.idx.expand_as(x), x)
+
+    def key_rows(self, kk: int) -> torch.Tensor:
+        """(N * Bk,) positions in a flattened (Bk, 2K+1) per-key table of each (query, key) pair of the tile: key
+        ``j``'s row ``idx_ij``, laid out like the (N, Bk) tile (no transposed gather)."""
+        width = self.idx.shape[1]
+        return (torch.arange(width, device=self.idx.device) * (2 * kk + 1) + self.idx).flatten()
+
+    def key_bins(self, x: torch.Tensor, kk: int) -> torch.Tensor:
+        """(B, H, N, Bk) -> (B, H, Bk, 2K+1): per key, sums of ``x`` over the queries sharing a table row."""
+        b, h, _, width = x.shape
+        bins = x.new_zeros(b, h, width * (2 * kk + 1))
+        return bins.scatter_add_(-1, self.key_rows(kk).expand(b, h, -1), x.reshape(b, h, -1)).view(b, h, width, -1)
 
 
-def _prepare(q, k, v, rel_k, rel_v, mask):
-    sdt = stats_dtype(q.dtype)
-    return [t.to(sdt) if t is not None else None for t in (q, k, v, rel_k, rel_v, mask)]
+def _prepare(*tensors):
+    sdt = stats_dtype(tensors[0].dtype)
+    return [t.to(sdt) if t is not None else None for t in tensors]
 
 
 def blocked_forward(q, k, v, rel_k, rel_v, mask, seed, *, max_relative_position: int, is_causal: bool,
-                    dropout_p: float, scale: float, query_offset: int, block: int = DEFAULT_BLOCK):
+                    dropout_p: float, scale: float, query_offset: int, block: int = DEFAULT_BLOCK, rel_q=None):
     """Returns ``out`` (B, H, N, Dv) and ``lse`` (B, H, N) (float32 for 16-bit inputs)."""
     kk = max_relative_position
     dtype = q.dtype
-    q, k, v, rel_k, rel_v, mask = _prepare(q, k, v, rel_k, rel_v, mask)
+    q, k, v, rel_k, rel_v, mask, rel_q = _prepare(q, k, v, rel_k, rel_v, mask, rel_q)
     b, h, n, _ = q.shape
     m, dv = k.shape[2], v.shape[3]
     rel_scores = q @ rel_k.transpose(-1, -2) if rel_k is not None else None  # (B, H, N, 2K+1)
@@ -123,17 +140,17 @@ def blocked_forward(q, k, v, rel_k, rel_v, mask, seed, *, max_relative_position:
     for j0 in range(0, m, block):
         j1 = min(m, j0 + block)
         tile = _Tile(q, k, rel_scores, mask, seed, j0=j0, j1=j1, n=n, m=m, kk=kk, is_causal=is_causal,
-                     dropout_p=dropout_p, scale=scale, query_offset=query_offset)
+                     dropout_p=dropout_p, scale=scale, query_offset=query_offset, rel_q=rel_q)
         new_max = torch.maximum(run_max, tile.s.amax(-1))
         safe = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
         correction = torch.exp(run_max - safe)
-        e = torch.exp(tile.s - safe[..., None])
+        e = tile.s.sub_(safe[..., None]).exp_()
         total = total * correction + e.sum(-1)
         if tile.keep is not None:
             e = e * tile.keep
         acc = acc * correction[..., None] + e @ v[:, :, j0:j1]
         if acc_rel is not None:
-            acc_rel = acc_rel * correction[..., None] + tile.bucket(e, kk)
+            acc_rel = tile.bucket_into(acc_rel.mul_(correction[..., None]), e)
         run_max = new_max
     if acc_rel is not None:
         acc = acc + acc_rel @ rel_v
@@ -147,11 +164,12 @@ def blocked_forward(q, k, v, rel_k, rel_v, mask, seed, *, max_relative_position:
 
 def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, max_relative_position: int,
                      is_causal: bool, dropout_p: float, scale: float, query_offset: int,
-                     block: int = DEFAULT_BLOCK):
-    """Gradients (dq, dk, dv, d_rel_k | None, d_rel_v | None), recomputed block by block."""
+                     block: int = DEFAULT_BLOCK, rel_q=None):
+    """Gradients (dq, dk, dv, d_rel_k | None, d_rel_v | None), recomputed block by block; with ``rel_q``, a
+    sixth, d_rel_q."""
     kk = max_relative_position
     dtype = q.dtype
-    q, k, v, rel_k, rel_v, mask = _prepare(q, k, v, rel_k, rel_v, mask)
+    q, k, v, rel_k, rel_v, mask, rel_q = _prepare(q, k, v, rel_k, rel_v, mask, rel_q)
     grad_out, out = grad_out.to(q.dtype), out.to(q.dtype)
     b, h, n, _ = q.shape
     m = k.shape[2]
@@ -162,72 +180,97 @@ def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, m
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     d_rel_scores = torch.zeros_like(rel_scores) if rel_k is not None else None
     p_buckets = q.new_zeros(b, h, n, 2 * kk + 1) if rel_v is not None else None
+    d_rel_q = q.new_zeros(b, h, 2 * kk + 1, q.shape[3]) if rel_q is not None else None
     for j0 in range(0, m, block):
         j1 = min(m, j0 + block)
         tile = _Tile(q, k, rel_scores, mask, seed, j0=j0, j1=j1, n=n, m=m, kk=kk, is_causal=is_causal,
-                     dropout_p=dropout_p, scale=scale, query_offset=query_offset)
-        p = torch.exp(tile.s - lse[..., None])
+                     dropout_p=dropout_p, scale=scale, query_offset=query_offset, rel_q=rel_q)
+        p = tile.s.sub_(lse[..., None]).exp_()
         pz = p if tile.keep is None else p * tile.keep
         dv[:, :, j0:j1] = pz.transpose(-1, -2) @ grad_out
         dp = grad_out @ v[:, :, j0:j1].transpose(-1, -2)
         if grad_rel_out is not None:
-            p_buckets += tile.bucket(pz, kk)
+            tile.bucket_into(p_buckets, pz)
             dp = dp + torch.gather(grad_rel_out, -1, tile.idx.expand_as(dp))
         if tile.keep is not None:
-            dp = dp * tile.keep
-        ds = p * (dp - rowdot) * scale
+            dp *= tile.keep
+        ds = dp.sub_(rowdot).mul_(p).mul_(scale)
         dq += ds @ k[:, :, j0:j1]
         dk[:, :, j0:j1] = ds.transpose(-1, -2) @ q
         if d_rel_scores is not None:
-            d_rel_scores += tile.bucket(ds, kk)
+            tile.bucket_into(d_rel_scores, ds)
+        if d_rel_q is not None:
+            bins = tile.key_bins(ds, kk)  # (B, H, Bk, 2K+1): this block's key rows only, no other block writes them
+            dk[:, :, j0:j1] += bins @ rel_q
+            d_rel_q += bins.transpose(-1, -2) @ k[:, :, j0:j1]
     d_rel_k = d_rel_v = None
     if rel_k is not None:
         dq += d_rel_scores @ rel_k
         d_rel_k = _sum_table_grad(d_rel_scores.transpose(-1, -2) @ q, rel_k.shape[0])
     if rel_v is not None:
         d_rel_v = _sum_table_grad(p_buckets.transpose(-1, -2) @ grad_out, rel_v.shape[0])
-    return tuple(t.to(dtype) if t is not None else None for t in (dq, dk, dv, d_rel_k, d_rel_v))
+    grads = (dq, dk, dv, d_rel_k, d_rel_v) + ((_sum_table_grad(d_rel_q, rel_q.shape[0]),) if rel_q is not None else ())
+    return tuple(t.to(dtype) if t is not None else None for t in grads)
 
 
 # ------------------------------------------------------------------------------------ the custom ops
-# relattn::blocked_fwd(q, k, v, rel_k?, rel_v?, mask?, seed, K, is_causal, dropout_p, scale, query_offset)
-#   -> (out (B,H,N,Dv), lse (B,H,N)); relattn::blocked_bwd -> (dq, dk, dv, d_rel_k, d_rel_v).
+# relattn::blocked_fwd(q, k, v, rel_k?, rel_v?, mask?, seed, K, is_causal, dropout_p, scale, query_offset, rel_q?)
+#   -> (out (B,H,N,Dv), lse (B,H,N)); relattn::blocked_bwd -> (dq, dk, dv, d_rel_k, d_rel_v, d_rel_q).
 # torch.compile and torch.export see each as one opaque, shape-correct op.
 
 
 @torch.library.custom_op("relattn::blocked_fwd", mutates_args=())
 def blocked_fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None, mask: Tensor | None,
                 seed: Tensor, max_relative_position: int, is_causal: bool, dropout_p: float, scale: float,
-                query_offset: int) -> tuple[Tensor, Tensor]:
+                query_offset: int, rel_q: Tensor | None = None) -> tuple[Tensor, Tensor]:
     out = no_autocast(blocked_forward)(q, k, v, rel_k, rel_v, mask, seed, max_relative_position=max_relative_position,
                                        is_causal=is_causal, dropout_p=dropout_p, scale=scale,
-                                       query_offset=query_offset)
+                                       query_offset=query_offset, rel_q=rel_q)
     return tuple(t.contiguous() for t in out)  # the fake kernels promise contiguous outputs
 
 
 @blocked_fwd.register_fake
-def _(q, k, v, rel_k, rel_v, mask, seed, max_relative_position, is_causal, dropout_p, scale, query_offset):
+def _(q, k, v, rel_k, rel_v, mask, seed, max_relative_position, is_causal, dropout_p, scale, query_offset,
+      rel_q=None):
     return stats_fake(q, v)
 
 
 @torch.library.custom_op("relattn::blocked_bwd", mutates_args=())
 def blocked_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
                 mask: Tensor | None, seed: Tensor, out: Tensor, lse: Tensor, max_relative_position: int,
-                is_causal: bool, dropout_p: float, scale: float,
-                query_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                is_causal: bool, dropout_p: float, scale: float, query_offset: int,
+                rel_q: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = no_autocast(blocked_backward)(
         grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, max_relative_position=max_relative_position,
-        is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset)
-    return grads_laid_out((q, k, v, rel_k, rel_v), grads)
+        is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset, rel_q=rel_q)
+    return grads_laid_out((q, k, v, rel_k, rel_v, rel_q), grads + (None,) * (6 - len(grads)))
 
 
 @blocked_bwd.register_fake
 def _(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, max_relative_position, is_causal, dropout_p, scale,
-      query_offset):
-    return grads_fake(q, k, v, rel_k, rel_v)
+      query_offset, rel_q=None):
+    return (*grads_fake(q, k, v, rel_k, rel_v), q.new_empty(0) if rel_q is None else torch.empty_like(rel_q))
 
 
-register_stats_autograd(blocked_fwd, blocked_bwd, tensor_inputs=7, n_args=12)
+def _setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*inputs[:7], inputs[12], *output)
+    ctx.args = inputs[7:12]
+    ctx.has_tables = tuple(t is not None for t in (inputs[3], inputs[4], inputs[12]))
+
+
+def _backward(ctx, grad_out, *ignored):
+    """Gradients for (q, k, v, rel_k, rel_v, mask, seed, 5 non-tensors, rel_q): none for the mask and seed."""
+    if grad_out is None:  # grads are not materialised: no gradient reached the output
+        return (None,) * 13
+    q, k, v, rel_k, rel_v, mask, seed, rel_q, out, lse = ctx.saved_tensors
+    dq, dk, dv, drk, drv, drq = blocked_bwd(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *ctx.args,
+                                            rel_q=rel_q)
+    has_k, has_v, has_q = ctx.has_tables
+    return (dq, dk, dv, drk if has_k else None, drv if has_v else None, *(None,) * 7, drq if has_q else None)
+
+
+blocked_fwd.register_autograd(_backward, setup_context=_setup)
 
 
 def blocked_attention(call: AttentionCall) -> Tensor:
@@ -238,9 +281,9 @@ def blocked_attention(call: AttentionCall) -> Tensor:
     else:
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
     out, _ = blocked_fwd(q, call.k, call.v, call.rel_k, call.rel_v, call.mask, seed, call.max_relative_position,
-                         call.is_causal, call.dropout_p, call.scale, call.query_offset)
+                         call.is_causal, call.dropout_p, call.scale, call.query_offset, call.rel_q)
     return out
 
 
-BACKEND = Backend("blocked", blocked_attention, Serves(dropout=True),
+BACKEND = Backend("blocked", blocked_attention, Serves(dropout=True, pos_to_content=True),
                   "flash algorithm in plain torch: online softmax over key blocks, O(N(D+K)) memory, any mask, dropout")

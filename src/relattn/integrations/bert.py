@@ -8,9 +8,9 @@ no ``distance_embedding``. transformers 4 computed, per head (``D`` head dim, ``
     relative_key:        s_ij = (q_i . k_j + q_i . a_ij) / sqrt(D)
     relative_key_query:  s_ij = (q_i . k_j + q_i . a_ij + k_j . a_ij) / sqrt(D)
 
-and no absolute position embeddings. In relattn's offsets ``j - i`` the table is flipped, ``K = P - 1``. The
-``k_j . a_ij`` term is not in the kernels: it is computed as an additive float mask (an (B, H, N, M) tensor that
-carries gradients to the keys and the table), so ``auto`` runs those checkpoints on the "dense" backend.
+and no absolute position embeddings. In relattn's offsets ``j - i`` the table is flipped, ``K = P - 1``, and the
+``k_j . a_ij`` term is the op's position-to-content table ``rel_q``: the same flipped table, so no (B, H, N, M)
+tensor is built where ``auto`` runs the blocked backend.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ import torch
 from torch import nn
 
 from ..backends import check_name
-from ..functional import additive_mask, relative_attention
-from ..positions import relative_position_index
+from ..functional import relative_attention
 from .hf_common import as_attn_mask, dropout_p, merge, qkv
 
 POSITION_TYPES = ("relative_key", "relative_key_query")
@@ -37,14 +36,6 @@ _CONVERT = ("convert it once with transformers 4 installed: AutoModel.from_pretr
             "metadata={'format': 'pt'})\"")
 
 
-def _key_query_term(k: torch.Tensor, table: torch.Tensor, max_relative_position: int, scale: float) -> torch.Tensor:
-    """(B, H, N=M, M) scores ``k_j . a_ij * scale``: ``k @ table.T`` gathered at each pair's table row."""
-    b, h, m, _ = k.shape
-    index = relative_position_index(m, m, max_relative_position, device=k.device)
-    by_row = (k @ table.transpose(-1, -2)).transpose(-1, -2)  # (B, H, R, M): key j against table row r
-    return by_row.gather(-2, index.expand(b, h, m, m)) * scale
-
-
 def _bert_forward(self, hidden_states, attention_mask=None, cache=None, **kwargs):
     """A v5 BertSelfAttention (or family) computing the v4 relative_key(_query) attention."""
     if cache is not None:
@@ -52,11 +43,9 @@ def _bert_forward(self, hidden_states, attention_mask=None, cache=None, **kwargs
     q, k, v = qkv(hidden_states, (self.query, self.key, self.value), self.num_attention_heads)
     table = self.distance_embedding.weight.flip(0).to(q.dtype)  # rows (i - j) + K -> rows (j - i) + K
     kk = self.max_position_embeddings - 1
-    mask = as_attn_mask(attention_mask)
-    if self.position_embedding_type == "relative_key_query":
-        term = _key_query_term(k, table, kk, self.scaling)
-        mask = term if mask is None else term + additive_mask(mask, q.dtype)
-    out = relative_attention(q, k, v, table, None, max_relative_position=kk, attn_mask=mask,
+    rel_q = table if self.position_embedding_type == "relative_key_query" else None
+    out = relative_attention(q, k, v, table, None, max_relative_position=kk, rel_q=rel_q,
+                             attn_mask=as_attn_mask(attention_mask),
                              dropout_p=dropout_p(self, self.dropout.p), scale=self.scaling,
                              backend=self._relattn_backend)
     return merge(out), None

@@ -1,0 +1,132 @@
+"""DeBERTa-v2/v3 (and mDeBERTa-v3) disentangled attention on :func:`relative_attention`, for
+:func:`relattn.integrations.transformers.patch`.
+
+transformers' ``DisentangledSelfAttention`` computes, per head (``D`` head dim; ``A`` the relative embeddings
+``rel_embeddings``, layer-normed when ``norm_rel_ebd`` says so, through dropout when training; ``t(i, j)`` the row
+of key ``j`` seen from query ``i``, :class:`relattn.positions.LogBuckets`)::
+
+    s_ij = (q_i . k_j + q_i . A_K[t(i, j)] + k_j . A_Q[t(i, j)]) / sqrt(f D)
+
+with ``A_K = key_proj(A)``, ``A_Q = query_proj(A)`` when ``share_att_key``, else ``pos_key_proj(A)`` and
+``pos_query_proj(A)``; the c2p term (``A_K``) and the p2c term (``A_Q``) each present when ``pos_att_type`` names
+it, and ``f`` one plus the number of terms present. No value term. In relattn's terms: ``rel_k = A_K`` and
+``rel_q = A_Q``, both ``(H, 2 span, D)`` as DeBERTa stores them, with ``max_relative_position=LogBuckets(...)``;
+the op turns them into the equivalent clipped tables (gradients flow back), so no (B, H, N, N) score, index or
+mask tensor is built (the encoder hands its layers a (B, 1, 1, N) padding mask and no (N, N) positions).
+
+Differences from the unpatched model, at padding only: a query at a padded position (no key to attend to in
+transformers' (B, 1, N, N) mask) attends the real tokens instead of all tokens uniformly. Its output is never
+read by a real token, so every real token's output and every gradient of a loss on real tokens are unchanged.
+The weights returned with ``output_attentions=True`` are computed (before dropout).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..functional import relative_attention, relative_attention_weights
+from ..positions import LogBuckets
+
+_MODULE = "transformers.models.deberta_v2.modeling_deberta_v2."
+
+
+def positions(module: nn.Module) -> LogBuckets:
+    """The :class:`LogBuckets` of a ``DisentangledSelfAttention`` (its ``pos_ebd_size`` rows each side)."""
+    buckets = module.position_buckets if module.position_buckets > 0 else 0
+    return LogBuckets(module.pos_ebd_size, buckets, module.max_relative_positions if buckets else 0)
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(..., L, H*D) -> (..., H, L, D)."""
+    return x.view(*x.shape[:-1], heads, -1).transpose(-2, -3)
+
+
+def _is_standard(relative_pos: torch.Tensor, module: nn.Module, n: int) -> bool:
+    """Whether ``relative_pos`` is what transformers' ``build_relative_position`` gives for length ``n``: Toeplitz,
+    first row and column as built (an O(N^2) comparison, no (N, N) allocation)."""
+    from transformers.models.deberta_v2.modeling_deberta_v2 import make_log_bucket_position
+
+    rp = relative_pos.reshape(relative_pos.shape[-2:]) if relative_pos.dim() > 2 else relative_pos
+    if rp.shape != (n, n) or rp.shape[0] > 1 and not torch.equal(rp[1:, 1:], rp[:-1, :-1]):
+        return False
+    edge = torch.cat([-torch.arange(n - 1, 0, -1), torch.arange(n)]).to(rp.device)  # i - j along row 0, column 0
+    if module.position_buckets > 0 and module.max_relative_positions > 0:
+        edge = make_log_bucket_position(edge, module.position_buckets, module.max_relative_positions)
+    return torch.equal(torch.cat([rp[0].flip(0)[:-1], rp[:, 0]]).long(), edge.long())
+
+
+def _scale(head_dim: int, terms: int) -> float:
+    """transformers' ``scaled_size_sqrt``: ``sqrt(terms * D)``, computed in float32 as it is there."""
+    return float(torch.sqrt(torch.tensor(head_dim, dtype=torch.float32) * terms))
+
+
+def _deberta_forward(self, hidden_states, attention_mask, output_attentions=False, query_states=None,
+                     relative_pos=None, rel_embeddings=None):
+    """DisentangledSelfAttention's forward on :func:`relative_attention`."""
+    n = hidden_states.shape[-2]
+    odd_queries = query_states is not None and query_states.shape[-2] != n
+    if odd_queries or (relative_pos is not None and self.relative_attention
+                       and not _is_standard(relative_pos, self, n)):
+        return type(self).forward(self, hidden_states, attention_mask, output_attentions=output_attentions,
+                                  query_states=query_states, relative_pos=relative_pos, rel_embeddings=rel_embeddings)
+    heads = self.num_attention_heads
+    q = _heads(self.query_proj(hidden_states if query_states is None else query_states), heads)
+    k, v = _heads(self.key_proj(hidden_states), heads), _heads(self.value_proj(hidden_states), heads)
+    rel_k = rel_q = None
+    c2p, p2c = "c2p" in self.pos_att_type, "p2c" in self.pos_att_type
+    if self.relative_attention:
+        table = self.pos_dropout(rel_embeddings)[: 2 * self.pos_ebd_size]
+        if c2p:
+            rel_k = _heads(self.key_proj(table) if self.share_att_key else self.pos_key_proj(table), heads)
+        if p2c:
+            rel_q = _heads(self.query_proj(table) if self.share_att_key else self.pos_query_proj(table), heads)
+    terms = 1 + (c2p and self.relative_attention) + (p2c and self.relative_attention)
+    mask = attention_mask.bool()  # DeBERTa's masks are keep-masks (nonzero = may attend), whatever their dtype
+    if mask.dim() <= 3:
+        mask = mask[:, None, None, :] if mask.dim() == 2 else mask[:, None]
+    args = dict(max_relative_position=positions(self) if self.relative_attention else 0, rel_q=rel_q,
+                attn_mask=mask, scale=1.0 / _scale(q.shape[-1], terms))
+    out = relative_attention(q, k, v, rel_k, None, dropout_p=self.dropout.p if self.training else 0.0,
+                             backend=self._relattn_backend, **args)
+    weights = relative_attention_weights(q, k, rel_k, **args) if output_attentions else None
+    return out.transpose(-2, -3).flatten(-2), weights
+
+
+def _padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """DebertaV2Encoder.get_attention_mask, without the (B, 1, N, N) outer product: a (B, N) padding mask becomes
+    (B, 1, 1, N); a (B, N, N) one (B, 1, N, N)."""
+    if attention_mask.dim() <= 2:
+        return attention_mask[:, None, None, :]
+    return attention_mask.unsqueeze(1) if attention_mask.dim() == 3 else attention_mask
+
+
+def _encoder_forward(self, hidden_states, attention_mask, *args, **kwargs):
+    """DebertaV2Encoder's forward handing its layers a padding mask and no (N, N) positions (the patched layers
+    compute the positions they need)."""
+    self.get_attention_mask = _padding_mask
+    self.get_rel_pos = lambda hidden, query_states=None, relative_pos=None: relative_pos
+    try:
+        return type(self).forward(self, hidden_states, attention_mask, *args, **kwargs)
+    finally:
+        del self.get_attention_mask, self.get_rel_pos
+
+
+def _attention_reason(module) -> str | None:
+    return None
+
+
+def _encoder_reason(module) -> str | None:
+    layers = [layer.attention.self for layer in module.layer]
+    if not all(type(a).__name__ == "DisentangledSelfAttention" for a in layers):
+        return "an encoder whose layers are not all DisentangledSelfAttention keeps transformers' (N, N) masks"
+    return None
+
+
+HANDLERS = {
+    _MODULE + "DisentangledSelfAttention": (_deberta_forward, _attention_reason),
+    _MODULE + "DebertaV2Encoder": (_encoder_forward, _encoder_reason),
+}
+SUPPORTED = ("DeBERTa-v2/v3 (disentangled attention, log-bucket positions)",)
+
+__all__ = ["HANDLERS", "SUPPORTED", "positions"]

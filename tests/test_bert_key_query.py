@@ -1,0 +1,37 @@
+"""BERT ``relative_key_query`` checkpoints (``load_bert_relative_key``) on the position-to-content term: they run on
+the blocked backend (no (B, H, N, M) tensor) and give transformers 4's outputs and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
+
+import relattn.functional as fn  # noqa: E402
+from test_integrations_hf import _bert_inputs, _bert_out, _rel, _v4_checkpoint, _v4_reference  # noqa: E402
+
+
+def test_relative_key_query_runs_blocked_with_the_table_as_rel_q(tmp_path, monkeypatch):
+    from relattn.integrations.bert import load_bert_relative_key
+
+    state = _v4_checkpoint(tmp_path / "v4", "relative_key_query", "BertModel")
+    model = load_bert_relative_key(tmp_path / "v4", backend="blocked").double().eval()
+    calls = []
+    resolve = fn.resolve
+    monkeypatch.setattr(fn, "resolve", lambda name, call: calls.append(call) or resolve(name, call))
+    inputs = _bert_inputs()
+    want = _v4_reference(state, "relative_key_query", "BertModel", *inputs)
+    got = _bert_out(model, "BertModel", *inputs)
+    assert _rel(got, want) <= 1e-10
+    assert len(calls) == 2
+    for call in calls:  # the key-query term as the table; the mask only the model's padding mask, no scores in it
+        assert call.rel_q is not None and torch.equal(call.rel_q, call.rel_k)
+        assert not call.mask.requires_grad and bool(((call.mask == 0) | (call.mask == float("-inf"))).all())
+    cotangent = torch.randn_like(want)
+    (want * cotangent).sum().backward()
+    (got * cotangent).sum().backward()
+    params = dict(model.named_parameters())
+    for name in ("encoder.layer.0.attention.self.distance_embedding.weight",
+                 "encoder.layer.1.attention.self.key.weight", "encoder.layer.1.attention.self.key.bias"):
+        assert _rel(params[name].grad, state[name].grad) <= 1e-9, name

@@ -1,0 +1,232 @@
+"""relattn.integrations.transformers.patch on tiny random DeBERTa-v2/v3 models (no hub): outputs and gradients equal
+the unpatched model's at every real token, for each kind of config (c2p and/or p2c, share_att_key or not, log
+buckets or not, norm_rel_ebd), every head class, padding, dropout, output_attentions, state_dict and unpatch."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
+
+import relattn.integrations.deberta as deberta  # noqa: E402
+from relattn.integrations.transformers import is_patched, patch, unpatch  # noqa: E402
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+N = 23
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one intra-op thread (a second one only waits, and on a loaded machine it waits long)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+# name: config keywords beyond the tiny shape
+KINDS = {
+    "v3": dict(pos_att_type=["p2c", "c2p"], position_buckets=8, max_relative_positions=20, share_att_key=True,
+               norm_rel_ebd="layer_norm", position_biased_input=False),
+    "v2-conv": dict(pos_att_type=["p2c", "c2p"], position_buckets=8, max_relative_positions=20, share_att_key=True,
+                    norm_rel_ebd="layer_norm", conv_kernel_size=3, position_biased_input=False),
+    "c2p-clipped": dict(pos_att_type=["c2p"], position_buckets=-1, max_relative_positions=6, share_att_key=False),
+    "p2c-buckets": dict(pos_att_type=["p2c"], position_buckets=6, max_relative_positions=12, share_att_key=False),
+    "both-unshared": dict(pos_att_type=["c2p", "p2c"], position_buckets=-1, max_relative_positions=-1,
+                          share_att_key=False),
+    "no-position-terms": dict(pos_att_type=[], position_buckets=8, max_relative_positions=20),
+    "absolute-only": dict(relative_attention=False),
+}
+
+
+def _config(kind, dropout=0.0, **more):
+    kw = dict(relative_attention=True) | KINDS[kind] | more
+    return transformers.DebertaV2Config(
+        vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=dropout, **kw)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 40, (2, N), generator=g)
+    mask = torch.ones(2, N, dtype=torch.long)
+    mask[1, 15:] = 0
+    return ids, mask
+
+
+def _pair(kind, dtype, cls=None, dropout=0.0, **more):
+    torch.manual_seed(0)
+    plain = (cls or transformers.DebertaV2Model)(_config(kind, dropout, **more)).to(dtype)
+    patched = copy.deepcopy(plain)
+    report = patch(patched)
+    layers = plain.config.num_hidden_layers
+    assert len(report.patched) == layers + 1, report  # every layer's attention, and the encoder
+    return plain, patched, report
+
+
+def _run(model, ids, mask, cotangent=None):
+    """The last hidden state and the gradients of ``(out * cotangent)`` summed over the real tokens."""
+    out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    if cotangent is None:
+        return out, None
+    model.zero_grad(set_to_none=True)
+    (out * cotangent * mask[..., None]).sum().backward()
+    return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _grads_close(got, want, tol):
+    """Each gradient within ``tol`` of the unpatched one, relative to its size or, for a gradient that is zero in
+    exact arithmetic (a key bias under softmax: rounding noise), to the largest gradient of the model."""
+    floor = max(g.abs().max().item() for g in want.values())
+    for name, w in want.items():
+        err = (got[name] - w).abs().max().item()
+        assert err <= tol * max(w.abs().max().item(), 1e-6 * floor), (name, err)
+
+
+CASES = [(kind, False, torch.float64) for kind in KINDS] + [
+    ("v3", False, torch.float32), ("p2c-buckets", False, torch.float32), ("v3", True, torch.float64),
+    ("c2p-clipped", True, torch.float32)]
+
+
+@pytest.mark.parametrize(("kind", "train", "dtype"), CASES,
+                         ids=[f"{k}-{'train' if t else 'eval'}-{str(d)[6:]}" for k, t, d in CASES])
+def test_patched_model_matches_unpatched(kind, train, dtype):
+    plain, patched, _ = _pair(kind, dtype)
+    plain.train(train), patched.train(train)
+    ids, mask = _inputs()
+    go = torch.randn(2, N, 16, dtype=dtype)
+    want, want_g = _run(plain, ids, mask, go)
+    got, got_g = _run(patched, ids, mask, go)
+    real = mask.bool()
+    assert _rel(got[real], want[real]) <= TOL[dtype]
+    assert set(got_g) == set(want_g)
+    _grads_close(got_g, want_g, TOL[dtype])
+
+
+@pytest.mark.parametrize("cls", ["DebertaV2ForSequenceClassification", "DebertaV2ForMaskedLM",
+                                 "DebertaV2ForTokenClassification", "DebertaV2ForQuestionAnswering"])
+def test_every_head_class_matches_unpatched(cls):
+    plain, patched, _ = _pair("v3", torch.float64, getattr(transformers, cls))
+    ids, mask = _inputs()
+    outs = []
+    for model in (plain, patched):
+        out = model(input_ids=ids, attention_mask=mask)
+        logits = out.logits if hasattr(out, "logits") else torch.stack([out.start_logits, out.end_logits], -1)
+        real = logits[mask.bool()] if logits.dim() > 2 and logits.shape[1] == N else logits
+        model.zero_grad(set_to_none=True)
+        (real * torch.linspace(-1, 1, real.shape[-1], dtype=real.dtype)).sum().backward()
+        outs.append((real, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (want, want_g), (got, got_g) = outs
+    assert _rel(got, want) <= 1e-10
+    assert set(got_g) == set(want_g)
+    _grads_close(got_g, want_g, 1e-10)
+
+
+def test_multiple_choice_matches_unpatched():
+    plain, patched, _ = _pair("c2p-clipped", torch.float64, transformers.DebertaV2ForMultipleChoice)
+    ids, mask = _inputs()
+    want = plain(input_ids=ids[None], attention_mask=mask[None]).logits
+    got = patched(input_ids=ids[None], attention_mask=mask[None]).logits
+    assert _rel(got, want) <= 1e-10
+
+
+def test_padding_is_masked_and_no_pairwise_mask_or_positions_reach_the_layers():
+    _, patched, _ = _pair("v3", torch.float64)
+    ids, mask = _inputs()
+    seen = []
+    for layer in patched.encoder.layer:
+        layer.attention.self.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append((args[1].shape, kwargs.get("relative_pos"))), with_kwargs=True)
+    out = patched(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert seen and all(shape == (2, 1, 1, N) and pos is None for shape, pos in seen)
+    other = ids.clone()
+    other[1, 15:] = 3  # different padding tokens: the real tokens do not see them
+    again = patched(input_ids=other, attention_mask=mask).last_hidden_state
+    assert torch.equal(out[mask.bool()], again[mask.bool()])
+
+
+def test_attention_dropout_is_applied_in_training_and_unbiased():
+    torch.manual_seed(0)
+    att = transformers.models.deberta_v2.modeling_deberta_v2.DisentangledSelfAttention(
+        _config("v3", dropout=0.3)).double()
+    patch(att)
+    x = torch.randn(1, 9, 16, dtype=torch.float64)
+    rel = torch.randn(16, 16, dtype=torch.float64)
+    mask = torch.ones(1, 9, dtype=torch.bool)
+    clean = att.eval()(x, mask, rel_embeddings=rel)[0]
+    att.train()
+    torch.manual_seed(1)
+    outs = torch.stack([att(x, mask, rel_embeddings=rel)[0] for _ in range(600)])
+    assert not torch.allclose(outs[0], outs[1])
+    stderr = outs.std(0) / math.sqrt(len(outs))
+    assert ((outs.mean(0) - clean).abs() <= 5 * stderr + 1e-12).all()
+
+
+def test_state_dict_unchanged_and_unpatch_restores():
+    plain, patched, report = _pair("v3", torch.float64)
+    assert list(plain.state_dict()) == list(patched.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), patched.state_dict().values(),
+                                                 strict=True))
+    assert "encoder" in report.patched and "encoder.layer.1.attention.self" in report.patched
+    assert all(is_patched(patched.get_submodule(n)) for n in report.patched)
+    assert sorted(unpatch(patched)) == sorted(report.patched)
+    assert not any(is_patched(m) for m in patched.modules())
+    ids, mask = _inputs()
+    assert torch.equal(plain(input_ids=ids, attention_mask=mask).last_hidden_state,
+                       patched(input_ids=ids, attention_mask=mask).last_hidden_state)
+
+
+def test_output_attentions_are_the_unpatched_weights():
+    plain, patched, _ = _pair("v3", torch.float64)
+    ids, mask = _inputs()
+    want = plain(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    got = patched(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(got) == len(want) == 2
+    real = mask.bool()
+    for w, g in zip(want, got, strict=True):
+        assert g.shape == w.shape
+        assert _rel(g.transpose(1, 2)[real], w.transpose(1, 2)[real]) <= 1e-10  # real query rows
+
+
+def test_relative_positions_handed_to_the_attention(monkeypatch):
+    """The attention called directly with transformers' own relative_pos takes the fast path; with other positions
+    it computes the unpatched forward (exactly what transformers computes)."""
+    from transformers.models.deberta_v2.modeling_deberta_v2 import DisentangledSelfAttention, build_relative_position
+
+    torch.manual_seed(0)
+    att = DisentangledSelfAttention(_config("v3")).double().eval()
+    plain = copy.deepcopy(att)
+    patch(att)
+    x = torch.randn(2, N, 16, dtype=torch.float64)
+    rel = torch.randn(16, 16, dtype=torch.float64)
+    mask = torch.ones(2, 1, N, N, dtype=torch.long)
+    pos = build_relative_position(x, x, bucket_size=8, max_position=20)
+    calls = []
+    monkeypatch.setattr(deberta, "relative_attention", lambda *a, **k: calls.append(1) or _op(*a, **k))
+    for relative_pos in (pos, pos.flip(-1)):
+        want = plain(x, mask, relative_pos=relative_pos, rel_embeddings=rel)[0]
+        got = att(x, mask, relative_pos=relative_pos, rel_embeddings=rel)[0]
+        assert _rel(got, want) <= 1e-10
+    assert len(calls) == 1  # the flipped positions went the unpatched way
+
+
+def _op(*args, **kwargs):
+    from relattn import relative_attention
+
+    return relative_attention(*args, **kwargs)
+
+
+def test_positions_of_a_module_follow_its_config():
+    from transformers.models.deberta_v2.modeling_deberta_v2 import DisentangledSelfAttention
+
+    att = DisentangledSelfAttention(_config("v3"))
+    assert deberta.positions(att) == deberta.LogBuckets(8, 8, 20)
+    att = DisentangledSelfAttention(_config("both-unshared"))
+    assert deberta.positions(att) == deberta.LogBuckets(64)  # max_relative_positions < 1: max_position_embeddings
