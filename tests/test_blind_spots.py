@@ -53,14 +53,7 @@ def _literal(q, k, v, rk, rv):
     return w @ v + buckets @ rv, w
 
 
-# The Triton kernel's forward takes a NaN row total for an empty row (``seen = l_i > 0.0`` in _triton_kernels.py),
-# so its backward zeroes that row's weights: strict, so the kernel's fix turns this into a failure to remove it.
-NAN_ALL = [pytest.param(p.values[0], marks=[*p.marks, pytest.mark.xfail(
-    strict=True, reason="triton: a NaN row's log-sum-exp is taken for an empty row's (kernel being rewritten)")])
-    if p.values[0] == "triton" else p for p in ALL]
-
-
-@pytest.mark.parametrize("backend", NAN_ALL)
+@pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_a_nan_key_gives_exactly_the_reference_nan_pattern(backend, dtype):
     x64 = _inputs(nan_key=True)

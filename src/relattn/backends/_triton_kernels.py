@@ -322,7 +322,7 @@ def _fwd_kernel(Q, K, V, QA, RV, MASK, BINS, OUT, LSE,
             acc += dot(cast(p, a.dtype), a, PREC)
 
     # -- normalise; the log-sum-exp (natural log, -inf for a row with no key) for the backward and the merge
-    seen = l_i > 0.0
+    seen = (l_i > 0.0) | (l_i != l_i)  # a NaN total (a NaN key) is a NaN row, as in the reference, not an empty one
     denom = tl.where(seen, l_i, 1.0)
     out = acc / denom[:, None]
     lse = tl.where(seen, (m_safe + tl.log2(denom)) * LN2, float("-inf"))
