@@ -37,3 +37,13 @@ def small_tiles(monkeypatch):
 
     set_tiles()
     return set_tiles
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for a test of tiny tensors (a second thread only waits, and on a loaded machine it
+    waits long)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -19,13 +19,7 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 N = 23
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread (a second one only waits, and on a loaded machine it waits long)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # name: config keywords beyond the tiny shape
 KINDS = {

@@ -22,13 +22,7 @@ SERVING = [name for name, b in BACKENDS.items() if b.serves.pos_to_content]
 REFUSING = [name for name, b in BACKENDS.items() if not b.serves.pos_to_content]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread (a second one only waits, and on a loaded machine it waits long)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------- the formula, written independently
