@@ -137,7 +137,7 @@ def _chunk_backward(backend, grad_out, q, k, v, rel_k, rel_v, mask, out, lse, kk
         return torch.ops.relattn.blocked_bwd(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, kk, is_causal,
                                              0.0, scale, offset)[:5]  # the sixth, rel_q's, is empty here
     return getattr(torch.ops.relattn, f"{backend}_bwd")(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, kk,
-                                                        is_causal, scale, offset)
+                                                        is_causal, scale, offset)[:5]
 
 
 def _merge(out: Tensor | None, lse: Tensor | None, o: Tensor, lo: Tensor) -> tuple[Tensor, Tensor]:

@@ -145,11 +145,12 @@ def stats_fake(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return q.new_empty(b, h, n, v.shape[-1]), q.new_empty(b, h, n, dtype=stats_dtype(q.dtype))
 
 
-def grads_fake(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None) -> tuple[Tensor, ...]:
-    """The fake backward: (dq, dk, dv, d_rel_k, d_rel_v), a table's an empty tensor when the table is None."""
+def grads_fake(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
+               *rel_q: Tensor | None) -> tuple[Tensor, ...]:
+    """The fake backward: (dq, dk, dv, d_rel_k, d_rel_v[, d_rel_q]), a table's an empty tensor when the table is
+    None."""
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            q.new_empty(0) if rel_k is None else torch.empty_like(rel_k),
-            q.new_empty(0) if rel_v is None else torch.empty_like(rel_v))
+            *(q.new_empty(0) if t is None else torch.empty_like(t) for t in (rel_k, rel_v, *rel_q)))
 
 
 def _laid_out_like(grad: Tensor, like: Tensor) -> Tensor:
@@ -168,24 +169,26 @@ def grads_laid_out(inputs, grads) -> tuple[Tensor, ...]:
 
 
 def register_stats_autograd(forward_op, backward_op, *, tensor_inputs: int, n_args: int) -> None:
-    """Autograd for ``forward_op(q, k, v, rel_k, rel_v, *more tensors, *args) -> (out, lse, ...)``, whose first
-    ``tensor_inputs`` inputs are tensors (or None) to save and whose backward is
-    ``backward_op(grad_out, *those tensors, *saved outputs, *args)``. Only ``out`` gets a gradient; none is
-    materialised for the statistics."""
+    """Autograd for ``forward_op(q, k, v, rel_k, rel_v, *more tensors, *args, rel_q) -> (out, lse, ...)``, whose
+    first ``tensor_inputs`` inputs are tensors (or None) to save, whose last input is the optional ``rel_q`` table,
+    and whose backward is ``backward_op(grad_out, *those tensors, *saved outputs, *args, rel_q)`` ->
+    ``(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q)``. Only ``out`` gets a gradient; none is materialised for the
+    statistics."""
 
     def setup(ctx, inputs, output):
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*inputs[:tensor_inputs], *output)
-        ctx.args = inputs[tensor_inputs:]
-        ctx.has_tables = (inputs[3] is not None, inputs[4] is not None)
+        ctx.save_for_backward(*inputs[:tensor_inputs], inputs[-1], *output)
+        ctx.args = inputs[tensor_inputs:-1]
+        ctx.has_tables = (inputs[3] is not None, inputs[4] is not None, inputs[-1] is not None)
 
     def backward(ctx, grad_out, *ignored):
         if grad_out is None:  # grads are not materialised: no gradient reached the output
             return (None,) * n_args
-        saved = ctx.saved_tensors
-        dq, dk, dv, drk, drv = backward_op(grad_out, *saved, *ctx.args)
-        return (dq, dk, dv, drk if ctx.has_tables[0] else None, drv if ctx.has_tables[1] else None,
-                *(None,) * (n_args - 5))
+        *saved, rel_q, out, lse = ctx.saved_tensors
+        dq, dk, dv, drk, drv, drq = backward_op(grad_out, *saved, out, lse, *ctx.args, rel_q)
+        has_k, has_v, has_q = ctx.has_tables
+        return (dq, dk, dv, drk if has_k else None, drv if has_v else None, *(None,) * (n_args - 6),
+                drq if has_q else None)
 
     forward_op.register_autograd(backward, setup_context=setup)
 
@@ -193,36 +196,41 @@ def register_stats_autograd(forward_op, backward_op, *, tensor_inputs: int, n_ar
 def define_stats_ops(name: str, forward: Callable, backward: Callable):
     """The custom ops of a kernel that saves its log-sum-exp, with fake kernels and autograd:
 
-    * ``relattn::{name}_fwd(q, k, v, rel_k?, rel_v?, mask?, K, is_causal, scale, query_offset)`` -> ``(out, lse)``
-      around ``forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position, is_causal, scale, query_offset)``;
-    * ``relattn::{name}_bwd(grad_out, q, k, v, rel_k?, rel_v?, mask?, out, lse, K, is_causal, scale, query_offset)``
-      -> ``(dq, dk, dv, d_rel_k, d_rel_v)`` around ``backward`` (same keywords).
+    * ``relattn::{name}_fwd(q, k, v, rel_k?, rel_v?, mask?, K, is_causal, scale, query_offset, rel_q?=None)`` ->
+      ``(out, lse)`` around ``forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position, is_causal, scale,
+      query_offset, rel_q)``;
+    * ``relattn::{name}_bwd(grad_out, q, k, v, rel_k?, rel_v?, mask?, out, lse, K, is_causal, scale, query_offset,
+      rel_q?=None)`` -> ``(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q)`` around ``backward`` (same keywords), which
+      returns the five gradients, and a sixth, ``d_rel_q``, when ``rel_q`` is given.
 
     Returns the forward op. torch.compile and torch.export see each as one opaque, shape-correct op.
     """
 
     @torch.library.custom_op(f"relattn::{name}_fwd", mutates_args=())
     def fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None, mask: Tensor | None,
-            max_relative_position: int, is_causal: bool, scale: float, query_offset: int) -> tuple[Tensor, Tensor]:
+            max_relative_position: int, is_causal: bool, scale: float, query_offset: int,
+            rel_q: Tensor | None = None) -> tuple[Tensor, Tensor]:
         return forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position,
-                       is_causal=is_causal, scale=scale, query_offset=query_offset)
+                       is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q)
 
     @fwd.register_fake
-    def _(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset):
+    def _(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset, rel_q=None):
         return stats_fake(q, v)
 
     @torch.library.custom_op(f"relattn::{name}_bwd", mutates_args=())
     def bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
             mask: Tensor | None, out: Tensor, lse: Tensor, max_relative_position: int, is_causal: bool,
-            scale: float, query_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            scale: float, query_offset: int,
+            rel_q: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         grads = backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse,
                          max_relative_position=max_relative_position, is_causal=is_causal, scale=scale,
-                         query_offset=query_offset)
-        return grads_laid_out((q, k, v, rel_k, rel_v), grads)
+                         query_offset=query_offset, rel_q=rel_q)
+        return grads_laid_out((q, k, v, rel_k, rel_v, rel_q), (*grads, None)[:6])
 
     @bwd.register_fake
-    def _(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position, is_causal, scale, query_offset):
-        return grads_fake(q, k, v, rel_k, rel_v)
+    def _(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position, is_causal, scale, query_offset,
+          rel_q=None):
+        return grads_fake(q, k, v, rel_k, rel_v, rel_q)
 
-    register_stats_autograd(fwd, bwd, tensor_inputs=6, n_args=10)
+    register_stats_autograd(fwd, bwd, tensor_inputs=6, n_args=11)
     return fwd

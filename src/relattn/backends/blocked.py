@@ -249,7 +249,7 @@ def blocked_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor
 @blocked_bwd.register_fake
 def _(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, max_relative_position, is_causal, dropout_p, scale,
       query_offset, rel_q=None):
-    return (*grads_fake(q, k, v, rel_k, rel_v), q.new_empty(0) if rel_q is None else torch.empty_like(rel_q))
+    return grads_fake(q, k, v, rel_k, rel_v, rel_q)
 
 
 def _setup(ctx, inputs, output):

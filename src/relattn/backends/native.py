@@ -237,7 +237,7 @@ def _tables_and_mask(rel_k, rel_v, mask):
 
 
 def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
-            query_offset: int):
+            query_offset: int, rel_q=None):
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros, lse -inf.
     k, v may have Hkv heads, H % Hkv == 0."""
     _require()
@@ -249,7 +249,7 @@ def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causa
 
 
 def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
-             scale: float, query_offset: int):
+             scale: float, query_offset: int, rel_q=None):
     """(dq, dk, dv, d_rel_k, d_rel_v) in their inputs' dtypes (dk, dv with k's Hkv heads); a table gradient is an
     empty tensor when the table is None."""
     _require()

@@ -209,9 +209,11 @@ def _common_args(q, k, v, max_relative_position, query_offset, scale) -> dict:
 
 
 def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
-            query_offset: int) -> tuple[Tensor, Tensor]:
+            query_offset: int, rel_q=None) -> tuple[Tensor, Tensor]:
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros and lse -inf.
     k, v: (B, Hkv, M, D|Dv) with H % Hkv == 0."""
+    if rel_q is not None:
+        raise ValueError("relattn triton: no position-to-content term (rel_q); 'blocked' takes it")
     b, h, n, _ = q.shape
     m, dv, kk = k.shape[2], v.shape[3], max_relative_position
     sdt = stats_dtype(q.dtype)
@@ -252,9 +254,11 @@ def _table_grad(bins: Tensor, x: Tensor, hr: int, dtype: torch.dtype, scale: flo
 
 
 def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
-             scale: float, query_offset: int) -> tuple[Tensor, ...]:
+             scale: float, query_offset: int, rel_q=None) -> tuple[Tensor, ...]:
     """(dq, dk, dv, d_rel_k | None, d_rel_v | None) in their inputs' dtypes, dq, dk, dv contiguous; dk, dv of a
     key/value head summed over its group of query heads."""
+    if rel_q is not None:
+        raise ValueError("relattn triton: no position-to-content term (rel_q); 'blocked' takes it")
     b, h, n, _ = q.shape
     hkv, m, kk = k.shape[1], k.shape[2], max_relative_position
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
