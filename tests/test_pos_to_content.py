@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_close, backend_params, np64
+from helpers import assert_close, backend_params, np64, require_backend
 from relattn import BACKENDS, relative_attention, relative_attention_weights
 from relattn import functional as fn
 from relattn import reference as ref
-from relattn.backends import choose, not_supported_reasons
+from relattn.backends import Backend, Serves, choose, not_supported_reasons
 from relattn.backends.blocked import blocked_backward, blocked_forward
 from relattn.positions import LogBuckets, log_bucket_position
 
@@ -195,6 +195,53 @@ def test_blocked_any_key_block_and_deterministic_backward(block):
     assert len(first) == 6 and all(torch.equal(a, b) for a, b in zip(first, again, strict=True) if a is not None)
 
 
+@pytest.mark.parametrize("c", [CASES[0], CASES[2], CASES[7]], ids=[IDS[0], IDS[2], IDS[7]])
+def test_native_bins_across_tiles_key_segments_and_grouped_heads(c, small_tiles):
+    """Rows cross several key blocks and the backward splits each head's keys into segments (each owning its
+    keys' bins); k and v grouped (two query heads per key/value head). Two runs give the same bits."""
+    require_backend("native")
+    small_tiles(native=(3, 5), native_splits=2)
+    (q, k, v, rel_k, rel_q), kw, _ = case(c)
+    kw.pop("attn_mask")
+    k, v = (t.detach()[:, :1].requires_grad_() for t in (k, v))
+    q = q.detach().repeat(1, 2, 1, 1)[:, : max(2, q.shape[1] - q.shape[1] % 2)].requires_grad_()
+    h = q.shape[1]
+    rel_k, rel_q = (t.detach()[:1].expand(h, *t.shape[1:]).contiguous().requires_grad_() for t in (rel_k, rel_q))
+    inputs = (q, k, v, rel_k, rel_q)
+    got = relative_attention(*inputs[:4], None, rel_q=rel_q, enable_gqa=True, backend="native", **kw)
+    want = relative_attention(*inputs[:4], None, rel_q=rel_q, enable_gqa=True, backend="blocked", **kw)
+    assert_close(got, want, torch.float64, "out")
+    first = all_grads(got, inputs)
+    for name, a, w in zip("q k v rel_k rel_q".split(), first, all_grads(want, inputs), strict=True):
+        assert_close(a, w, torch.float64, f"d{name}")
+    again = relative_attention(*inputs[:4], None, rel_q=rel_q, enable_gqa=True, backend="native", **kw)
+    assert all(torch.equal(a, b) for a, b in zip(first, all_grads(again, inputs), strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gemm16", [True, False], ids=["gemm16", "float32-copies"])
+def test_native_16_bit_within_twice_plain_pytorch(dtype, gemm16, monkeypatch):
+    """16-bit inputs on both of the kernel's paths (16-bit GEMMs forced, and the float32 copies a CPU without 16-bit
+    instructions takes): within 2x the error of the formula run in plain 16-bit PyTorch, outputs and gradients."""
+    require_backend("native")
+    from relattn.backends import native
+
+    if gemm16 and not torch.ops.relattn_native.has_gemm16(dtype):
+        pytest.skip(f"this libtorch exports no {dtype} GEMM")
+    monkeypatch.setattr(native, "GEMM16", gemm16)
+    inputs, kw, want = case(CASES[4])  # an asymmetric zero-beyond window, causal, a bool mask
+    low = [t.detach().to(dtype).requires_grad_() for t in inputs]
+    got = relative_attention(*low[:4], None, rel_q=low[4], backend="native", **kw)
+    n, m = got.shape[2], inputs[1].shape[2]
+    rows = shaw_rows(n, m, 2, 4, beyond="zero")
+    plain = formula(*low[:4], low[4], rows, scale=1 / math.sqrt(low[0].shape[-1]), mask=kw["attn_mask"],
+                    causal_offset=0)
+    assert_close(got, want, dtype, "out", yardstick=plain)
+    for name, a, w, y in zip("q k v rel_k rel_q".split(), all_grads(got, low), all_grads(want, inputs),
+                             all_grads(plain, low), strict=True):
+        assert_close(a, w, dtype, f"d{name}", yardstick=y)
+
+
 def test_gradcheck_blocked_with_rel_q_and_dropout():
     q, k, v, rel_k, rel_q = draw(1, 2, 5, 6, 3, 3, 5)
     seed = torch.tensor(7)
@@ -216,7 +263,9 @@ def test_weights_include_the_term():
 def test_backends_without_the_term_refuse_it_by_declaration():
     (q, k, v, rel_k, rel_q), kw, _ = case(CASES[0])
     call = fn.validate(q, k, v, rel_k, None, rel_q=rel_q, dropout_p=0.0, scale=None, **kw)
-    assert {"dense", "blocked"} <= set(SERVING)
+    assert {"dense", "blocked", "native"} <= set(SERVING)
+    without = Backend("without", lambda c: c.q, Serves(), "a backend declaring no position-to-content term")
+    assert any("rel_q" in r for r in not_supported_reasons(without, call))
     for name in REFUSING:
         assert any("rel_q" in r for r in not_supported_reasons(BACKENDS[name], call)), name
         with pytest.raises(ValueError, match="rel_q"):
@@ -225,7 +274,8 @@ def test_backends_without_the_term_refuse_it_by_declaration():
     call = fn.validate(big, big, big, None, None, rel_q=torch.zeros(7, 4, dtype=torch.float64),
                        max_relative_position=3, attn_mask=None, is_causal=False, dropout_p=0.0, scale=None,
                        query_offset=0)
-    assert choose(call).name == "blocked"  # past dense's crossover, no (N, M) tensor
+    # past dense's crossover: a kernel with no (N, M) tensor
+    assert choose(call).name == ("blocked" if BACKENDS["native"].unavailable() else "native")
 
 
 def test_rel_q_is_validated_like_the_key_table():

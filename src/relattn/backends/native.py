@@ -230,10 +230,12 @@ def _data(gemm16: bool, *tensors):
     return tensors if gemm16 else tuple(_as_float(t) for t in tensors)
 
 
-def _tables_and_mask(rel_k, rel_v, mask):
-    """The tables (contiguous (Hr, 2K+1, d)) and the mask, float32 for 16-bit inputs: the kernel's compute type."""
+def _tables_and_mask(rel_k, rel_v, mask, rel_q):
+    """rel_k, rel_v, the mask and rel_q as the kernel takes them: tables contiguous (Hr, 2K+1, d), all float32 for
+    16-bit inputs (the kernel's compute type)."""
     return tuple(_as_float(t) for t in (None if rel_k is None else rel_k.contiguous(),
-                                        None if rel_v is None else rel_v.contiguous(), mask))
+                                        None if rel_v is None else rel_v.contiguous(), mask,
+                                        None if rel_q is None else rel_q.contiguous()))
 
 
 def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
@@ -243,22 +245,23 @@ def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causa
     _require()
     gemm16 = uses_gemm16(q.dtype)
     tiles = tile_q(q.shape[-2], is_causal), TILE_K
-    out, lse = torch.ops.relattn_native.fwd(*_data(gemm16, q, k, v), *_tables_and_mask(rel_k, rel_v, mask),
+    out, lse = torch.ops.relattn_native.fwd(*_data(gemm16, q, k, v), *_tables_and_mask(rel_k, rel_v, mask, rel_q),
                                             max_relative_position, is_causal, scale, query_offset, *tiles)
     return out.to(q.dtype), lse
 
 
 def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
              scale: float, query_offset: int, rel_q=None):
-    """(dq, dk, dv, d_rel_k, d_rel_v) in their inputs' dtypes (dk, dv with k's Hkv heads); a table gradient is an
-    empty tensor when the table is None."""
+    """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q) in their inputs' dtypes (dk, dv with k's Hkv heads); a table gradient
+    is an empty tensor when the table is None."""
     _require()
     gemm16 = uses_gemm16(q.dtype)
     go, q_, k_, v_, out_ = _data(gemm16, grad_out, q, k, v, out)
     tiles = tile_q(q.shape[-2], is_causal), TILE_K
-    grads = torch.ops.relattn_native.bwd(go, q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask), out_, lse,
+    grads = torch.ops.relattn_native.bwd(go, q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), out_, lse,
                                          max_relative_position, is_causal, scale, query_offset, *tiles, KV_SPLITS)
-    return tuple(g if t is None else g.to(t.dtype) for g, t in zip(grads, (q, k, v, rel_k, rel_v), strict=True))
+    tensors = (q, k, v, rel_k, rel_v, rel_q)
+    return tuple(g if t is None else g.to(t.dtype) for g, t in zip(grads, tensors, strict=True))
 
 
 # relattn::native_fwd / relattn::native_bwd: see _common.define_stats_ops.
@@ -271,7 +274,7 @@ def _needs_op(call: AttentionCall) -> bool:
     op's dispatch and autograd wrappers cost more than a one-query kernel call."""
     if torch.compiler.is_compiling():
         return True
-    tensors = (call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask)
+    tensors = (call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, call.rel_q)
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
@@ -280,13 +283,13 @@ def native_attention(call: AttentionCall) -> Tensor:
     if not _needs_op(call):
         return forward(call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask,
                        max_relative_position=call.max_relative_position, is_causal=call.is_causal, scale=call.scale,
-                       query_offset=call.query_offset)[0]
+                       query_offset=call.query_offset, rel_q=call.rel_q)[0]
     out, _ = native_fwd(call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, call.max_relative_position,
-                        call.is_causal, call.scale, call.query_offset)
+                        call.is_causal, call.scale, call.query_offset, call.rel_q)
     return out
 
 
-BACKEND = Backend("native", native_attention, Serves(devices=frozenset({"cpu"}), grouped_kv=True),
+BACKEND = Backend("native", native_attention, Serves(devices=frozenset({"cpu"}), grouped_kv=True, pos_to_content=True),
                   "C++ kernel, one flash pass: the key term added per row in three runs (left, band, right), "
                   "the value term as 2K+1 weights per row; CPU, masks, grouped k/v, no dropout (16-bit GEMMs "
                   "where the CPU has 16-bit instructions, else float32)",

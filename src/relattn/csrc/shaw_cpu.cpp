@@ -20,6 +20,14 @@
 // per table row) gives dq += scale * dQA @ a^K and d a^K += scale * dQA.T @ q; PW (the sums of P) gives
 // d a^V += PW.T @ dO. Table gradients are summed per thread, then across threads.
 //
+// The position-to-content term (DeBERTa's p2c, BERT's relative_key_query; a table a^Q, rel_q, with the key term's
+// rows): KA = scale * k @ a^Q.T, (M, R) per head, is formed by each thread for the head it works on (one GEMM per
+// head and thread in the forward, per head and key segment in the backward); per row, keys left of the band add
+// KA[j, 0], the band the diagonal KA[j, j - p + K], keys right of it KA[j, 2K] (the two edge columns are kept as
+// contiguous rows). Its gradient is binned per key row: dKA[j, t] sums dS over the rows that meet key j at
+// table row t, held by the backward task that owns key j, then dk += scale * dKA @ a^Q and d a^Q += scale * dKA.T @ k
+// per head -- deterministic, no atomics.
+//
 // GEMMs go to the BLAS that libtorch_cpu exports (Fortran sgemm/dgemm). Float32 uses ATen's vectorized exp;
 // float64 (for tests) plain loops.
 //
@@ -292,10 +300,28 @@ inline Runs runs_of(int64_t p, int64_t n0, int64_t width, int64_t kk, bool causa
   return {left, right, valid, n0 - p + kk};
 }
 
+// The row stride of KA and of its gradient's bins for R table rows: the band is read along a diagonal, ld + 1
+// apart, so ld + 1 is made an odd number of 64-byte lines (R = 1025 would put the diagonal's lines 4104 bytes
+// apart: a few cache sets, evicted before the next row reuses them).
+inline int64_t diagonal_ld(int64_t R, int64_t elem_size) {
+  const int64_t line = 64 / elem_size;  // elements per cache line
+  int64_t ld = (R + 15) / 16 * 16;      // room for gemm_columns(R)
+  while ((ld + 1) % (2 * line) != line) ++ld;
+  return ld;
+}
+
+// Columns to compute of a GEMM whose R output columns are wanted: a multiple of 16 (BLAS runs an odd count, such as
+// R = 2K + 1, two to three times slower per column here; the extra columns come from zero table rows).
+inline int64_t gemm_columns(int64_t R) { return (R + 15) / 16 * 16; }
+
 struct Geometry {
   int64_t B, H, N, M, D, Dv, Hk, Hv, R, kk, off;  // Hk, Hv: heads of the key / value table (1 or H)
   int64_t Hkv, group;                              // key/value heads; query heads per key/value head (H / Hkv)
   bool causal, has_k, has_v;
+  bool has_q = false;  // a position-to-content table a^Q
+  int64_t Hq = 1;      // its heads (1 or H)
+  // What KA depends on besides the batch entry: the key/value head for a shared a^Q, else the query head.
+  int64_t ka_head(int64_t h) const { return Hq == 1 ? h / group : h; }
 };
 
 // I: the type q, k, v (and dO, out) are stored in; T: the compute type (I, or float for 16-bit I) of the tables,
@@ -306,6 +332,13 @@ struct Views {
   const T *tk, *tv, *mask;
   int64_t qs[3], ks[3], vs[3];  // strides of dims 0, 1, 2 (the last is 1)
   int64_t ms[4];                // the mask's strides, 0 where it broadcasts
+  // The position-to-content term, or nulls: a^Q (Hq, R, D); the same with zero rows out to ka_cols, which the
+  // kernels multiply with keys into KA rows ka_ld apart (key_table_rows).
+  const T *rq = nullptr, *rq_pad = nullptr;
+  int64_t ka_ld = 0, ka_cols = 0;
+  // a^K and a^V with zero rows out to ldr = gemm_columns(R): the GEMMs of q (dO) with them write rows ldr apart.
+  const T *tk_pad = nullptr, *tv_pad = nullptr;
+  int64_t ldr = 0;
   // The additive mask of query row i, keys from n0 (its entry for key n0 + x is row[x * ms[3]]), or null.
   const T* mask_row(int64_t b, int64_t h, int64_t i, int64_t n0) const {
     return mask == nullptr ? nullptr : mask + b * ms[0] + h * ms[1] + i * ms[2] + n0 * ms[3];
@@ -330,6 +363,47 @@ Views<I, T> views(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return w;
 }
 
+// The tables a^K, a^V, a^Q with zero rows out to `cols` (each undefined where its table is): gemm_columns(R) where
+// there are enough query rows to repay the copy, else R (the tables as they are: a decoding step).
+struct Padded {
+  at::Tensor k, v, q;
+  int64_t cols;
+};
+
+Padded padded_tables(const at::Tensor& tk, const at::Tensor& tv, const at::Tensor& tq, const Geometry& g) {
+  const int64_t cols = g.N >= 16 ? gemm_columns(g.R) : g.R;
+  const auto pad = [&](const at::Tensor& t) {
+    return t.defined() && cols > g.R ? at::constant_pad_nd(t, {0, 0, 0, cols - g.R}) : t;
+  };
+  return {pad(tk), pad(tv), pad(tq), cols};
+}
+
+// views() with the tables padded (padded_tables) and the position-to-content term (a^Q undefined: none).
+template <typename I, typename T>
+Views<I, T> views(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tk,
+                  const at::Tensor& tv, const at::Tensor& mask, const at::Tensor& tq, const Padded& pad) {
+  Views<I, T> w = views<I, T>(q, k, v, tk, tv, mask);
+  const at::Tensor& tq_pad = pad.q;
+  w.ldr = pad.cols;
+  if (tk.defined()) w.tk_pad = pad.k.data_ptr<T>();
+  if (tv.defined()) w.tv_pad = pad.v.data_ptr<T>();
+  if (tq.defined()) {
+    w.rq = tq.data_ptr<T>();
+    w.rq_pad = tq_pad.data_ptr<T>();
+    w.ka_cols = pad.cols;
+    w.ka_ld = diagonal_ld(tq.size(1), sizeof(T));
+  }
+  return w;
+}
+
+// KA rows of some keys for one query head: ka[x * ld + t] = scale * k_{first + x} . a^Q_t (ld = Views::ka_ld), and
+// the columns t = 0 (lo) and t = 2K (hi) again, contiguous.
+template <typename T>
+struct PosRows {
+  const T *ka, *lo, *hi;
+  int64_t first;
+};
+
 // s[0:n] += the mask row (a constant when the mask broadcasts over keys).
 template <typename T>
 void add_mask(T* s, const T* row, int64_t n, int64_t key_stride) {
@@ -352,6 +426,49 @@ T add_key_term(T* s, const Runs& r, const T* qa, int64_t last) {
   return add_const_max(s + r.right, r.valid - r.right, qa[last], mx);
 }
 
+// The band of the position-to-content term over a tile of rows, in chunks of keys: row a's key x meets KA[x, x +
+// band0(a)], so rows a and a + 1 read the same cache lines of a chunk's KA rows; a chunk's lines stay in L1 from one
+// row to the next, where a whole block's would not. f(s_x, ka_x) is called for every (row, band key).
+constexpr int64_t kPosChunk = 64;
+
+template <typename T, typename F>
+void for_pos_band(T* S, int64_t ld_s, const Runs* runs, int64_t tq, int64_t width, T* ka, int64_t ld, F f) {
+  for (int64_t x0 = 0; x0 < width; x0 += kPosChunk) {
+    const int64_t x1 = std::min(width, x0 + kPosChunk);
+    for (int64_t a = 0; a < tq; ++a) {
+      const Runs& r = runs[a];
+      T* s = S + a * ld_s;
+      T* diag = ka + r.band0;  // key x of the band meets table row x + band0
+      for (int64_t x = std::max(x0, r.left), end = std::min(x1, r.right); x < end; ++x) f(s[x], diag[x * (ld + 1)]);
+    }
+  }
+}
+
+// Adds the position-to-content term to a tile's scores S (rows ld_s apart): ka is KA's rows of the block's keys (ld
+// apart), lo and hi its columns 0 and 2K for the same keys (contiguous).
+template <typename T>
+void add_pos_term(T* S, int64_t ld_s, const Runs* runs, int64_t tq, int64_t width, const T* ka, const T* lo,
+                  const T* hi, int64_t ld) {
+  for (int64_t a = 0; a < tq; ++a) {
+    const Runs& r = runs[a];
+    add_into(S + a * ld_s, lo, r.left);
+    add_into(S + a * ld_s + r.right, hi + r.right, r.valid - r.right);
+  }
+  for_pos_band(S, ld_s, runs, tq, width, const_cast<T*>(ka), ld, [](T& s, T& k) { s += k; });
+}
+
+// The bins of the position-to-content gradient for a tile's dS, in add_pos_term's layout.
+template <typename T>
+void bin_pos_term(T* dS, int64_t ld_s, const Runs* runs, int64_t tq, int64_t width, T* dka, T* lo, T* hi,
+                  int64_t ld) {
+  for (int64_t a = 0; a < tq; ++a) {
+    const Runs& r = runs[a];
+    add_into(lo, dS + a * ld_s, r.left);
+    add_into(hi + r.right, dS + a * ld_s + r.right, r.valid - r.right);
+  }
+  for_pos_band(dS, ld_s, runs, tq, width, dka, ld, [](T& ds, T& k) { k += ds; });
+}
+
 // acc[0] += lo (the left run's sum of s), acc[t] += s over the band, acc[last] += hi (the right run's sum).
 template <typename T>
 void fold_runs(T* acc, const T* s, const Runs& r, int64_t last, T lo, T hi) {
@@ -365,21 +482,41 @@ inline int64_t kv_end(const Geometry& g, int64_t m0, int64_t tq) {
   return g.causal ? std::clamp<int64_t>(m0 + tq + g.off, 0, g.M) : g.M;
 }
 
+// KA rows of keys [j0, j1) for query head h into ka, lo and hi (PosRows' layout; kbuf holds 16-bit keys as T).
+template <typename I, typename T>
+PosRows<T> key_table_rows(const Geometry& g, const Views<I, T>& w, int64_t b, int64_t h, int64_t j0, int64_t j1,
+                          T scale, std::vector<T>& kbuf, T* ka, T* lo, T* hi) {
+  const int64_t nk = j1 - j0, hq = g.Hq == 1 ? 0 : h, ld = w.ka_ld;
+  int64_t ldk;
+  const T* kf = rows_as<T>(w.kh(b, h / g.group) + j0 * w.ks[2], nk, g.D, w.ks[2], kbuf, ldk);
+  gemm<T>(false, true, nk, w.ka_cols, g.D, scale, kf, ldk, w.rq_pad + hq * w.ka_cols * g.D, g.D, T(0), ka, ld);
+  for (int64_t x = 0; x < nk; ++x) {
+    lo[x] = ka[x * ld];
+    hi[x] = ka[x * ld + g.R - 1];
+  }
+  return {ka, lo, hi, j0};
+}
+
 // Scores of one tile of rows (query head h, key/value head hkv) against keys n0 .. n0+width-1: S[a, x] =
 // scale * q . k + mask + the relative key term (from the tile's QA rows, or none), 0 where a row may not see the
 // key. For each row its runs and the max of its scores (-inf if it sees no key there).
 template <typename I, typename T>
 void block_scores(const Geometry& g, const Views<I, T>& w, int64_t b, int64_t h, int64_t hkv, int64_t m0, int64_t tq,
-                  int64_t n0, int64_t width, T scale, const T* QA, T* S, int64_t ld, Runs* runs, T* rmax) {
+                  int64_t n0, int64_t width, T scale, const T* QA, const PosRows<T>* pos, T* S, int64_t ld, Runs* runs,
+                  T* rmax) {
   gemm_io<I, T>(false, true, tq, width, g.D, scale, w.qh(b, h) + m0 * w.qs[2], w.qs[2],
                 w.kh(b, hkv) + n0 * w.ks[2], w.ks[2], T(0), S, ld);
+  for (int64_t a = 0; a < tq; ++a) runs[a] = runs_of(m0 + a + g.off, n0, width, g.kk, g.causal);
+  if (pos != nullptr) {
+    const int64_t x0 = n0 - pos->first;
+    add_pos_term(S, ld, runs, tq, width, pos->ka + x0 * w.ka_ld, pos->lo + x0, pos->hi + x0, w.ka_ld);
+  }
   for (int64_t a = 0; a < tq; ++a) {
     T* s = S + a * ld;
-    const Runs r = runs_of(m0 + a + g.off, n0, width, g.kk, g.causal);
+    const Runs& r = runs[a];
     add_mask(s, w.mask_row(b, h, m0 + a, n0), r.valid, w.ms[3]);
-    rmax[a] = add_key_term(s, r, QA == nullptr ? nullptr : QA + a * g.R, 2 * g.kk);
+    rmax[a] = add_key_term(s, r, QA == nullptr ? nullptr : QA + a * w.ldr, 2 * g.kk);
     std::fill(s + r.valid, s + width, T(0));
-    runs[a] = r;
   }
 }
 
@@ -400,14 +537,24 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile
   constexpr bool narrow = !std::is_same_v<I, T>;
   const int64_t nq = (g.N + tile_q - 1) / tile_q, last = 2 * g.kk, R = g.R;
   at::parallel_for(0, g.B * g.H * nq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> S(tile_q * tile_k), QA(g.has_k ? tile_q * R : 0), PW(g.has_v ? tile_q * R : 0);
+    std::vector<T> S(tile_q * tile_k), QA(g.has_k ? tile_q * w.ldr : 0), PW(g.has_v ? tile_q * R : 0);
     std::vector<T> acc(tile_q * g.Dv), mx(tile_q), sm(tile_q), rmax(tile_q);
     std::vector<T> qbuf(narrow && g.has_k ? tile_q * g.D : 0);
     std::vector<I> P16(narrow ? tile_q * tile_k : 0);
     std::vector<Runs> runs(tile_q);
+    // The position-to-content term: KA rows of every key for the head of the current task (consecutive tasks share a
+    // head: formed once per head and thread).
+    const int64_t kam = g.has_q ? g.M : 0;
+    std::vector<T> KA(kam * w.ka_ld), klo(kam), khi(kam), kbuf(narrow ? kam * g.D : 0);
+    PosRows<T> pos{};
+    int64_t pos_of = -1;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nq, m0 = (task % nq) * tile_q, b = bh / g.H, h = bh % g.H, hkv = h / g.group;
       const int64_t hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h, tq = std::min(tile_q, g.N - m0);
+      if (g.has_q && b * g.H + g.ka_head(h) != pos_of) {
+        pos = key_table_rows(g, w, b, h, 0, g.M, scale, kbuf, KA.data(), klo.data(), khi.data());
+        pos_of = b * g.H + g.ka_head(h);
+      }
       const I* qp = w.qh(b, h) + m0 * w.qs[2];
       const I* vp = w.vh(b, hkv);
       const T* tk = g.has_k ? w.tk + hk * R * g.D : nullptr;
@@ -415,7 +562,8 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile
       if (g.has_k) {
         int64_t ldq;
         const T* qt = rows_as<T>(qp, tq, g.D, w.qs[2], qbuf, ldq);
-        gemm<T>(false, true, tq, R, g.D, scale, qt, ldq, tk, g.D, T(0), QA.data(), R);
+        gemm<T>(false, true, tq, w.ldr, g.D, scale, qt, ldq, w.tk_pad + hk * w.ldr * g.D, g.D, T(0), QA.data(),
+                w.ldr);
       }
       std::fill(PW.begin(), PW.end(), T(0));
       std::fill(acc.begin(), acc.end(), T(0));
@@ -424,8 +572,8 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile
       const int64_t end = kv_end(g, m0, tq);
       for (int64_t n0 = 0; n0 < end; n0 += tile_k) {
         const int64_t width = std::min(tile_k, end - n0);
-        block_scores(g, w, b, h, hkv, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr, S.data(), tile_k,
-                     runs.data(), rmax.data());
+        block_scores(g, w, b, h, hkv, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr,
+                     g.has_q ? &pos : nullptr, S.data(), tile_k, runs.data(), rmax.data());
         for (int64_t a = 0; a < tq; ++a) {
           T* s = S.data() + a * tile_k;
           const Runs& r = runs[a];
@@ -479,7 +627,7 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile
 template <typename I, typename T>
 void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile_q, int64_t tile_k, int64_t splits,
                    const I* dout, const int64_t* dos, const I* out, const T* lse, T* dq, T* dk, T* dv, T* drk,
-                   T* drv) {
+                   T* drv, T* drq) {
   constexpr bool narrow = !std::is_same_v<I, T>;
   const int64_t last = 2 * g.kk, R = g.R;
   const int64_t blocks = (g.M + tile_k - 1) / tile_k, per_split = (blocks + splits - 1) / splits;
@@ -487,10 +635,18 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t til
     const int64_t tid = at::get_thread_num();
     T* drk_t = g.has_k ? drk + tid * g.Hk * R * g.D : nullptr;
     T* drv_t = g.has_v ? drv + tid * g.Hv * R * g.Dv : nullptr;
+    T* drq_t = g.has_q ? drq + tid * g.Hq * R * g.D : nullptr;
+    // The position-to-content bins of the task's keys (one query head at a time): dKA, and its edge columns.
+    const int64_t seg = std::min(g.M, per_split * tile_k);
+    const int64_t ld = w.ka_ld;
+    std::vector<T> dKA(g.has_q ? seg * ld : 0), dlo(g.has_q ? seg : 0), dhi(g.has_q ? seg : 0);
+    std::vector<T> kbuf(narrow && g.has_q ? seg * g.D : 0);
+    std::vector<T> KA(g.has_q ? seg * ld : 0), klo(g.has_q ? seg : 0), khi(g.has_q ? seg : 0);  // KA rows of the keys
+    PosRows<T> pos{};
     std::vector<T> P(tile_q * tile_k), dP(tile_q * tile_k), dsum(tile_q), rmax(tile_q);
     std::vector<Runs> runs(tile_q);
-    std::vector<T> QA(g.has_k ? tile_q * R : 0), dQA(g.has_k ? tile_q * R : 0);
-    std::vector<T> DOA(g.has_v ? tile_q * R : 0), PW(g.has_v ? tile_q * R : 0);
+    std::vector<T> QA(g.has_k ? tile_q * w.ldr : 0), dQA(g.has_k ? tile_q * R : 0);
+    std::vector<T> DOA(g.has_v ? tile_q * w.ldr : 0), PW(g.has_v ? tile_q * R : 0);
     std::vector<T> qbuf(narrow && g.has_k ? tile_q * g.D : 0), dobuf(narrow && g.has_v ? tile_q * g.Dv : 0);
     std::vector<I> B16(narrow ? tile_q * tile_k : 0);
     for (int64_t task = begin; task < end; ++task) {
@@ -505,6 +661,13 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t til
         const T* tk = g.has_k ? w.tk + hk * R * g.D : nullptr;
         const T* tv = g.has_v ? w.tv + hv * R * g.Dv : nullptr;
         T* dqh = dq + (split * g.B * g.H + bh) * g.N * g.D;
+        if (g.has_q && (g.Hq != 1 || h == hkv * g.group) && keys_hi > keys_lo)
+          pos = key_table_rows(g, w, b, h, keys_lo, keys_hi, scale, kbuf, KA.data(), klo.data(), khi.data());
+        if (g.has_q) {
+          std::fill(dKA.begin(), dKA.end(), T(0));
+          std::fill(dlo.begin(), dlo.end(), T(0));
+          std::fill(dhi.begin(), dhi.end(), T(0));
+        }
         for (int64_t m0 = 0; m0 < g.N; m0 += tile_q) {
           const int64_t tq = std::min(tile_q, g.N - m0);
           const int64_t end = std::min(kv_end(g, m0, tq), keys_hi);
@@ -523,17 +686,19 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t til
           const T* qf = g.has_k ? rows_as<T>(qt, tq, g.D, w.qs[2], qbuf, ldq) : nullptr;
           const T* dof = g.has_v ? rows_as<T>(dot, tq, g.Dv, dos[2], dobuf, ldo) : nullptr;
           if (g.has_k) {
-            gemm<T>(false, true, tq, R, g.D, scale, qf, ldq, tk, g.D, T(0), QA.data(), R);
+            gemm<T>(false, true, tq, w.ldr, g.D, scale, qf, ldq, w.tk_pad + hk * w.ldr * g.D, g.D, T(0), QA.data(),
+                    w.ldr);
             std::fill(dQA.begin(), dQA.end(), T(0));
           }
           if (g.has_v) {
-            gemm<T>(false, true, tq, R, g.Dv, T(1), dof, ldo, tv, g.Dv, T(0), DOA.data(), R);
+            gemm<T>(false, true, tq, w.ldr, g.Dv, T(1), dof, ldo, w.tv_pad + hv * w.ldr * g.Dv, g.Dv, T(0),
+                    DOA.data(), w.ldr);
             std::fill(PW.begin(), PW.end(), T(0));
           }
           for (int64_t n0 = keys_lo; n0 < end; n0 += tile_k) {
             const int64_t width = std::min(tile_k, end - n0);
-            block_scores(g, w, b, h, hkv, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr, P.data(), tile_k,
-                         runs.data(), rmax.data());
+            block_scores(g, w, b, h, hkv, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr,
+                         g.has_q ? &pos : nullptr, P.data(), tile_k, runs.data(), rmax.data());
             for (int64_t a = 0; a < tq; ++a) {  // P = exp(S - lse)
               T* s = P.data() + a * tile_k;
               const Runs& r = runs[a];
@@ -559,13 +724,18 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t til
               T* ds = dP.data() + a * tile_k;
               const T* p = P.data() + a * tile_k;
               const Runs& r = runs[a];
-              if (g.has_v) add_key_term(ds, r, DOA.data() + a * R, last);
+              if (g.has_v) add_key_term(ds, r, DOA.data() + a * w.ldr, last);
               const T d = dsum[a];
               const T lo = softmax_grad_sum(ds, p, r.left, d);
               softmax_grad_sum(ds + r.left, p + r.left, r.right - r.left, d);
               const T hi = softmax_grad_sum(ds + r.right, p + r.right, r.valid - r.right, d);
               std::fill(ds + r.valid, ds + width, T(0));
               if (g.has_k) fold_runs(dQA.data() + a * R, ds, r, last, lo, hi);
+            }
+            if (g.has_q) {
+              const int64_t x0 = n0 - keys_lo;
+              bin_pos_term(dP.data(), tile_k, runs.data(), tq, width, dKA.data() + x0 * ld, dlo.data() + x0,
+                           dhi.data() + x0, ld);
             }
             // dq += scale dS @ k;  dk += scale dS.T @ q
             const I* dS = block_as<I>(dP.data(), tq, width, tile_k, B16);
@@ -580,6 +750,18 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t til
           if (g.has_v) {
             gemm<T>(true, false, R, g.Dv, tq, T(1), PW.data(), R, dof, ldo, T(1), drv_t + hv * R * g.Dv, g.Dv);
           }
+        }
+        if (g.has_q && keys_hi > keys_lo) {  // dk += scale dKA @ a^Q;  d a^Q += scale dKA.T @ k (the task's keys)
+          const int64_t nk = keys_hi - keys_lo, hq = g.Hq == 1 ? 0 : h;
+          for (int64_t x = 0; x < nk; ++x) {
+            dKA[x * ld] += dlo[x];
+            dKA[x * ld + last] += dhi[x];
+          }
+          const T* tq = w.rq + hq * R * g.D;
+          gemm<T>(false, false, nk, g.D, R, scale, dKA.data(), ld, tq, g.D, T(1), dkh + keys_lo * g.D, g.D);
+          int64_t ldk;
+          const T* kf = rows_as<T>(kp + keys_lo * w.ks[2], nk, g.D, w.ks[2], kbuf, ldk);
+          gemm<T>(true, false, R, g.D, nk, scale, dKA.data(), ld, kf, ldk, T(1), drq_t + hq * R * g.D, g.D);
         }
       }
     }
@@ -598,7 +780,7 @@ at::ScalarType compute_type(const at::Tensor& q) {
 }
 
 Geometry geometry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tk,
-                  const at::Tensor& tv, int64_t kk, bool causal, int64_t off) {
+                  const at::Tensor& tv, const at::Tensor& tq, int64_t kk, bool causal, int64_t off) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "relattn native: q, k, v must be 4-D");
   const at::ScalarType dt = q.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kDouble || is_16_bit_type(dt),
@@ -614,15 +796,17 @@ Geometry geometry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               ", k ", k.sizes(), ", v ", v.sizes());
   Geometry g{q.size(0), H, q.size(2), k.size(2), q.size(3), v.size(3), 1, 1, 2 * kk + 1, kk, off, Hkv, H / Hkv,
              causal, tk.defined(), tv.defined()};
-  for (const auto* t : {&tk, &tv}) {
+  for (const auto* t : {&tk, &tv, &tq}) {
     if (t->defined()) {
       TORCH_CHECK(t->dim() == 3 && t->size(1) == g.R && t->is_contiguous() && t->scalar_type() == compute_type(q) &&
-                      (t->size(0) == 1 || t->size(0) == g.H) && t->size(2) == (t == &tk ? g.D : g.Dv),
+                      (t->size(0) == 1 || t->size(0) == g.H) && t->size(2) == (t == &tv ? g.Dv : g.D),
                   "relattn native: tables must be contiguous (1 or H, 2K+1, d) of q's dtype (float32 for 16-bit q)");
     }
   }
   g.Hk = tk.defined() ? tk.size(0) : 1;
   g.Hv = tv.defined() ? tv.size(0) : 1;
+  g.has_q = tq.defined();
+  g.Hq = tq.defined() ? tq.size(0) : 1;
   return g;
 }
 
@@ -662,32 +846,35 @@ void dispatch_types(at::ScalarType dt, F&& fn) {
 std::tuple<at::Tensor, at::Tensor> shaw_fwd(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
                                             const std::optional<at::Tensor>& rel_k,
                                             const std::optional<at::Tensor>& rel_v,
-                                            const std::optional<at::Tensor>& mask_, int64_t kk, bool is_causal,
+                                            const std::optional<at::Tensor>& mask_,
+                                            const std::optional<at::Tensor>& rel_q, int64_t kk, bool is_causal,
                                             double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k) {
   at::Tensor q = rows_contiguous(q_), k = rows_contiguous(k_), v = rows_contiguous(v_);
-  at::Tensor tk = opt(rel_k), tv = opt(rel_v), mask = checked_mask(opt(mask_), q, k);
-  const Geometry g = geometry(q, k, v, tk, tv, kk, is_causal, query_offset);
+  at::Tensor tk = opt(rel_k), tv = opt(rel_v), tq = opt(rel_q), mask = checked_mask(opt(mask_), q, k);
+  const Geometry g = geometry(q, k, v, tk, tv, tq, kk, is_causal, query_offset);
   clamp_tiles(g, tile_q, tile_k);
   at::Tensor out = at::empty({g.B, g.H, g.N, g.Dv}, q.options());
   at::Tensor lse = at::empty({g.B, g.H, g.N}, q.options().dtype(compute_type(q)));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
+  const Padded pad = padded_tables(tk, tv, tq, g);
   dispatch_types(q.scalar_type(), [&]<typename I, typename T>() {
-    forward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask), static_cast<T>(scale), tile_q, tile_k,
+    forward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, pad), static_cast<T>(scale), tile_q, tile_k,
                        out.data_ptr<I>(), lse.data_ptr<T>());
   });
   return {out, lse};
 }
 
 // Gradients in the compute type (float32 for 16-bit inputs); dk, dv (B, Hkv, M, D|Dv).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> shaw_bwd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> shaw_bwd(
     const at::Tensor& grad_out_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
     const std::optional<at::Tensor>& rel_k, const std::optional<at::Tensor>& rel_v,
-    const std::optional<at::Tensor>& mask_, const at::Tensor& out_, const at::Tensor& lse_, int64_t kk, bool is_causal,
-    double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k, int64_t kv_splits) {
+    const std::optional<at::Tensor>& mask_, const std::optional<at::Tensor>& rel_q, const at::Tensor& out_,
+    const at::Tensor& lse_, int64_t kk, bool is_causal, double scale, int64_t query_offset, int64_t tile_q,
+    int64_t tile_k, int64_t kv_splits) {
   at::Tensor q = rows_contiguous(q_), k = rows_contiguous(k_), v = rows_contiguous(v_);
   at::Tensor grad_out = rows_contiguous(grad_out_), out = out_.contiguous(), lse = lse_.contiguous();
-  at::Tensor tk = opt(rel_k), tv = opt(rel_v), mask = checked_mask(opt(mask_), q, k);
-  const Geometry g = geometry(q, k, v, tk, tv, kk, is_causal, query_offset);
+  at::Tensor tk = opt(rel_k), tv = opt(rel_v), tq = opt(rel_q), mask = checked_mask(opt(mask_), q, k);
+  const Geometry g = geometry(q, k, v, tk, tv, tq, kk, is_causal, query_offset);
   TORCH_CHECK(grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type() &&
                   lse.scalar_type() == compute_type(q),
               "relattn native: grad_out and out must have q's dtype, lse its compute dtype");
@@ -705,26 +892,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> shaw_bwd(
   at::Tensor dv = at::zeros({g.B, g.Hkv, g.M, g.Dv}, opts);
   at::Tensor drk = g.has_k ? at::zeros({threads, g.Hk, g.R, g.D}, opts) : at::empty({0}, opts);
   at::Tensor drv = g.has_v ? at::zeros({threads, g.Hv, g.R, g.Dv}, opts) : at::empty({0}, opts);
+  at::Tensor drq = g.has_q ? at::zeros({threads, g.Hq, g.R, g.D}, opts) : at::empty({0}, opts);
   if (g.N > 0 && g.M > 0) {
     const int64_t dos[3] = {grad_out.stride(0), grad_out.stride(1), grad_out.stride(2)};
+    const Padded pad = padded_tables(tk, tv, tq, g);
     dispatch_types(q.scalar_type(), [&]<typename I, typename T>() {
-      backward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask), static_cast<T>(scale), tile_q, tile_k, splits,
-                          grad_out.data_ptr<I>(), dos, out.data_ptr<I>(), lse.data_ptr<T>(), dq.data_ptr<T>(),
+      backward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, pad), static_cast<T>(scale), tile_q, tile_k,
+                          splits, grad_out.data_ptr<I>(), dos, out.data_ptr<I>(), lse.data_ptr<T>(), dq.data_ptr<T>(),
                           dk.data_ptr<T>(), dv.data_ptr<T>(), g.has_k ? drk.data_ptr<T>() : nullptr,
-                          g.has_v ? drv.data_ptr<T>() : nullptr);
+                          g.has_v ? drv.data_ptr<T>() : nullptr, g.has_q ? drq.data_ptr<T>() : nullptr);
     });
   }
-  return {splits == 1 ? dq[0] : dq.sum(0), dk, dv, g.has_k ? drk.sum(0) : drk, g.has_v ? drv.sum(0) : drv};
+  return {splits == 1 ? dq[0] : dq.sum(0), dk, dv, g.has_k ? drk.sum(0) : drk, g.has_v ? drv.sum(0) : drv,
+          g.has_q ? drq.sum(0) : drq};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(relattn_native, m) {
-  m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, int K, bool is_causal, "
-        "float scale, int query_offset, int tile_q, int tile_k) -> (Tensor, Tensor)");
-  m.def("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, Tensor out, "
-        "Tensor lse, int K, bool is_causal, float scale, int query_offset, int tile_q, int tile_k, int kv_splits) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, Tensor? rel_q, int K, "
+        "bool is_causal, float scale, int query_offset, int tile_q, int tile_k) -> (Tensor, Tensor)");
+  m.def("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, "
+        "Tensor? rel_q, Tensor out, Tensor lse, int K, bool is_causal, float scale, int query_offset, int tile_q, "
+        "int tile_k, int kv_splits) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("has_gemm16(ScalarType dtype) -> bool", [](at::ScalarType dtype) { return has_gemm16(dtype); });
 }
 
