@@ -14,7 +14,9 @@ or started. It needs a C++ compiler and ninja (a dependency of relattn, from PyP
 Where the build fails, or with ``RELATTN_NATIVE=0`` in the environment, :func:`unavailable` says why and
 "auto" uses the other backends.
 
-Any float dtype, any additive mask that needs no gradient, no dropout; k and v may have fewer heads than q
+Any float dtype, any additive mask that needs no gradient, no dropout, the position-to-content table ``rel_q``
+(``KA = k a^Q^T`` per head and thread, added per row in the same three runs; its gradient binned per key by the
+backward task that owns the key); k and v may have fewer heads than q
 (grouped-query attention, ``H % Hkv == 0``), read in place: dk and dv of a key/value head are summed over its
 query heads in a fixed order (one task per batch entry and key/value head runs its group's query heads in turn),
 so the gradients are the same bits from one run to the next.
@@ -289,8 +291,9 @@ def native_attention(call: AttentionCall) -> Tensor:
     return out
 
 
-BACKEND = Backend("native", native_attention, Serves(devices=frozenset({"cpu"}), grouped_kv=True, pos_to_content=True),
+BACKEND = Backend("native", native_attention,
+                  Serves(devices=frozenset({"cpu"}), grouped_kv=True, pos_to_content=True),
                   "C++ kernel, one flash pass: the key term added per row in three runs (left, band, right), "
-                  "the value term as 2K+1 weights per row; CPU, masks, grouped k/v, no dropout (16-bit GEMMs "
+                  "the value term as 2K+1 weights per row; CPU, masks, grouped k/v, rel_q, no dropout (16-bit GEMMs "
                   "where the CPU has 16-bit instructions, else float32)",
                   unavailable=unavailable)
