@@ -1,4 +1,4 @@
-"""DeBERTa-v2/v3 (and mDeBERTa-v3) disentangled attention on :func:`relative_attention`, for
+"""DeBERTa (v1) and DeBERTa-v2/v3 (and mDeBERTa-v3) disentangled attention on :func:`relative_attention`, for
 :func:`relattn.integrations.transformers.patch`.
 
 transformers' ``DisentangledSelfAttention`` computes, per head (``D`` head dim; ``A`` the relative embeddings
@@ -18,6 +18,13 @@ Differences from the unpatched model, at padding only: a query at a padded posit
 transformers' (B, 1, N, N) mask) attends the real tokens instead of all tokens uniformly. Its output is never
 read by a real token, so every real token's output and every gradient of a loss on real tokens are unchanged.
 The weights returned with ``output_attentions=True`` are computed (before dropout).
+
+DeBERTa v1 (``DebertaModel``, ``transformers.models.deberta``) is the same attention with its own parametrisation:
+q, k, v from one ``in_proj`` (per head ``[q | k | v]``) plus ``q_bias`` and ``v_bias``; ``A_K = pos_proj(A)``,
+``A_Q = pos_q_proj(A)``; ``f = 1 + len(pos_att_type)``; no log buckets: positions ``i - j`` clipped to
+``[-span, span - 1]`` with ``span = min(N, max_relative_positions)``, over rows ``max_relative_positions - span``
+.. ``max_relative_positions + span`` of ``rel_embeddings``. Its ``talking_head`` option mixes the heads' scores
+(not Shaw attention): such a model is left as it is.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from ..functional import relative_attention, relative_attention_weights
 from ..positions import LogBuckets
 
 _MODULE = "transformers.models.deberta_v2.modeling_deberta_v2."
+_MODULE_V1 = "transformers.models.deberta.modeling_deberta."
 
 
 def positions(module: nn.Module) -> LogBuckets:
@@ -44,14 +52,14 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _is_standard(relative_pos: torch.Tensor, module: nn.Module, n: int) -> bool:
     """Whether ``relative_pos`` is what transformers' ``build_relative_position`` gives for length ``n``: Toeplitz,
-    first row and column as built (an O(N^2) comparison, no (N, N) allocation)."""
+    first row and column as built (an O(N^2) comparison, no (N, N) allocation). v1 modules have no buckets."""
     from transformers.models.deberta_v2.modeling_deberta_v2 import make_log_bucket_position
 
     rp = relative_pos.reshape(relative_pos.shape[-2:]) if relative_pos.dim() > 2 else relative_pos
     if rp.shape != (n, n) or rp.shape[0] > 1 and not torch.equal(rp[1:, 1:], rp[:-1, :-1]):
         return False
     edge = torch.cat([-torch.arange(n - 1, 0, -1), torch.arange(n)]).to(rp.device)  # i - j along row 0, column 0
-    if module.position_buckets > 0 and module.max_relative_positions > 0:
+    if getattr(module, "position_buckets", 0) > 0 and module.max_relative_positions > 0:
         edge = make_log_bucket_position(edge, module.position_buckets, module.max_relative_positions)
     return torch.equal(torch.cat([rp[0].flip(0)[:-1], rp[:, 0]]).long(), edge.long())
 
@@ -59,6 +67,14 @@ def _is_standard(relative_pos: torch.Tensor, module: nn.Module, n: int) -> bool:
 def _scale(head_dim: int, terms: int) -> float:
     """transformers' ``scaled_size_sqrt``: ``sqrt(terms * D)``, computed in float32 as it is there."""
     return float(torch.sqrt(torch.tensor(head_dim, dtype=torch.float32) * terms))
+
+
+def _keep_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """DeBERTa's masks are keep-masks (nonzero = may attend), whatever their dtype: as a bool mask of 4 dims."""
+    mask = attention_mask.bool()
+    if mask.dim() <= 3:
+        mask = mask[:, None, None, :] if mask.dim() == 2 else mask[:, None]
+    return mask
 
 
 def _deberta_forward(self, hidden_states, attention_mask, output_attentions=False, query_states=None,
@@ -82,11 +98,8 @@ def _deberta_forward(self, hidden_states, attention_mask, output_attentions=Fals
         if p2c:
             rel_q = _heads(self.query_proj(table) if self.share_att_key else self.pos_query_proj(table), heads)
     terms = 1 + (c2p and self.relative_attention) + (p2c and self.relative_attention)
-    mask = attention_mask.bool()  # DeBERTa's masks are keep-masks (nonzero = may attend), whatever their dtype
-    if mask.dim() <= 3:
-        mask = mask[:, None, None, :] if mask.dim() == 2 else mask[:, None]
     args = dict(max_relative_position=positions(self) if self.relative_attention else 0, rel_q=rel_q,
-                attn_mask=mask, scale=1.0 / _scale(q.shape[-1], terms))
+                attn_mask=_keep_mask(attention_mask), scale=1.0 / _scale(q.shape[-1], terms))
     out = relative_attention(q, k, v, rel_k, None, dropout_p=self.dropout.p if self.training else 0.0,
                              backend=self._relattn_backend, **args)
     weights = relative_attention_weights(q, k, rel_k, **args) if output_attentions else None
@@ -123,10 +136,86 @@ def _encoder_reason(module) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------------------------------------- DeBERTa v1
+
+# What the patched v1 encoder hands its layers as ``relative_pos``: "the standard positions, not built" (v1's own
+# attention adds the position terms only when it is given positions).
+_ENCODER_POSITIONS = object()
+
+
+def _v1_forward(self, hidden_states, attention_mask, output_attentions=False, query_states=None, relative_pos=None,
+                rel_embeddings=None):
+    """DeBERTa v1's DisentangledSelfAttention forward on :func:`relative_attention`."""
+    n = hidden_states.shape[-2]
+    from_encoder = relative_pos is _ENCODER_POSITIONS
+    if query_states is not None or (relative_pos is not None and not from_encoder
+                                    and not _is_standard(relative_pos, self, n)):
+        if from_encoder:
+            from transformers.models.deberta.modeling_deberta import build_relative_position
+
+            relative_pos = build_relative_position(hidden_states if query_states is None else query_states,
+                                                   hidden_states)
+        return type(self).forward(self, hidden_states, attention_mask, output_attentions=output_attentions,
+                                  query_states=query_states, relative_pos=relative_pos, rel_embeddings=rel_embeddings)
+    heads = self.num_attention_heads
+    q, k, v = _heads(self.in_proj(hidden_states), heads).chunk(3, dim=-1)
+    q = q + self.q_bias.view(heads, 1, -1)
+    v = v + self.v_bias.view(heads, 1, -1)
+    rel_k = rel_q = None
+    window: int | LogBuckets = 0
+    if self.relative_attention and rel_embeddings is not None and relative_pos is not None:
+        span = min(n, self.max_relative_positions)
+        window = LogBuckets(span)
+        table = self.pos_dropout(rel_embeddings)[self.max_relative_positions - span: self.max_relative_positions + span]
+        if "c2p" in self.pos_att_type:
+            rel_k = _heads(self.pos_proj(table), heads)
+        if "p2c" in self.pos_att_type:
+            rel_q = _heads(self.pos_q_proj(table), heads)
+    args = dict(max_relative_position=window, rel_q=rel_q, attn_mask=_keep_mask(attention_mask),
+                scale=1.0 / _scale(q.shape[-1], 1 + len(self.pos_att_type)))
+    out = relative_attention(q, k, v, rel_k, None, dropout_p=self.dropout.p if self.training else 0.0,
+                             backend=self._relattn_backend, **args)
+    weights = relative_attention_weights(q, k, rel_k, **args) if output_attentions else None
+    return out.transpose(-2, -3).flatten(-2), weights
+
+
+def _v1_encoder_forward(self, hidden_states, attention_mask, *args, **kwargs):
+    """DebertaEncoder's forward handing its layers a padding mask and, for self-attention, no (N, N) positions."""
+    self.get_attention_mask = _padding_mask
+    original = type(self).get_rel_pos
+
+    def positions_or_marker(hidden, query_states=None, relative_pos=None):
+        if relative_pos is not None or query_states is not None or not self.relative_attention:
+            return original(self, hidden, query_states, relative_pos)
+        return _ENCODER_POSITIONS
+
+    self.get_rel_pos = positions_or_marker
+    try:
+        return type(self).forward(self, hidden_states, attention_mask, *args, **kwargs)
+    finally:
+        del self.get_attention_mask, self.get_rel_pos
+
+
+def _v1_attention_reason(module) -> str | None:
+    if getattr(module, "talking_head", False):
+        return "DeBERTa's talking_head mixes the heads' scores: not Shaw attention, left as it is"
+    return None
+
+
+def _v1_encoder_reason(module) -> str | None:
+    layers = [layer.attention.self for layer in module.layer]
+    if not all(type(a).__name__ == "DisentangledSelfAttention" and _v1_attention_reason(a) is None for a in layers):
+        return "an encoder whose layers are not all patched keeps transformers' (N, N) masks and positions"
+    return None
+
+
 HANDLERS = {
     _MODULE + "DisentangledSelfAttention": (_deberta_forward, _attention_reason),
     _MODULE + "DebertaV2Encoder": (_encoder_forward, _encoder_reason),
+    _MODULE_V1 + "DisentangledSelfAttention": (_v1_forward, _v1_attention_reason),
+    _MODULE_V1 + "DebertaEncoder": (_v1_encoder_forward, _v1_encoder_reason),
 }
-SUPPORTED = ("DeBERTa-v2/v3 (disentangled attention, log-bucket positions)",)
+SUPPORTED = ("DeBERTa-v2/v3 (disentangled attention, log-bucket positions)",
+             "DeBERTa v1 (disentangled attention, clipped positions)")
 
 __all__ = ["HANDLERS", "SUPPORTED", "positions"]

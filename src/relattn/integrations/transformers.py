@@ -12,7 +12,7 @@ class, its parameters and its ``state_dict`` names; only its ``forward`` is repl
   which is the flipped table in window ``(L - 1, L)``. The encoder's (N, N, D) embedding is no longer built: its
   ``embed_positions`` hands the (2L, D) table to the layers.
 - VITS: key and value tables ``emb_rel_k``, ``emb_rel_v`` (1, 2W+1, D), window ``W``, zero beyond it.
-- DeBERTa-v2/v3: disentangled attention, :mod:`relattn.integrations.deberta`.
+- DeBERTa (v1) and DeBERTa-v2/v3: disentangled attention, :mod:`relattn.integrations.deberta`.
 
 With ``output_attentions=True`` patched modules return the weights, from :func:`relative_attention_weights`, as
 the unpatched modules do (Wav2Vec2-BERT and SeamlessM4T-v2 whenever the model records attentions).
@@ -29,10 +29,11 @@ from torch import nn
 from ..backends import check_name
 from ..functional import relative_attention, relative_attention_weights
 from .deberta import HANDLERS as _DEBERTA
+from .deberta import SUPPORTED as _DEBERTA_SUPPORTED
 from .hf_common import as_attn_mask, dropout_p, merge, qkv
 
 SUPPORTED = ("Wav2Vec2-BERT (relative_key)", "SeamlessM4T-v2 speech encoder (relative_key)", "SpeechT5 encoder",
-             "VITS")
+             "VITS", *_DEBERTA_SUPPORTED)
 
 
 @dataclass
@@ -147,7 +148,7 @@ _HANDLERS = {
     "transformers.models.seamless_m4t_v2.modeling_seamless_m4t_v2.SeamlessM4Tv2ConformerSelfAttention":
         (_conformer_forward, _conformer_reason),
     "transformers.models.vits.modeling_vits.VitsAttention": (_vits_forward, _vits_reason),
-    **_DEBERTA,  # DeBERTa-v2/v3: integrations/deberta.py
+    **_DEBERTA,  # DeBERTa v1, v2/v3: integrations/deberta.py
 }
 _SPEECHT5 = "transformers.models.speecht5.modeling_speecht5."
 
@@ -176,8 +177,9 @@ def patch(model: nn.Module, *, backend: str = "auto") -> PatchReport:
     :func:`relative_attention` on the module's own parameters (``state_dict`` unchanged).
 
     Supported: Wav2Vec2-BERT and SeamlessM4T-v2 speech-encoder attention with ``relative_key`` positions, the
-    SpeechT5 encoder, VITS. Other attention modules (rotary, Transformer-XL ``relative``, absolute positions,
-    SpeechT5's decoder) are left untouched and listed in ``skipped`` with the reason; a warning names the
+    SpeechT5 encoder, VITS, DeBERTa (v1) and DeBERTa-v2/v3 (every ``Deberta*`` / ``DebertaV2*`` model class).
+    Other attention modules (rotary, Transformer-XL ``relative``, absolute positions, SpeechT5's decoder, DeBERTa's
+    talking heads) are left untouched and listed in ``skipped`` with the reason; a warning names the
     unsupported position types, and one is raised when nothing could be patched.
 
     Args:

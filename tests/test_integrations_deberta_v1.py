@@ -1,0 +1,190 @@
+"""relattn.integrations.transformers.patch on tiny random DeBERTa (v1) models (no hub): outputs and gradients equal
+the unpatched model's at every real token, for each kind of config (c2p and/or p2c, spans shorter and longer than
+the input, no relative attention), every head class, padding, dropout, output_attentions, state_dict and unpatch;
+talking heads are left as they are."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
+
+import relattn.integrations.deberta as deberta  # noqa: E402
+from relattn.integrations.transformers import is_patched, patch, unpatch  # noqa: E402
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+N = 23
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+KINDS = {
+    "base": dict(pos_att_type=["c2p", "p2c"], max_relative_positions=-1),  # span = N (max_position_embeddings 64)
+    "short-span": dict(pos_att_type=["c2p", "p2c"], max_relative_positions=6),  # span 6 < N: clipped
+    "c2p": dict(pos_att_type=["c2p"], max_relative_positions=9),
+    "p2c-string": dict(pos_att_type="p2c", max_relative_positions=9),
+    "no-position-terms": dict(pos_att_type=[], max_relative_positions=9),
+    "absolute-only": dict(relative_attention=False, pos_att_type=["c2p", "p2c"]),
+}
+
+
+def _config(kind, dropout=0.0, **more):
+    kw = dict(relative_attention=True) | KINDS[kind] | more
+    return transformers.DebertaConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=dropout, **kw)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 40, (2, N), generator=g)
+    mask = torch.ones(2, N, dtype=torch.long)
+    mask[1, 15:] = 0
+    return ids, mask
+
+
+def _pair(kind, dtype, cls=None, dropout=0.0, **more):
+    torch.manual_seed(0)
+    plain = (cls or transformers.DebertaModel)(_config(kind, dropout, **more)).to(dtype)
+    with torch.no_grad():  # q_bias and v_bias start at zero and the position terms near it: make them count
+        for module in plain.modules():
+            if hasattr(module, "q_bias"):
+                module.q_bias.normal_()
+                module.v_bias.normal_()
+            for name in ("pos_proj", "pos_q_proj"):
+                if hasattr(module, name):
+                    getattr(module, name).weight.mul_(30)
+        if plain.config.relative_attention:
+            plain.base_model.encoder.rel_embeddings.weight.normal_()
+    patched = copy.deepcopy(plain)
+    report = patch(patched)
+    assert len(report.patched) == plain.config.num_hidden_layers + 1, report  # every attention, and the encoder
+    return plain, patched
+
+
+def _run(model, ids, mask, cotangent):
+    out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    model.zero_grad(set_to_none=True)
+    (out * cotangent * mask[..., None]).sum().backward()
+    return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _grads_close(got, want, tol):
+    floor = max(g.abs().max().item() for g in want.values())
+    assert set(got) == set(want)
+    for name, w in want.items():
+        err = (got[name] - w).abs().max().item()
+        assert err <= tol * max(w.abs().max().item(), 1e-6 * floor), (name, err)
+
+
+CASES = [(kind, torch.float64) for kind in KINDS] + [("base", torch.float32), ("short-span", torch.float32)]
+
+
+@pytest.mark.parametrize(("kind", "dtype"), CASES, ids=[f"{k}-{str(d)[6:]}" for k, d in CASES])
+def test_patched_model_matches_unpatched(kind, dtype):
+    plain, patched = _pair(kind, dtype)
+    ids, mask = _inputs()
+    go = torch.randn(2, N, 16, dtype=dtype)
+    want, want_g = _run(plain, ids, mask, go)
+    got, got_g = _run(patched, ids, mask, go)
+    real = mask.bool()
+    assert _rel(got[real], want[real]) <= TOL[dtype]
+    _grads_close(got_g, want_g, TOL[dtype])
+
+
+def test_the_position_terms_are_there():
+    """Dropping p2c (or c2p) changes the output: the parity above is not two models without the terms."""
+    ids, mask = _inputs()
+    _, both = _pair("short-span", torch.float64)
+    out = both(input_ids=ids, attention_mask=mask).last_hidden_state
+    for layer in both.encoder.layer:
+        layer.attention.self.pos_att_type = ["c2p", "c2p"]  # same scale, no p2c
+    assert _rel(both(input_ids=ids, attention_mask=mask).last_hidden_state, out) > 1e-3
+
+
+@pytest.mark.parametrize("cls", ["DebertaForSequenceClassification", "DebertaForMaskedLM",
+                                 "DebertaForTokenClassification", "DebertaForQuestionAnswering"])
+def test_every_head_class_matches_unpatched(cls):
+    plain, patched = _pair("base", torch.float64, getattr(transformers, cls))
+    ids, mask = _inputs()
+    outs = []
+    for model in (plain, patched):
+        out = model(input_ids=ids, attention_mask=mask)
+        logits = out.logits if hasattr(out, "logits") else torch.stack([out.start_logits, out.end_logits], -1)
+        real = logits[mask.bool()] if logits.dim() > 2 and logits.shape[1] == N else logits
+        model.zero_grad(set_to_none=True)
+        (real * torch.linspace(-1, 1, real.shape[-1], dtype=real.dtype)).sum().backward()
+        outs.append((real, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (want, want_g), (got, got_g) = outs
+    assert _rel(got, want) <= 1e-10
+    _grads_close(got_g, want_g, 1e-10)
+
+
+def test_no_pairwise_mask_or_positions_reach_the_layers(monkeypatch):
+    _, patched = _pair("base", torch.float64)
+    ids, mask = _inputs()
+    seen = []
+    real = deberta.relative_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((kwargs["attn_mask"].shape, kwargs["max_relative_position"]))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(deberta, "relative_attention", spy)
+    patched(input_ids=ids, attention_mask=mask)
+    assert seen == [((2, 1, 1, N), deberta.LogBuckets(N))] * 2
+
+
+def test_attention_dropout_is_applied_in_training():
+    _, patched = _pair("base", torch.float64, dropout=0.5)
+    ids, mask = _inputs()
+    patched.train()
+    torch.manual_seed(3)
+    a = patched(input_ids=ids, attention_mask=mask).last_hidden_state
+    b = patched(input_ids=ids, attention_mask=mask).last_hidden_state
+    patched.eval()
+    c = patched(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert _rel(a, b) > 1e-3 and _rel(a, c) > 1e-3
+
+
+def test_output_attentions_state_dict_and_unpatch():
+    plain, patched = _pair("short-span", torch.float64)
+    ids, mask = _inputs()
+    want = plain(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    got = patched(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    real = mask.bool()
+    for w, g in zip(want, got, strict=True):
+        assert _rel(g[0], w[0]) <= 1e-10  # the unpadded sequence; the padded one at its real tokens:
+        assert _rel(g[1][:, real[1]][..., real[1]], w[1][:, real[1]][..., real[1]]) <= 1e-10
+    assert list(patched.state_dict()) == list(plain.state_dict())
+    assert is_patched(patched)
+    assert len(unpatch(patched)) == plain.config.num_hidden_layers + 1 and not is_patched(patched)
+
+
+def test_talking_heads_are_left_as_they_are():
+    torch.manual_seed(0)
+    model = transformers.DebertaModel(_config("base", talking_head=True))
+    with pytest.warns(UserWarning) as warned:
+        report = patch(model)
+    assert any("talking_head" in str(w.message) for w in warned)
+    assert not report.patched and any("talking_head" in r for r in report.skipped.values())
+
+
+def test_positions_other_than_the_standard_fall_back_to_transformers():
+    """A layer called with relative positions other than ``i - j`` runs transformers' own forward."""
+    plain, patched = _pair("short-span", torch.float64)
+    from transformers.models.deberta.modeling_deberta import build_relative_position
+
+    h = torch.randn(1, 7, 16, dtype=torch.float64)
+    mask = torch.ones(1, 1, 7, 7, dtype=torch.bool)
+    rel = patched.encoder.get_rel_embedding()
+    for pos in (build_relative_position(h, h), build_relative_position(h, h) * 2):
+        want = plain.encoder.layer[0].attention.self(h, mask, relative_pos=pos, rel_embeddings=rel)[0]
+        got = patched.encoder.layer[0].attention.self(h, mask, relative_pos=pos, rel_embeddings=rel)[0]
+        assert _rel(got, want) <= 1e-12
