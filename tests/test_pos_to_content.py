@@ -445,3 +445,65 @@ def test_patched_module_is_the_formula(backend, pos_att_type, buckets, share):
             assert a is None or not a.abs().any(), i
         else:
             assert_close(a, w, torch.float64, f"grad {i}")
+
+
+# ------------------------------------------------------------------------------------------------ the module
+
+
+@pytest.mark.parametrize("backend", backend_params([*SERVING, "auto"]))
+@pytest.mark.parametrize("positions", [LogBuckets(4, 8, 20), 3], ids=["log-buckets", "clip-3"])
+def test_module_with_position_to_content_is_the_formula(backend, positions):
+    """RelativeMultiheadAttention(position_to_content=True) against the float64 formula on its own projections:
+    outputs and the gradients of every parameter (both tables, the projections), with a key padding mask."""
+    from relattn import RelativeMultiheadAttention
+
+    torch.manual_seed(5)
+    n, e, h = 19, 12, 3
+    mod = RelativeMultiheadAttention(e, h, positions, relative_values=False, position_to_content=True,
+                                     share_heads=False, backend=backend, dtype=torch.float64)
+    assert mod.rel_q.shape == mod.rel_k.shape == (h, table_rows_of(positions), e // h)
+    x = torch.randn(2, n, e, dtype=torch.float64)
+    pad = torch.zeros(2, n, dtype=torch.bool)
+    pad[1, 13:] = True
+    got = mod(x, key_padding_mask=pad)[0]
+
+    def heads(t):
+        return t.view(2, n, h, e // h).transpose(1, 2)
+
+    q, k, v = heads(mod.q_proj(x)), heads(mod.k_proj(x)), heads(mod.v_proj(x))
+    if isinstance(positions, LogBuckets):
+        rows = deberta_rows(n, positions.span, positions.buckets, positions.max_position)
+    else:
+        rows = shaw_rows(n, n, positions, positions)
+    ctx = formula(q, k, v, mod.rel_k, mod.rel_q, rows, scale=1 / math.sqrt(e // h), mask=~pad[:, None, None, :])
+    want = mod.out_proj(ctx.transpose(1, 2).flatten(2))
+    assert_close(got, want, torch.float64, "out")
+    params = [p for _, p in mod.named_parameters()]
+    go = torch.randn(got.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    for (name, _), a, w in zip(mod.named_parameters(), torch.autograd.grad(got, params, go),
+                               torch.autograd.grad(want, params, go), strict=True):
+        assert_close(a, w, torch.float64, f"d{name}")
+
+
+def table_rows_of(positions):
+    return positions.rows if isinstance(positions, LogBuckets) else 2 * positions + 1
+
+
+def test_module_position_to_content_options(monkeypatch):
+    from relattn import RelativeMultiheadAttention, backends
+
+    mod = RelativeMultiheadAttention(8, 2, 3, position_to_content=True)
+    assert mod.rel_q.shape == (7, 4) and "position_to_content=True" in repr(mod)
+    assert RelativeMultiheadAttention(8, 2, 3).rel_q is None
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    up = RelativeMultiheadAttention.from_mha(mha, 3, position_to_content=True)
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(up(x)[0], mha(x, x, x)[0])  # zero tables: mha's own output
+    assert up.rel_q.abs().sum() == 0
+    with pytest.raises(ValueError, match="beyond"):
+        RelativeMultiheadAttention(8, 2, LogBuckets(4), beyond="zero")
+    # a backend declaring no position-to-content term is refused at construction, naming rel_q
+    monkeypatch.setitem(backends.BACKENDS, "without",
+                        backends.Backend("without", lambda c: c.q, Serves(), "declares no rel_q"))
+    with pytest.raises(ValueError, match="rel_q"):
+        RelativeMultiheadAttention(8, 2, 3, position_to_content=True, backend="without")

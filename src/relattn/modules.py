@@ -9,7 +9,7 @@ from torch import nn
 
 from .cache import KVCache
 from .functional import backend_refusals, relative_attention, relative_attention_with_weights
-from .positions import check_beyond, check_window, table_rows
+from .positions import LogBuckets, check_beyond, check_positions, table_rows
 
 _MASKS = {  # argument -> what its bool and float forms mean, as nn.MultiheadAttention takes them
     "key_padding_mask": "bool (True = padding: the key is not attended) or floating (added to the scores)",
@@ -79,7 +79,8 @@ class RelativeMultiheadAttention(nn.Module):
             reads key/value head ``h // (H // Hkv)``): ``k_proj`` and ``v_proj`` give ``Hkv * D`` features, and a
             ``KVCache`` holds ``Hkv`` heads. Default ``H`` (multi-head attention); 1 is multi-query attention.
         max_relative_position: ``K``; offsets are clipped to ``[-K, K]``, so tables have ``2K + 1`` rows. A pair
-            ``(left, right)`` clips to ``[-left, right]`` (``left + right + 1`` rows).
+            ``(left, right)`` clips to ``[-left, right]`` (``left + right + 1`` rows). A
+            :class:`relattn.positions.LogBuckets` maps offsets as DeBERTa does (tables of ``2 * span`` rows).
         beyond: ``"clip"`` (offsets beyond the window take the edge rows) or ``"zero"`` (no relative term).
         tie_tables: one table for keys and values (OpenNMT-py, CTranslate2): ``rel_v`` is ``rel_k``.
         dropout: dropout on the attention weights, in training mode only.
@@ -91,6 +92,8 @@ class RelativeMultiheadAttention(nn.Module):
         batch_first: (B, N, E) if True (the default: this module was always batch-first), (N, B, E) if False.
         relative_keys: learn the key-side table ``rel_k`` (``a^K``).
         relative_values: learn the value-side table ``rel_v`` (``a^V``).
+        position_to_content: learn the position-to-content table ``rel_q`` (``a^Q``: DeBERTa's p2c term, adding
+            ``k_j . a^Q[idx_ij]`` to the scores), shaped like ``rel_k``.
         share_heads: one (2K+1, D) table per side shared by all heads (Shaw et al.), else (H, 2K+1, D).
         backend: passed to :func:`relattn.relative_attention`. A backend that will refuse this module's calls
             (dropout it does not serve, a head dim, a ``device`` or ``dtype`` it does not take, a missing package)
@@ -115,7 +118,7 @@ class RelativeMultiheadAttention(nn.Module):
        zero weights and gradients, where nn.MultiheadAttention gives NaN.
     7. ``add_bias_kv=True`` and ``add_zero_attn=True`` are refused (see above).
     8. Parameters are the ``nn.Linear`` modules ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` and the
-       tables ``rel_k``, ``rel_v``; ``in_proj_weight`` and ``in_proj_bias`` are None (as
+       tables ``rel_k``, ``rel_v`` (and ``rel_q``); ``in_proj_weight`` and ``in_proj_bias`` are None (as
        ``_qkv_same_embed_dim`` is False), so state-dict keys differ. Bring an nn.MultiheadAttention (or its
        state dict, loaded into one) over with :meth:`from_mha`. In ``nn.TransformerEncoderLayer`` /
        ``nn.TransformerDecoderLayer`` this module works as ``self_attn`` / ``multihead_attn``; the layers
@@ -144,6 +147,7 @@ class RelativeMultiheadAttention(nn.Module):
         batch_first: bool = True,
         relative_keys: bool = True,
         relative_values: bool = True,
+        position_to_content: bool = False,
         share_heads: bool = True,
         backend: str = "auto",
         device=None,
@@ -165,7 +169,8 @@ class RelativeMultiheadAttention(nn.Module):
             raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({num_heads})")
         head_dim = embed_dim // num_heads
         refused = backend_refusals(backend, dropout=dropout > 0, head_dim=head_dim, dtype=dtype,
-                                   device=None if device is None else torch.device(device).type)
+                                   device=None if device is None else torch.device(device).type,
+                                   pos_to_content=position_to_content)
         if refused:
             raise ValueError(f"backend {backend!r} cannot serve this module: {'; '.join(refused)}")
         factory = {"device": device, "dtype": dtype}
@@ -174,9 +179,11 @@ class RelativeMultiheadAttention(nn.Module):
         self.kdim = embed_dim if kdim is None else _positive("kdim", kdim)
         self.vdim = embed_dim if vdim is None else _positive("vdim", vdim)
         self.head_dim = head_dim
-        check_window(max_relative_position)
+        check_positions(max_relative_position)
         self.max_relative_position = max_relative_position
         self.beyond = check_beyond(beyond)
+        if isinstance(max_relative_position, LogBuckets) and beyond != "clip":
+            raise ValueError(f"beyond={beyond!r} does not apply to LogBuckets positions (they saturate); use 'clip'")
         if tie_tables and not (relative_keys and relative_values):
             raise ValueError("tie_tables=True needs relative_keys=True and relative_values=True (one table for both)")
         self.dropout, self.backend, self.share_heads = dropout, backend, share_heads
@@ -192,6 +199,7 @@ class RelativeMultiheadAttention(nn.Module):
         self.rel_v = self.rel_k if tie_tables else (
             nn.Parameter(torch.empty(table, **factory)) if relative_values else None)
         self.tie_tables = tie_tables
+        self.rel_q = nn.Parameter(torch.empty(table, **factory)) if position_to_content else None
         # nn.MultiheadAttention's attributes that torch.nn.Transformer*Layer inspect: with no packed in-projection
         # they never take their fused fast path (which would read in_proj_weight and bypass this module).
         self.register_parameter("in_proj_weight", None)
@@ -211,12 +219,13 @@ class RelativeMultiheadAttention(nn.Module):
         tie_tables: bool = False,
         relative_keys: bool = True,
         relative_values: bool = True,
+        position_to_content: bool = False,
         share_heads: bool = True,
         backend: str = "auto",
     ) -> RelativeMultiheadAttention:
         """A module with ``mha``'s sizes, layout, dropout, weights (copied), device, dtype and mode; the position
         options (``max_relative_position``, ``beyond``, ``tie_tables``, ``relative_keys``, ``relative_values``,
-        ``share_heads``) and ``backend`` are the constructor's.
+        ``position_to_content``, ``share_heads``) and ``backend`` are the constructor's.
 
         The tables start at zero, so until they are trained it computes what ``mha`` computes. To
         upgrade a model in place: ``model.attn = RelativeMultiheadAttention.from_mha(model.attn, 16)``, or
@@ -234,8 +243,9 @@ class RelativeMultiheadAttention(nn.Module):
         mod = cls(mha.embed_dim, mha.num_heads, max_relative_position, beyond=beyond, tie_tables=tie_tables,
                   dropout=mha.dropout,
                   bias=mha.in_proj_bias is not None, kdim=mha.kdim, vdim=mha.vdim, batch_first=mha.batch_first,
-                  relative_keys=relative_keys, relative_values=relative_values, share_heads=share_heads,
-                  backend=backend, device=out_w.device, dtype=out_w.dtype)
+                  relative_keys=relative_keys, relative_values=relative_values,
+                  position_to_content=position_to_content, share_heads=share_heads, backend=backend,
+                  device=out_w.device, dtype=out_w.dtype)
         if mha.in_proj_weight is not None:
             weights = mha.in_proj_weight.chunk(3)
         else:
@@ -250,7 +260,7 @@ class RelativeMultiheadAttention(nn.Module):
             mod.out_proj.weight.copy_(out_w)
             if mod.out_proj.bias is not None:
                 mod.out_proj.bias.copy_(mha.out_proj.bias)
-            for table in (mod.rel_k, mod.rel_v):
+            for table in (mod.rel_k, mod.rel_v, mod.rel_q):
                 if table is not None:
                     table.zero_()
         return mod.train(mha.training)
@@ -263,7 +273,7 @@ class RelativeMultiheadAttention(nn.Module):
             if proj.bias is not None:
                 nn.init.zeros_(proj.bias)
         std = math.sqrt(2.0 / (table_rows(self.max_relative_position) + self.head_dim))
-        for table in (self.rel_k, self.rel_v):
+        for table in (self.rel_k, self.rel_v, self.rel_q):
             if table is not None:
                 nn.init.normal_(table, std=std)
 
@@ -274,6 +284,7 @@ class RelativeMultiheadAttention(nn.Module):
                 f"max_relative_position={self.max_relative_position}, beyond={self.beyond!r}, "
                 f"tie_tables={self.tie_tables}, share_heads={self.share_heads}, "
                 f"relative_keys={self.rel_k is not None}, relative_values={self.rel_v is not None}, "
+                f"position_to_content={self.rel_q is not None}, "
                 f"batch_first={self.batch_first}, backend={self.backend!r}")
 
     def _check_inputs(self, query, key, value) -> bool:
@@ -399,7 +410,8 @@ class RelativeMultiheadAttention(nn.Module):
         k, v = self._cache_update(kv_cache, self_attention, key, value, k, v, n, bf)
         rel_k = None if self.rel_k is None else self.rel_k.to(q.dtype)
         rel_v = None if self.rel_v is None else self.rel_v.to(q.dtype)
-        args = dict(max_relative_position=self.max_relative_position, beyond=self.beyond, attn_mask=mask,
+        rel_q = None if self.rel_q is None else self.rel_q.to(q.dtype)
+        args = dict(max_relative_position=self.max_relative_position, rel_q=rel_q, beyond=self.beyond, attn_mask=mask,
                     is_causal=is_causal, query_offset=offset, dropout_p=self.dropout if self.training else 0.0,
                     enable_gqa=self.num_kv_heads != self.num_heads)
         weights = None
