@@ -4,6 +4,7 @@ against an independent float64 implementation of the formula written here, outpu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -14,7 +15,7 @@ from helpers import assert_close, backend_params, np64
 from relattn import BACKENDS, relative_attention, relative_attention_weights
 from relattn import functional as fn
 from relattn import reference as ref
-from relattn.backends import choose, not_supported_reasons
+from relattn.backends import Backend, choose, not_supported_reasons
 from relattn.backends.blocked import blocked_backward, blocked_forward
 from relattn.positions import LogBuckets, log_bucket_position
 
@@ -217,7 +218,11 @@ def test_backends_without_the_term_refuse_it_by_declaration():
     (q, k, v, rel_k, rel_q), kw, _ = case(CASES[0])
     call = fn.validate(q, k, v, rel_k, None, rel_q=rel_q, dropout_p=0.0, scale=None, **kw)
     assert {"dense", "blocked"} <= set(SERVING)
-    for name in REFUSING:
+    without = Backend("without", BACKENDS["dense"].run, dataclasses.replace(BACKENDS["dense"].serves,
+                                                                          pos_to_content=False), "no rel_q")
+    assert not_supported_reasons(without, call) == [
+        "a position-to-content table rel_q (no k . a^Q term; 'blocked' and 'dense' take it)"]
+    for name in REFUSING:  # the registered ones (perhaps none)
         assert any("rel_q" in r for r in not_supported_reasons(BACKENDS[name], call)), name
         with pytest.raises(ValueError, match="rel_q"):
             relative_attention(q, k, v, rel_k, None, rel_q=rel_q, backend=name, **kw)
