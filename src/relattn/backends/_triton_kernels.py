@@ -15,6 +15,10 @@ The key loop of a query tile runs in three stages, as the tutorial's causal ``ST
   each pair's score with ``|r| < K`` is stored to a per-row bin (its table row ``t``; one key per bin);
 * RIGHT, key tiles whose every pair has ``r > K``: as LEFT with row 2K (never reached when causal).
 
+The position-to-content term (``HAS_RQ``: ``k_j . a^Q_t``, DeBERTa's p2c) reads the keys' precomputed table
+scores ``KA = k a^Q^T`` (B, H or Hkv, M, 2K+1) the same way from the key side: one number per key off the band
+(``KA[j, 0]`` left of it, ``KA[j, 2K]`` right), gathered per pair on it.
+
 Band tiles are ``BAND_SPLIT`` times narrower than the others: their per-pair gathers and stores hold addresses
 and indices in registers that a plain tile does not, and registers are allocated for the kernel's widest stage.
 
@@ -22,7 +26,8 @@ After the loop the value term is ``sum_t P_it a^V_t``: the bins, exponentiated w
 the value table, one matmul per chunk of table rows, plus the two edge sums times rows 0 and 2K. The backward
 stages its loops the same way (``_dkdv_kernel`` from a key tile's side, ``_dq_kernel`` from a query tile's) and
 shares one tile body, ``_bwd_tile``; ``_dq_kernel`` also stores P and dS per (row, table row) for the table
-gradients (each bin written once, by the program owning the row: no atomics).
+gradients (each bin written once, by the program owning the row: no atomics), and ``_dkdv_kernel`` (HAS_RQ) dS
+per (key, table row) for the term of ``a^Q`` (each bin written once, by the program owning the key).
 
 Key/value heads: query head ``h`` reads key/value head ``h // GROUP``; ``_dkdv_kernel``'s program for a
 key/value head loops over its group's query heads in a fixed order.

@@ -4,19 +4,21 @@ The kernels (``_triton_kernels.py``) split each query tile's key loop into three
 splits its causal loop: key tiles left of the band of ``2K+1`` offsets (plain flash plus one key-table score per
 row), the band tiles (the key term gathered per pair from ``QA = q a^K^T``, precomputed by one small matmul
 kernel; the scores of the band's interior stored per row and table row), and key tiles right of it. The value
-term is ``bins @ a^V`` after the loop. The backward is FlashAttention-2's (P recomputed from the saved log-sum-
-exp; one kernel per key tile for dk and dv, one per query tile for dq, sharing one tile body); the table
-gradients come from per-row bins of P and dS, written once each by the dq kernel and reduced by torch in a fixed
-order: no atomics, two backward passes are bitwise equal. k and v may have fewer heads than q (grouped-query
-attention): query head ``h`` reads key/value head ``h // (H // Hkv)``, and dk, dv of a key/value head are summed
-over its group by one program, in order.
+term is ``bins @ a^V`` after the loop. The position-to-content term (``rel_q``, DeBERTa's p2c: ``k_j . a^Q_t``)
+is gathered the same way from ``KA = k a^Q^T`` (one number per key off the band, per pair on it). The backward
+is FlashAttention-2's (P recomputed from the saved log-sum-exp; one kernel per key tile for dk and dv, one per
+query tile for dq, sharing one tile body); the table gradients come from per-row bins of P and dS, written once
+each by the dq kernel, and (rel_q) per-key bins of dS, written once each by the dk/dv kernel, reduced by torch in
+a fixed order: no atomics, two backward passes are bitwise equal. k and v may have fewer heads than q
+(grouped-query attention): query head ``h`` reads key/value head ``h // (H // Hkv)``, and dk, dv of a key/value
+head are summed over its group by one program, in order.
 
 Serves CUDA tensors when ``triton`` is importable; with ``TRITON_INTERPRET=1`` in the environment when
 relattn is imported, also CPU tensors (the same kernels, interpreted: how CI tests them; slow, so "auto"
 never picks it on the CPU). float16 and bfloat16 (float32 statistics, 16-bit matmul inputs as in flash
 attention: the weights rounded to 16 bits on their way into a matmul), float32 (IEEE float32 matmuls, no
-TF32) and float64 (gradcheck); head dims up to 128 (D != Dv allowed); any K; any mask that needs no
-gradient; no dropout.
+TF32) and float64 (gradcheck); head dims up to 128 (D != Dv allowed); any K; the tables a^K, a^V, a^Q (rel_q),
+each optional, shared or per head; any mask that needs no gradient; no dropout.
 
 Tiles, warps and pipeline stages per kernel come from ``config`` (by GPU architecture, element size and head
 dim); ``benchmarks/triton_compile.py`` compiles every launch of this module for sm_80 and sm_90a without a GPU
@@ -57,6 +59,9 @@ CONFIGS = {
     ("dkdv", 80, 64): (32, 64, 8, 1, 2), ("dkdv", 80, 128): (32, 64, 8, 2, 2),
     ("dq", 80, 64): (64, 32, 4, 2, 2), ("dq", 80, 128): (32, 64, 8, 2, 4),
 }
+# Launches with rel_q (the position-to-content term: a per-key gather in the score and, in dkdv, per-key bins of dS)
+# where the table above spills: their own entry, compiled without spills under both Tritons likewise.
+RQ_CONFIGS = {("fwd", 80, 64): (128, 64, 8, 2, 4), ("dkdv", 80, 64): (64, 32, 8, 2, 2)}
 FP32_CONFIGS = {"fwd": (32, 32, 8, 1, 2), "dkdv": (16, 16, 8, 1, 1), "dq": (32, 16, 4, 2, 1)}  # float32, float64
 # The interpreter pays per tile operation (about 0.2 ms, little more for a larger tile): large tiles there.
 INTERPRETED_TILES = (128, 128)
@@ -116,21 +121,23 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def config(kernel: str, dtype: torch.dtype, head_dim: int, arch: int | None) -> tuple[int, int, int, int, int]:
+def config(kernel: str, dtype: torch.dtype, head_dim: int, arch: int | None,
+           rel_q: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, BAND_SPLIT) of ``kernel`` ("fwd", "dkdv", "dq") for a padded head
-    dim on a GPU of compute capability ``arch`` (None: interpreted)."""
+    dim on a GPU of compute capability ``arch`` (None: interpreted), with or without the ``rel_q`` term."""
     if arch is None:
         return (*INTERPRETED_TILES, 4, 1, 1)
     if dtype not in LOW_PRECISION:
         return FP32_CONFIGS[kernel]
-    return CONFIGS[(kernel, 90 if arch == 90 else 80, 64 if head_dim <= 64 else 128)]
+    key = (kernel, 90 if arch == 90 else 80, 64 if head_dim <= 64 else 128)
+    return RQ_CONFIGS.get(key, CONFIGS[key]) if rel_q else CONFIGS[key]
 
 
 def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None):
     """The constexprs and launch options of one kernel for these inputs."""
     n, m = q.shape[2], k.shape[2]
     dp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
-    bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device))
+    bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device), rel_q is not None)
     override = FWD_TILES if kernel == "fwd" else BWD_TILES
     if override is not None:
         bm, bn = override
@@ -350,6 +357,6 @@ BACKEND = Backend("triton", triton_attention,
                   Serves(devices=frozenset({"cuda", "cpu"} if INTERPRET else {"cuda"}),
                          max_head_dim=MAX_HEAD_DIM, grouped_kv=True, pos_to_content=True),
                   "Triton flash kernels, forward and backward: key loops in three stages (left of the band, band, "
-                  "right), the key term gathered from q a^K^T, the value term as per-row bins times a^V; CUDA (CPU "
-                  "under TRITON_INTERPRET=1), no dropout",
+                  "right), the key term gathered from q a^K^T, the position-to-content term (rel_q) from k a^Q^T, "
+                  "the value term as per-row bins times a^V; CUDA (CPU under TRITON_INTERPRET=1), no dropout",
                   unavailable=unavailable)
