@@ -438,3 +438,21 @@ def test_rel_q_gradcheck_fast_mode(device):
         return torch.ops.relattn.triton_fwd(q, k, v, rk, rv, mask, 2, True, 0.5, 2, rq)[0]
 
     assert torch.autograd.gradcheck(f, (q, k, v, rk, rv, rq), fast_mode=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rel_q_bfloat16_within_2x_of_dense(device, small_tiles):
+    """bfloat16 with rel_q: output and every gradient within twice the dense backend's own bfloat16 error against
+    float64 on the same rounded inputs."""
+    small_tiles(triton=((64, 64), (64, 64)))  # cheaper under the interpreter; small tiles are tested above
+    inputs = _rel_q_inputs(1, 2, 2, 100, 100, 32, 8, False, seed=38)
+    inputs = [t if i < 3 else t * 0.3 for i, t in enumerate(inputs)]
+    lo = [t.bfloat16() for t in inputs]
+    go = torch.randn(1, 2, 100, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(39)).bfloat16()
+    ours = _rel_q_run("triton", lo, 8, go, dtype=torch.bfloat16, device=device)
+    plain = _rel_q_run("dense", lo, 8, go, dtype=torch.bfloat16, device="cpu")
+    want = _rel_q_run("dense", lo, 8, go, dtype=torch.float64, device="cpu")  # the truth for the rounded inputs
+    assert ours[0].dtype == torch.bfloat16
+    for name, a, p, w in zip("out dq dk dv drel_k drel_v drel_q".split(), [ours[0], *ours[1]], [plain[0], *plain[1]],
+                             [want[0], *want[1]], strict=True):
+        assert_close(a, w, torch.bfloat16, f"bf16 {name}", yardstick=p)
