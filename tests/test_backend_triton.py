@@ -456,3 +456,17 @@ def test_rel_q_bfloat16_within_2x_of_dense(device, small_tiles):
     for name, a, p, w in zip("out dq dk dv drel_k drel_v drel_q".split(), [ours[0], *ours[1]], [plain[0], *plain[1]],
                              [want[0], *want[1]], strict=True):
         assert_close(a, w, torch.bfloat16, f"bf16 {name}", yardstick=p)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rel_q_keys_split_across_programs(device, monkeypatch):
+    """Decoding's split of the keys with rel_q: three splits merged by their log-sum-exp, against dense."""
+    monkeypatch.setattr(tb, "KV_SPLITS", 3)
+    inputs = _rel_q_inputs(1, 4, 2, 1, 77, 8, 5, False, seed=40)
+    go = torch.randn(1, 4, 1, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(41))
+    kw = dict(is_causal=True, query_offset=76)
+    got_out, got = _rel_q_run("triton", inputs, 5, go, dtype=torch.float32, device=device, **kw)
+    want_out, want = _rel_q_run("dense", inputs, 5, go, dtype=torch.float64, device="cpu", **kw)
+    assert_close(got_out, want_out, torch.float32, "out")
+    for name, a, w in zip("q k v rel_k rel_v rel_q".split(), got, want, strict=True):
+        assert_close(a, w, torch.float32, f"d{name}")
