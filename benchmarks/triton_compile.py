@@ -50,7 +50,7 @@ class Shape:
     dtype: torch.dtype = torch.bfloat16
     d: int = 64
     causal: bool = False
-    tables: str = "both"  # both, keys, per_head
+    tables: str = "both"  # both, keys, per_head; deberta: keys and rel_q per head; all: the three tables, shared
     mask: bool = False  # a key-padding mask (B, 1, 1, M)
     n: int = 2048
     m: int = 2048
@@ -70,10 +70,17 @@ SHAPES = [
     Shape("bf16 D=64 per-head tables", tables="per_head"),
     Shape("bf16 D=64 decoding 1 x 4096", n=1, m=4096, causal=True, offset=4095, backward=False),
     Shape("bf16 D=128 decoding 1 x 4096", d=128, n=1, m=4096, causal=True, offset=4095, backward=False),
+    Shape("bf16 D=64 DeBERTa: keys + rel_q per head, padding mask", tables="deberta", mask=True),
+    Shape("bf16 D=128 keys + values + rel_q causal", d=128, causal=True, tables="all"),
+    Shape("fp16 D=64 keys + values + rel_q", dtype=torch.float16, tables="all"),
+    Shape("fp16 D=128 DeBERTa: keys + rel_q per head", dtype=torch.float16, d=128, tables="deberta"),
+    Shape("bf16 D=64 decoding 1 x 4096 rel_q", n=1, m=4096, causal=True, offset=4095, backward=False, tables="all"),
     Shape("fp32 D=64", dtype=torch.float32),
     Shape("fp32 D=128 causal", dtype=torch.float32, d=128, causal=True),
+    Shape("fp32 D=64 DeBERTa: keys + rel_q per head", dtype=torch.float32, tables="deberta"),
 ]
-CI_SHAPES = ["bf16 D=64", "fp16 D=128 padding mask", "bf16 D=64 decoding 1 x 4096"]
+CI_SHAPES = ["bf16 D=64", "fp16 D=128 padding mask", "bf16 D=64 decoding 1 x 4096",
+             "bf16 D=64 DeBERTa: keys + rel_q per head, padding mask"]
 
 
 def record(shape: Shape, arch: int) -> list[tuple]:
@@ -89,12 +96,13 @@ def record(shape: Shape, arch: int) -> list[tuple]:
         q = torch.empty(b, h, shape.n, shape.d, **meta)
         k, v = torch.empty(b, heads, shape.m, shape.d, **meta), torch.empty(b, heads, shape.m, shape.d, **meta)
         rows = 2 * shape.kk + 1
-        hr = h if shape.tables == "per_head" else 1
+        hr = h if shape.tables in ("per_head", "deberta") else 1
         rk = torch.empty(hr, rows, shape.d, **meta)
-        rv = None if shape.tables == "keys" else torch.empty(hr, rows, shape.d, **meta)
+        rv = None if shape.tables in ("keys", "deberta") else torch.empty(hr, rows, shape.d, **meta)
+        rq = torch.empty(hr, rows, shape.d, **meta) if shape.tables in ("deberta", "all") else None
         mask = torch.empty(b, 1, 1, shape.m, **meta) if shape.mask else None
         kw = dict(max_relative_position=shape.kk, is_causal=shape.causal, scale=shape.d ** -0.5,
-                  query_offset=shape.offset)
+                  query_offset=shape.offset, rel_q=rq)
         out, lse = tb.forward(q, k, v, rk, rv, mask, **kw)
         if shape.backward:
             tb.backward(torch.empty_like(out), q, k, v, rk, rv, mask, out, lse, **kw)
@@ -154,7 +162,8 @@ def main(argv=None) -> int:
     archs = args.arch or sorted(ARCHS)
     shapes = [s for s in SHAPES if not args.ci or s.name in CI_SHAPES]
     print(f"triton {triton.__version__}, torch {torch.__version__}; B = 2, H = 8, N = M = 2048, K = 64, "
-          "both tables shared unless said; registers / spill bytes (stores + loads) / shared memory KB")
+          "keys and values tables shared unless said (rel_q: the position-to-content table); "
+          "registers / spill bytes (stores + loads) / shared memory KB")
     cols = " | ".join(f"{ARCHS[a]}" for a in archs)
     print(f"| shape | kernel | tiles, warps, stages | {cols} |")
     print("|---|---|---|" + "---|" * len(archs))

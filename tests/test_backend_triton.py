@@ -351,3 +351,122 @@ def test_long_sequence_on_cuda_within_2x_of_plain_pytorch(causal, small_tiles):
     got = fn.relative_attention(*lo, backend="triton", **kw)
     want = fn.relative_attention(*(t.double() for t in lo), backend="dense", **kw)  # truth for the rounded inputs
     assert_close(got, want, torch.bfloat16, "out", yardstick=attention_ref(*lo, upcast=False, **kw))
+
+
+# ----------------------------------------------------- the position-to-content term rel_q (k_j . a^Q[t(i, j)])
+
+
+def _rel_q_run(backend, inputs, kk, go, *, dtype, device, mask=None, **kw):
+    """Output and the six gradients with a rel_q table (k, v may have fewer heads: enable_gqa)."""
+    x = [t.detach().to(device, dtype).requires_grad_() for t in inputs]
+    q, k, v, rk, rv, rq = x
+    mask = None if mask is None else mask.to(device)
+    out = fn.relative_attention(q, k, v, rk, rv, rel_q=rq, max_relative_position=kk, attn_mask=mask,
+                                enable_gqa=k.shape[1] != q.shape[1], backend=backend, **kw)
+    return out, torch.autograd.grad(out, x, go.to(device, dtype))
+
+
+def _rel_q_inputs(b, h, hkv, n, m, d, kk, shared, seed):
+    g = torch.Generator().manual_seed(seed)
+    hr = 1 if shared else h
+    shapes = [(b, h, n, d), (b, hkv, m, d), (b, hkv, m, d), (hr, 2 * kk + 1, d), (hr, 2 * kk + 1, d),
+              (hr, 2 * kk + 1, d)]
+    return [torch.randn(*s, generator=g, dtype=torch.float64) for s in shapes]
+
+
+# (b, h, hkv, n, m, d, K, shared, is_causal, query_offset, mask)
+REL_Q_CASES = [
+    (1, 2, 2, 45, 45, 8, 3, False, False, 0, False),  # every stage: left, band, right
+    (2, 2, 2, 37, 50, 8, 4, True, True, 5, True),  # a shared table, a mask, causal with an offset
+    (1, 4, 2, 33, 40, 8, 2, False, True, 3, False),  # grouped k, v with per-head tables
+    (1, 3, 1, 30, 30, 12, 2, True, False, -4, True),  # grouped k, v with a shared table, D not a power of two
+    (1, 2, 2, 17, 40, 8, 0, False, True, 23, False),  # K = 0
+    (1, 1, 1, 20, 30, 8, 40, True, False, 0, False),  # K > N: every tile in the band
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", REL_Q_CASES, ids=[f"H{c[1]}-Hkv{c[2]}-n{c[3]}m{c[4]}K{c[6]}-"
+                                                   f"{'shared' if c[7] else 'per_head'}-"
+                                                   f"{'causal' if c[8] else 'full'}-off{c[9]}" for c in REL_Q_CASES])
+def test_rel_q_output_and_gradients_match_dense(device, case):
+    """Small unequal tiles (every kind of tile for the key scores KA and the per-key bins of dS), float64:
+    output and all six gradients against the dense backend (itself the formula: test_pos_to_content.py)."""
+    b, h, hkv, n, m, d, kk, shared, causal, off, with_mask = case
+    inputs = _rel_q_inputs(b, h, hkv, n, m, d, kk, shared, seed=31)
+    mask = torch.rand(b, 1, n, m, generator=torch.Generator().manual_seed(32)) > 0.3 if with_mask else None
+    go = torch.randn(b, h, n, d, dtype=torch.float64, generator=torch.Generator().manual_seed(33))
+    kw = dict(mask=mask, is_causal=causal, query_offset=off)
+    got_out, got = _rel_q_run("triton", inputs, kk, go, dtype=torch.float64, device=device, **kw)
+    want_out, want = _rel_q_run("dense", inputs, kk, go, dtype=torch.float64, device="cpu", **kw)
+    assert_close(got_out, want_out, torch.float64, "out")
+    for name, a, w in zip("q k v rel_k rel_v rel_q".split(), got, want, strict=True):
+        assert a.shape == w.shape, name
+        assert_close(a, w, torch.float64, f"d{name}")
+    assert want[5].abs().max() > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rel_q_float32_within_the_dtype_tolerance(device):
+    inputs = _rel_q_inputs(1, 4, 2, 40, 40, 8, 3, False, seed=34)
+    go = torch.randn(1, 4, 40, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(35))
+    got_out, got = _rel_q_run("triton", inputs, 3, go, dtype=torch.float32, device=device, is_causal=True)
+    want_out, want = _rel_q_run("dense", inputs, 3, go, dtype=torch.float64, device="cpu", is_causal=True)
+    assert got_out.dtype == torch.float32
+    assert_close(got_out, want_out, torch.float32, "out")
+    for name, a, w in zip("q k v rel_k rel_v rel_q".split(), got, want, strict=True):
+        assert_close(a, w, torch.float32, f"d{name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rel_q_backward_is_bitwise_deterministic(device):
+    """Two backward passes with rel_q equal bit for bit: the per-key bins of dS are written once each by the
+    program owning the keys, and summed over a group of query heads in a fixed order."""
+    inputs = _rel_q_inputs(2, 4, 2, 45, 45, 8, 4, False, seed=36)
+    go = torch.randn(2, 4, 45, 8, dtype=torch.float64)
+    first = _rel_q_run("triton", inputs, 4, go, dtype=torch.float32, device=device, is_causal=True)[1]
+    second = _rel_q_run("triton", inputs, 4, go, dtype=torch.float32, device=device, is_causal=True)[1]
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rel_q_gradcheck_fast_mode(device):
+    q, k, v, rk, rv, rq = (t.to(device).requires_grad_() for t in _rel_q_inputs(1, 2, 2, 7, 9, 4, 2, True, seed=37))
+    mask = torch.randn(1, 1, 7, 9, dtype=torch.float64, device=device)
+
+    def f(q, k, v, rk, rv, rq):
+        return torch.ops.relattn.triton_fwd(q, k, v, rk, rv, mask, 2, True, 0.5, 2, rq)[0]
+
+    assert torch.autograd.gradcheck(f, (q, k, v, rk, rv, rq), fast_mode=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rel_q_bfloat16_within_2x_of_dense(device, small_tiles):
+    """bfloat16 with rel_q: output and every gradient within twice the dense backend's own bfloat16 error against
+    float64 on the same rounded inputs."""
+    small_tiles(triton=((64, 64), (64, 64)))  # cheaper under the interpreter; small tiles are tested above
+    inputs = _rel_q_inputs(1, 2, 2, 100, 100, 32, 8, False, seed=38)
+    inputs = [t if i < 3 else t * 0.3 for i, t in enumerate(inputs)]
+    lo = [t.bfloat16() for t in inputs]
+    go = torch.randn(1, 2, 100, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(39)).bfloat16()
+    ours = _rel_q_run("triton", lo, 8, go, dtype=torch.bfloat16, device=device)
+    plain = _rel_q_run("dense", lo, 8, go, dtype=torch.bfloat16, device="cpu")
+    want = _rel_q_run("dense", lo, 8, go, dtype=torch.float64, device="cpu")  # the truth for the rounded inputs
+    assert ours[0].dtype == torch.bfloat16
+    for name, a, p, w in zip("out dq dk dv drel_k drel_v drel_q".split(), [ours[0], *ours[1]], [plain[0], *plain[1]],
+                             [want[0], *want[1]], strict=True):
+        assert_close(a, w, torch.bfloat16, f"bf16 {name}", yardstick=p)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rel_q_keys_split_across_programs(device, monkeypatch):
+    """Decoding's split of the keys with rel_q: three splits merged by their log-sum-exp, against dense."""
+    monkeypatch.setattr(tb, "KV_SPLITS", 3)
+    inputs = _rel_q_inputs(1, 4, 2, 1, 77, 8, 5, False, seed=40)
+    go = torch.randn(1, 4, 1, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(41))
+    kw = dict(is_causal=True, query_offset=76)
+    got_out, got = _rel_q_run("triton", inputs, 5, go, dtype=torch.float32, device=device, **kw)
+    want_out, want = _rel_q_run("dense", inputs, 5, go, dtype=torch.float64, device="cpu", **kw)
+    assert_close(got_out, want_out, torch.float32, "out")
+    for name, a, w in zip("q k v rel_k rel_v rel_q".split(), got, want, strict=True):
+        assert_close(a, w, torch.float32, f"d{name}")

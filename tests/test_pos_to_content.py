@@ -263,7 +263,7 @@ def test_weights_include_the_term():
 def test_backends_without_the_term_refuse_it_by_declaration():
     (q, k, v, rel_k, rel_q), kw, _ = case(CASES[0])
     call = fn.validate(q, k, v, rel_k, None, rel_q=rel_q, dropout_p=0.0, scale=None, **kw)
-    assert {"dense", "blocked", "native"} <= set(SERVING)
+    assert {"dense", "blocked", "native", "triton"} <= set(SERVING)
     without = Backend("without", lambda c: c.q, Serves(), "a backend declaring no position-to-content term")
     assert any("rel_q" in r for r in not_supported_reasons(without, call))
     for name in REFUSING:

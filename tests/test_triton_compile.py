@@ -16,11 +16,13 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 
 def test_gpu_tiles_are_at_least_the_floor():
-    """Forward tiles at least 64 x 64, backward at least 32 x 64 (either way round), for every arch and head dim."""
+    """Forward tiles at least 64 x 64, backward at least 32 x 64 (either way round), for every arch and head dim,
+    with and without rel_q."""
     from relattn.backends import triton as tb
 
     assert {a for _, a, _ in tb.CONFIGS} == {80, 90} and {d for *_, d in tb.CONFIGS} == {64, 128}
-    for (kernel, arch, d), (bm, bn, _, _, split) in tb.CONFIGS.items():
+    assert set(tb.RQ_CONFIGS) <= set(tb.CONFIGS)
+    for (kernel, arch, d), (bm, bn, _, _, split) in [*tb.CONFIGS.items(), *tb.RQ_CONFIGS.items()]:
         if kernel == "fwd":
             assert bm >= 64 and bn >= 64, (kernel, arch, d)
         else:

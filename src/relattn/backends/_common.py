@@ -108,8 +108,8 @@ def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.
     if d is not None and d != dv and not s.head_dims_differ:
         reasons.append(f"D = {d} != Dv = {dv} (needs equal head dims)")
     if pos_to_content and not s.pos_to_content:
-        reasons.append("a position-to-content table rel_q (no k . a^Q term; 'native', 'blocked' and 'dense' take "
-                       "it)")
+        reasons.append("a position-to-content table rel_q (no k . a^Q term; 'native', 'triton', 'blocked' and "
+                       "'dense' take it)")
     return reasons
 
 

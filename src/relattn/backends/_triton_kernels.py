@@ -15,6 +15,10 @@ The key loop of a query tile runs in three stages, as the tutorial's causal ``ST
   each pair's score with ``|r| < K`` is stored to a per-row bin (its table row ``t``; one key per bin);
 * RIGHT, key tiles whose every pair has ``r > K``: as LEFT with row 2K (never reached when causal).
 
+The position-to-content term (``HAS_RQ``: ``k_j . a^Q_t``, DeBERTa's p2c) reads the keys' precomputed table
+scores ``KA = k a^Q^T`` (B, H or Hkv, M, 2K+1) the same way from the key side: one number per key off the band
+(``KA[j, 0]`` left of it, ``KA[j, 2K]`` right), gathered per pair on it.
+
 Band tiles are ``BAND_SPLIT`` times narrower than the others: their per-pair gathers and stores hold addresses
 and indices in registers that a plain tile does not, and registers are allocated for the kernel's widest stage.
 
@@ -22,7 +26,8 @@ After the loop the value term is ``sum_t P_it a^V_t``: the bins, exponentiated w
 the value table, one matmul per chunk of table rows, plus the two edge sums times rows 0 and 2K. The backward
 stages its loops the same way (``_dkdv_kernel`` from a key tile's side, ``_dq_kernel`` from a query tile's) and
 shares one tile body, ``_bwd_tile``; ``_dq_kernel`` also stores P and dS per (row, table row) for the table
-gradients (each bin written once, by the program owning the row: no atomics).
+gradients (each bin written once, by the program owning the row: no atomics), and ``_dkdv_kernel`` (HAS_RQ) dS
+per (key, table row) for the term of ``a^Q`` (each bin written once, by the program owning the key).
 
 Key/value heads: query head ``h`` reads key/value head ``h // GROUP``; ``_dkdv_kernel``'s program for a
 key/value head loops over its group's query heads in a fixed order.
@@ -109,14 +114,34 @@ def _rel_term(S, offs_m, offs_n, stride_sn, N, MAX_REL, off, STAGE: tl.constexpr
 
 
 @device_fn
-def _scores(q, kT, QA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale, stride_sn, stride_mn, stride_mm,
-            STAGE: tl.constexpr, HAS_RK: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-            EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr):
-    """A tile's scores in log2 units, ``((q k^T + q a^K_t) scale + mask) log2(e)``, -inf where no key may be seen.
-    HAS_MASK: 0 no mask, 1 a mask with one value per key (the same for every row), 2 one value per pair."""
+def _key_rel_term(KA, offs_m, offs_n, stride_kan, M, MAX_REL, off, STAGE: tl.constexpr, EVEN_N: tl.constexpr):
+    """``k_j . a^Q_t(i, j)`` from one head's precomputed key table scores ``KA = k a^Q^T`` (a row of 2K+1 per key):
+    (1, BN) off the band (one table row for the whole tile), gathered per pair to (BM, BN) on the band."""
+    if STAGE == BAND:
+        t = tl.minimum(tl.maximum(offs_n[None, :] - offs_m[:, None] - off, -MAX_REL), MAX_REL) + MAX_REL
+    elif STAGE == LEFT:
+        t = offs_n[None, :] * 0
+    else:
+        t = offs_n[None, :] * 0 + 2 * MAX_REL
+    ptrs = KA + offs_n[None, :] * stride_kan + t
+    if EVEN_N:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=(offs_n < M)[None, :], other=0.0)
+    return x
+
+
+@device_fn
+def _scores(q, kT, QA, KA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale, stride_sn, stride_kan, stride_mn,
+            stride_mm, STAGE: tl.constexpr, HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_MASK: tl.constexpr,
+            CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr):
+    """A tile's scores in log2 units, ``((q k^T + q a^K_t + k a^Q_t) scale + mask) log2(e)``, -inf where no key may
+    be seen. HAS_MASK: 0 no mask, 1 a mask with one value per key (the same for every row), 2 one value per pair."""
     qk = dot(q, kT, PREC)
     if HAS_RK:
         qk += _rel_term(QA, offs_m, offs_n, stride_sn, N, MAX_REL, off, STAGE, EVEN_M)
+    if HAS_RQ:
+        qk += _key_rel_term(KA, offs_m, offs_n, stride_kan, M, MAX_REL, off, STAGE, EVEN_N)
     s = qk * qk_scale
     if HAS_MASK == 1:  # one value per key (a key-padding mask): a row of the tile
         bias = _load_2d(MASK + offs_n[None, :] * stride_mm, offs_n, offs_n, 1, M, True, EVEN_N)
@@ -157,6 +182,34 @@ def _store_interior(BINS, x, offs_m, offs_n, N, MAX_REL, off, stride_sn, EVEN_M:
 
 
 @device_fn
+def _key_edge_sums(x, left, right, offs_m, offs_n, MAX_REL, off, STAGE: tl.constexpr):
+    """Running (BN,) sums of ``x`` over a key tile's pairs reading table row 0 (r <= -K) and row 2K (r >= K,
+    r > -K): the key-side twin of ``_edge_sums``."""
+    if STAGE == LEFT:
+        left += tl.sum(x, 0)
+    elif STAGE == RIGHT:
+        right += tl.sum(x, 0)
+    else:
+        r = offs_n[None, :] - offs_m[:, None] - off
+        left += tl.sum(tl.where(r <= -MAX_REL, x, 0.0), 0)
+        right += tl.sum(tl.where((r >= MAX_REL) & (r > -MAX_REL), x, 0.0), 0)
+    return left, right
+
+
+@device_fn
+def _store_interior_keys(KB, x, offs_m, offs_n, N, M, MAX_REL, off, stride_kbn, EVEN_M: tl.constexpr,
+                         EVEN_N: tl.constexpr):
+    """A band tile's pairs with |r| < K stored to their key's bin t = r + K (one query per bin, so no sums)."""
+    r = offs_n[None, :] - offs_m[:, None] - off
+    ok = (r > -MAX_REL) & (r < MAX_REL)
+    if not EVEN_M:
+        ok = ok & (offs_m < N)[:, None]
+    if not EVEN_N:
+        ok = ok & (offs_n < M)[None, :]
+    tl.store(KB + offs_n[None, :] * stride_kbn + (r + MAX_REL), x, mask=ok)
+
+
+@device_fn
 def _tile_start(x, lo, hi, base, BLOCK: tl.constexpr):
     """The start of the tile (of a grid from ``base``) holding ``clip(x, lo, hi)``."""
     return base + ((tl.minimum(tl.maximum(x, lo), hi) - base) // BLOCK) * BLOCK
@@ -176,17 +229,18 @@ def _table_scores_kernel(X, T, S,
                          stride_xb, stride_xh, stride_xn, stride_xd,
                          stride_th, stride_tr, stride_td,
                          stride_sb, stride_sh, stride_sn,
-                         H, N, D, R,
+                         H, XGROUP, N, D, R,
                          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, PREC: tl.constexpr):
-    """``S[b, h, i, t] = x_i . T[h, t]`` for t < R = 2K+1 (T's head stride 0 when shared), in S's dtype: the key
-    table's scores ``q a^K^T`` for the forward, and ``dO a^V^T`` for the backward."""
+    """``S[b, h, i, t] = x_i . T[h, t]`` for t < R = 2K+1 (T's head stride 0 when shared), in S's dtype, x's head
+    ``h // XGROUP``: the table scores ``q a^K^T`` and ``k a^Q^T`` (grouped k: XGROUP > 1 for a per-head table) for
+    the forward, and ``dO a^V^T`` for the backward."""
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, HEAD_DIM)
-    X += off_b * stride_xb + off_h * stride_xh
+    X += off_b * stride_xb + (off_h // XGROUP) * stride_xh
     T += off_h * stride_th
     S += off_b * stride_sb + off_h * stride_sh
     x = _load_2d(X + offs_n[:, None] * stride_xn + offs_d[None, :] * stride_xd, offs_n, offs_d, N, D, False, False)
@@ -200,11 +254,12 @@ def _table_scores_kernel(X, T, S,
 
 
 @device_fn
-def _fwd_inner(acc, l_i, m_i, left, right, q, K, V, QA, MASK, BINS, offs_m, lo, hi,
-               stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_mn, stride_mm,
+def _fwd_inner(acc, l_i, m_i, left, right, q, K, V, QA, KA, MASK, BINS, offs_m, lo, hi,
+               stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_kan, stride_mn, stride_mm,
                N, M, D, DV, MAX_REL, off, qk_scale,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, STAGE: tl.constexpr,
-               HAS_RK: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
+               CAUSAL: tl.constexpr,
                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr):
     """One stage of a query tile's key loop: the online softmax over the key tiles in [lo, hi)."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -214,8 +269,8 @@ def _fwd_inner(acc, l_i, m_i, left, right, q, K, V, QA, MASK, BINS, offs_m, lo, 
         # -- the scores
         kT = _load_2d(K + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn, offs_d, offs_n, D, M,
                       EVEN_D, EVEN_N)
-        s = _scores(q, kT, QA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale, stride_sn, stride_mn, stride_mm,
-                    STAGE, HAS_RK, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, PREC)
+        s = _scores(q, kT, QA, KA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale, stride_sn, stride_kan,
+                    stride_mn, stride_mm, STAGE, HAS_RK, HAS_RQ, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, PREC)
         # -- the online softmax: new row maxima, rescale what was summed so far
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -236,24 +291,25 @@ def _fwd_inner(acc, l_i, m_i, left, right, q, K, V, QA, MASK, BINS, offs_m, lo, 
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, QA, RV, MASK, BINS, OUT, LSE,
+def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE,
                 stride_qb, stride_qh, stride_qn, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
                 stride_sb, stride_sh, stride_sn,
+                stride_kab, stride_kah, stride_kan,
                 stride_rvh, stride_rvr, stride_rvd,
                 stride_mb, stride_mh, stride_mn, stride_mm,
                 stride_os, stride_ob, stride_oh, stride_on, stride_od,
                 stride_ls, stride_lb, stride_lh, stride_ln,
-                H, GROUP, N, M, D, DV, MAX_REL, off, qk_scale, split_len,
+                H, GROUP, KA_GROUP, N, M, D, DV, MAX_REL, off, qk_scale, split_len,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                HAS_RK: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr,
-                ACC: tl.constexpr, BAND_SPLIT: tl.constexpr):
+                HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
+                CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr):
     """Per (query tile, batch * head, split of the keys): out and lse of the split's keys. One split: the
     attention's out and lse. Several (decoding: too few query tiles to fill the GPU): each split's normalised out
-    and lse at split strides stride_os and stride_ls, merged by the launcher. QA: the rows' table scores; BINS:
-    scratch (B, H, N, 2K+1) for the band's scores."""
+    and lse at split strides stride_os and stride_ls, merged by the launcher. QA: the rows' table scores; KA: the
+    keys' (head ``h // KA_GROUP``); BINS: scratch (B, H, N, 2K+1) for the band's scores."""
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -264,6 +320,7 @@ def _fwd_kernel(Q, K, V, QA, RV, MASK, BINS, OUT, LSE,
     K += off_b * stride_kb + off_hkv * stride_kh
     V += off_b * stride_vb + off_hkv * stride_vh
     QA += off_b * stride_sb + off_h * stride_sh
+    KA += off_b * stride_kab + (off_h // KA_GROUP) * stride_kah
     BINS += off_b * stride_sb + off_h * stride_sh
     RV += off_h * stride_rvh
     MASK += off_b * stride_mb + off_h * stride_mh
@@ -286,20 +343,21 @@ def _fwd_kernel(Q, K, V, QA, RV, MASK, BINS, OUT, LSE,
     band_lo = _tile_start(start_m + off - MAX_REL + 1, start, end, start, BLOCK_N)
     band_hi = _tile_end(start_m + off + BLOCK_M + MAX_REL, band_lo, end, start, BLOCK_N)
     acc, l_i, m_i, left, right = _fwd_inner(
-        acc, l_i, m_i, left, right, q, K, V, QA, MASK, BINS, offs_m, start, band_lo,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_mn, stride_mm, N, M, D, DV, MAX_REL, off,
-        qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, LEFT, HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, PREC)
-    acc, l_i, m_i, left, right = _fwd_inner(
-        acc, l_i, m_i, left, right, q, K, V, QA, MASK, BINS, offs_m, band_lo, band_hi,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_mn, stride_mm, N, M, D, DV, MAX_REL, off,
-        qk_scale, BLOCK_N // BAND_SPLIT, HEAD_DIM, HEAD_DIM_V, BAND, HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N,
+        acc, l_i, m_i, left, right, q, K, V, QA, KA, MASK, BINS, offs_m, start, band_lo,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_kan, stride_mn, stride_mm, N, M, D, DV, MAX_REL,
+        off, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, LEFT, HAS_RK, HAS_RQ, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N,
         EVEN_D, PREC)
+    acc, l_i, m_i, left, right = _fwd_inner(
+        acc, l_i, m_i, left, right, q, K, V, QA, KA, MASK, BINS, offs_m, band_lo, band_hi,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_kan, stride_mn, stride_mm, N, M, D, DV, MAX_REL,
+        off, qk_scale, BLOCK_N // BAND_SPLIT, HEAD_DIM, HEAD_DIM_V, BAND, HAS_RK, HAS_RQ, HAS_RV, HAS_MASK, CAUSAL,
+        EVEN_M, EVEN_N, EVEN_D, PREC)
     if not CAUSAL:  # causal rows see no key right of the band
         acc, l_i, m_i, left, right = _fwd_inner(
-            acc, l_i, m_i, left, right, q, K, V, QA, MASK, BINS, offs_m, band_hi, end,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_mn, stride_mm, N, M, D, DV, MAX_REL, off,
-            qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, RIGHT, HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D,
-            PREC)
+            acc, l_i, m_i, left, right, q, K, V, QA, KA, MASK, BINS, offs_m, band_hi, end,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_kan, stride_mn, stride_mm, N, M, D, DV,
+            MAX_REL, off, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, RIGHT, HAS_RK, HAS_RQ, HAS_RV, HAS_MASK, CAUSAL,
+            EVEN_M, EVEN_N, EVEN_D, PREC)
 
     # -- the value table's term, sum_t P_it a^V_t: the edge sums, then the band's bins one chunk of rows at a time
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -337,14 +395,14 @@ def _fwd_kernel(Q, K, V, QA, RV, MASK, BINS, OUT, LSE,
 
 
 @device_fn
-def _bwd_tile(q, do, kT, vT, lse2, delta, QA, DOA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale,
-              stride_sn, stride_mn, stride_mm, STAGE: tl.constexpr, HAS_RK: tl.constexpr, HAS_RV: tl.constexpr,
-              HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-              PREC: tl.constexpr):
+def _bwd_tile(q, do, kT, vT, lse2, delta, QA, KA, DOA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale,
+              stride_sn, stride_kan, stride_mn, stride_mm, STAGE: tl.constexpr, HAS_RK: tl.constexpr,
+              HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+              EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr):
     """P and dS of a (query tile, key tile) pair, recomputed from the saved log-sum-exp (FlashAttention-2's
     backward): P = exp(S - lse), dP = dO v^T + dO . a^V_t, dS = P (dP - delta)."""
-    s = _scores(q, kT, QA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale, stride_sn, stride_mn, stride_mm,
-                STAGE, HAS_RK, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, PREC)
+    s = _scores(q, kT, QA, KA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale, stride_sn, stride_kan, stride_mn,
+                stride_mm, STAGE, HAS_RK, HAS_RQ, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, PREC)
     p = tl.exp2(s - lse2[:, None])
     dp = dot(do, vT, PREC)
     if HAS_RV:
@@ -354,13 +412,15 @@ def _bwd_tile(q, do, kT, vT, lse2, delta, QA, DOA, MASK, offs_m, offs_n, N, M, M
 
 
 @device_fn
-def _dkdv_inner(dk, dv, kT, vT, Q, DO, LSE, DELTA, QA, DOA, MASK, offs_n, lo, hi,
-                stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_sn, stride_mn, stride_mm,
-                N, M, D, DV, MAX_REL, off, qk_scale,
+def _dkdv_inner(dk, dv, k_left, k_right, kT, vT, Q, DO, LSE, DELTA, QA, KA, DOA, MASK, KB, offs_n, lo, hi,
+                stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_sn, stride_kan, stride_kbn,
+                stride_mn, stride_mm, N, M, D, DV, MAX_REL, off, qk_scale,
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, STAGE: tl.constexpr,
-                HAS_RK: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr):
-    """One stage of a key tile's loop over query tiles [lo, hi): dv += P^T dO, dk += dS^T q."""
+                HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
+                CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                PREC: tl.constexpr):
+    """One stage of a key tile's loop over query tiles [lo, hi): dv += P^T dO, dk += dS^T q, and (HAS_RQ) dS per
+    key and table row: the edge sums, the band's interior stored to KB."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
     for start_m in range(lo, hi, BLOCK_M):
@@ -371,30 +431,38 @@ def _dkdv_inner(dk, dv, kT, vT, Q, DO, LSE, DELTA, QA, DOA, MASK, offs_n, lo, hi
                       EVEN_M, EVEN_D)
         lse2 = _load_rows(LSE + offs_m * stride_ln, offs_m, N, float("inf"), EVEN_M) * LOG2E
         delta = _load_rows(DELTA + offs_m * stride_ln, offs_m, N, 0.0, EVEN_M)
-        p, ds = _bwd_tile(q, do, kT, vT, lse2, delta, QA, DOA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale,
-                          stride_sn, stride_mn, stride_mm, STAGE, HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N,
-                          PREC)
+        p, ds = _bwd_tile(q, do, kT, vT, lse2, delta, QA, KA, DOA, MASK, offs_m, offs_n, N, M, MAX_REL, off,
+                          qk_scale, stride_sn, stride_kan, stride_mn, stride_mm, STAGE, HAS_RK, HAS_RQ, HAS_RV,
+                          HAS_MASK, CAUSAL, EVEN_M, EVEN_N, PREC)
         dv += dot(tl.trans(cast(p, do.dtype)), do, PREC)
         dk += dot(tl.trans(cast(ds, q.dtype)), q, PREC)
-    return dk, dv
+        if HAS_RQ:
+            k_left, k_right = _key_edge_sums(ds, k_left, k_right, offs_m, offs_n, MAX_REL, off, STAGE)
+            if STAGE == BAND:
+                _store_interior_keys(KB, ds, offs_m, offs_n, N, M, MAX_REL, off, stride_kbn, EVEN_M, EVEN_N)
+    return dk, dv, k_left, k_right
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, QA, DOA, MASK, DO, LSE, DELTA, DK, DV_,
+def _dkdv_kernel(Q, K, V, QA, KA, DOA, MASK, DO, LSE, DELTA, DK, DV_, KB,
                  stride_qb, stride_qh, stride_qn, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
                  stride_vb, stride_vh, stride_vn, stride_vd,
                  stride_sb, stride_sh, stride_sn,
+                 stride_kab, stride_kah, stride_kan,
+                 stride_kbb, stride_kbh, stride_kbn,
                  stride_mb, stride_mh, stride_mn, stride_mm,
                  stride_dob, stride_doh, stride_don, stride_dod,
                  stride_lb, stride_lh, stride_ln,
-                 H_KV, GROUP, N, M, D, DV, MAX_REL, off, qk_scale, scale,
+                 H_KV, GROUP, KA_GROUP, N, M, D, DV, MAX_REL, off, qk_scale, scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                 HAS_RK: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                 EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr,
-                 ACC: tl.constexpr, BAND_SPLIT: tl.constexpr):
+                 HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
+                 CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                 PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr):
     """Per (key tile, batch * key/value head): dk = scale dS^T q and dv = P^T dO, summed over the group's query
-    heads in order (DK, DV_ laid out like k, v)."""
+    heads in order (DK, DV_ laid out like k, v). HAS_RQ: KA, the keys' table scores (head ``h // KA_GROUP``), and
+    KB (B, H, M, 2K+1), each query head's dS per (key, table row), every bin of this program's keys written once
+    (zeros where no pair falls are the launcher's)."""
     start_n = tl.program_id(0) * BLOCK_N
     off_bh = tl.program_id(1)
     off_b = (off_bh // H_KV).to(tl.int64)
@@ -426,22 +494,28 @@ def _dkdv_kernel(Q, K, V, QA, DOA, MASK, DO, LSE, DELTA, DK, DV_,
         QA_h = QA + off_b * stride_sb + off_h * stride_sh
         DOA_h = DOA + off_b * stride_sb + off_h * stride_sh
         MASK_h = MASK + off_b * stride_mb + off_h * stride_mh
+        KA_h = KA + off_b * stride_kab + (off_h // KA_GROUP) * stride_kah
+        KB_h = KB + off_b * stride_kbb + off_h * stride_kbh
+        k_left = tl.zeros((BLOCK_N,), ACC)
+        k_right = tl.zeros((BLOCK_N,), ACC)
         if not CAUSAL:  # causal rows never see keys right of their band
-            dk, dv = _dkdv_inner(
-                dk, dv, kT, vT, Q_h, DO_h, LSE_h, DELTA_h, QA_h, DOA_h, MASK_h, offs_n, first, band_lo,
-                stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_sn, stride_mn, stride_mm,
-                N, M, D, DV, MAX_REL, off, qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_V, RIGHT,
-                HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, PREC)
-        dk, dv = _dkdv_inner(
-            dk, dv, kT, vT, Q_h, DO_h, LSE_h, DELTA_h, QA_h, DOA_h, MASK_h, offs_n, band_lo, band_hi,
-            stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_sn, stride_mn, stride_mm,
-            N, M, D, DV, MAX_REL, off, qk_scale, BLOCK_M // BAND_SPLIT, HEAD_DIM, HEAD_DIM_V, BAND,
-            HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, PREC)
-        dk, dv = _dkdv_inner(
-            dk, dv, kT, vT, Q_h, DO_h, LSE_h, DELTA_h, QA_h, DOA_h, MASK_h, offs_n, band_hi, N,
-            stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_sn, stride_mn, stride_mm,
-            N, M, D, DV, MAX_REL, off, qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_V, LEFT,
-            HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, PREC)
+            dk, dv, k_left, k_right = _dkdv_inner(
+                dk, dv, k_left, k_right, kT, vT, Q_h, DO_h, LSE_h, DELTA_h, QA_h, KA_h, DOA_h, MASK_h, KB_h, offs_n,
+                first, band_lo, stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_sn, stride_kan,
+                stride_kbn, stride_mn, stride_mm, N, M, D, DV, MAX_REL, off, qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_V,
+                RIGHT, HAS_RK, HAS_RQ, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, PREC)
+        dk, dv, k_left, k_right = _dkdv_inner(
+            dk, dv, k_left, k_right, kT, vT, Q_h, DO_h, LSE_h, DELTA_h, QA_h, KA_h, DOA_h, MASK_h, KB_h, offs_n,
+            band_lo, band_hi, stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_sn, stride_kan,
+            stride_kbn, stride_mn, stride_mm, N, M, D, DV, MAX_REL, off, qk_scale, BLOCK_M // BAND_SPLIT, HEAD_DIM,
+            HEAD_DIM_V, BAND, HAS_RK, HAS_RQ, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, PREC)
+        dk, dv, k_left, k_right = _dkdv_inner(
+            dk, dv, k_left, k_right, kT, vT, Q_h, DO_h, LSE_h, DELTA_h, QA_h, KA_h, DOA_h, MASK_h, KB_h, offs_n,
+            band_hi, N, stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_sn, stride_kan, stride_kbn,
+            stride_mn, stride_mm, N, M, D, DV, MAX_REL, off, qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_V, LEFT,
+            HAS_RK, HAS_RQ, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, PREC)
+        if HAS_RQ:
+            _store_edges(KB_h, k_left, k_right, offs_n, M, MAX_REL, stride_kbn, EVEN_N)
 
     DK += off_b * stride_kb + off_hkv * stride_kh
     DV_ += off_b * stride_vb + off_hkv * stride_vh
@@ -452,11 +526,12 @@ def _dkdv_kernel(Q, K, V, QA, DOA, MASK, DO, LSE, DELTA, DK, DV_,
 
 
 @device_fn
-def _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, K, V, QA, DOA, MASK, PB, SB, offs_m, lo, hi,
-              stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_mn, stride_mm,
+def _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, K, V, QA, KA, DOA, MASK, PB, SB, offs_m, lo,
+              hi, stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_kan, stride_mn, stride_mm,
               N, M, D, DV, MAX_REL, off, qk_scale,
               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, STAGE: tl.constexpr,
-              HAS_RK: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+              HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
+              CAUSAL: tl.constexpr,
               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr):
     """One stage of a query tile's loop over key tiles [lo, hi): dq += dS k, and P, dS per table row."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -467,9 +542,9 @@ def _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, K, V, QA
                       EVEN_D, EVEN_N)
         vT = _load_2d(V + offs_dv[:, None] * stride_vd + offs_n[None, :] * stride_vn, offs_dv, offs_n, DV, M,
                       EVEN_D, EVEN_N)
-        p, ds = _bwd_tile(q, do, kT, vT, lse2, delta, QA, DOA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale,
-                          stride_sn, stride_mn, stride_mm, STAGE, HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N,
-                          PREC)
+        p, ds = _bwd_tile(q, do, kT, vT, lse2, delta, QA, KA, DOA, MASK, offs_m, offs_n, N, M, MAX_REL, off,
+                          qk_scale, stride_sn, stride_kan, stride_mn, stride_mm, STAGE, HAS_RK, HAS_RQ, HAS_RV,
+                          HAS_MASK, CAUSAL, EVEN_M, EVEN_N, PREC)
         dq += dot(cast(ds, kT.dtype), tl.trans(kT), PREC)
         if HAS_RV:
             p_left, p_right = _edge_sums(p, p_left, p_right, offs_m, offs_n, MAX_REL, off, STAGE)
@@ -493,20 +568,21 @@ def _store_edges(B, left, right, offs_m, N, MAX_REL, stride_sn, EVEN_M: tl.const
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, QA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB,
+def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB,
                stride_qb, stride_qh, stride_qn, stride_qd,
                stride_kb, stride_kh, stride_kn, stride_kd,
                stride_vb, stride_vh, stride_vn, stride_vd,
                stride_sb, stride_sh, stride_sn,
+               stride_kab, stride_kah, stride_kan,
                stride_rkh, stride_rkr, stride_rkd,
                stride_mb, stride_mh, stride_mn, stride_mm,
                stride_dob, stride_doh, stride_don, stride_dod,
                stride_lb, stride_lh, stride_ln,
-               H, GROUP, N, M, D, DV, MAX_REL, off, qk_scale, scale,
+               H, GROUP, KA_GROUP, N, M, D, DV, MAX_REL, off, qk_scale, scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-               HAS_RK: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr,
-               ACC: tl.constexpr, BAND_SPLIT: tl.constexpr):
+               HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
+               CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+               PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr):
     """Per (query tile, batch * head): dq = scale (dS k + sum_t SB_it a^K_t), and the per-row bins of P (PB) and
     dS (SB) per table row (zeros where no pair falls), from which the launcher forms the table gradients."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -519,6 +595,7 @@ def _dq_kernel(Q, K, V, QA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB,
     K += off_b * stride_kb + off_hkv * stride_kh
     V += off_b * stride_vb + off_hkv * stride_vh
     QA += off_b * stride_sb + off_h * stride_sh
+    KA += off_b * stride_kab + (off_h // KA_GROUP) * stride_kah
     DOA += off_b * stride_sb + off_h * stride_sh
     PB += off_b * stride_sb + off_h * stride_sh
     SB += off_b * stride_sb + off_h * stride_sh
@@ -546,20 +623,21 @@ def _dq_kernel(Q, K, V, QA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB,
     band_lo = _tile_start(start_m + off - MAX_REL + 1, 0, end, 0, BLOCK_N)
     band_hi = _tile_end(start_m + off + BLOCK_M + MAX_REL, band_lo, end, 0, BLOCK_N)
     dq, p_left, p_right, s_left, s_right = _dq_inner(
-        dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, K, V, QA, DOA, MASK, PB, SB, offs_m, 0, band_lo,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_mn, stride_mm, N, M, D, DV, MAX_REL, off,
-        qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, LEFT, HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, PREC)
+        dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, K, V, QA, KA, DOA, MASK, PB, SB, offs_m, 0, band_lo,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_kan, stride_mn, stride_mm, N, M, D, DV, MAX_REL,
+        off, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, LEFT, HAS_RK, HAS_RQ, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N,
+        EVEN_D, PREC)
     dq, p_left, p_right, s_left, s_right = _dq_inner(
-        dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, K, V, QA, DOA, MASK, PB, SB, offs_m, band_lo,
-        band_hi, stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_mn, stride_mm, N, M, D, DV, MAX_REL,
-        off, qk_scale, BLOCK_N // BAND_SPLIT, HEAD_DIM, HEAD_DIM_V, BAND, HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M,
-        EVEN_N, EVEN_D, PREC)
+        dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, K, V, QA, KA, DOA, MASK, PB, SB, offs_m, band_lo,
+        band_hi, stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_kan, stride_mn, stride_mm, N, M, D, DV,
+        MAX_REL, off, qk_scale, BLOCK_N // BAND_SPLIT, HEAD_DIM, HEAD_DIM_V, BAND, HAS_RK, HAS_RQ, HAS_RV, HAS_MASK,
+        CAUSAL, EVEN_M, EVEN_N, EVEN_D, PREC)
     if not CAUSAL:
         dq, p_left, p_right, s_left, s_right = _dq_inner(
-            dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, K, V, QA, DOA, MASK, PB, SB, offs_m, band_hi,
-            end, stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_mn, stride_mm, N, M, D, DV, MAX_REL,
-            off, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, RIGHT, HAS_RK, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N,
-            EVEN_D, PREC)
+            dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, K, V, QA, KA, DOA, MASK, PB, SB, offs_m, band_hi,
+            end, stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_kan, stride_mn, stride_mm, N, M, D, DV,
+            MAX_REL, off, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, RIGHT, HAS_RK, HAS_RQ, HAS_RV, HAS_MASK, CAUSAL,
+            EVEN_M, EVEN_N, EVEN_D, PREC)
 
     # -- the edge bins; then the key table's share of dq, sum_t SB_it a^K_t, one chunk of table rows at a time
     if HAS_RV:

@@ -4,19 +4,21 @@ The kernels (``_triton_kernels.py``) split each query tile's key loop into three
 splits its causal loop: key tiles left of the band of ``2K+1`` offsets (plain flash plus one key-table score per
 row), the band tiles (the key term gathered per pair from ``QA = q a^K^T``, precomputed by one small matmul
 kernel; the scores of the band's interior stored per row and table row), and key tiles right of it. The value
-term is ``bins @ a^V`` after the loop. The backward is FlashAttention-2's (P recomputed from the saved log-sum-
-exp; one kernel per key tile for dk and dv, one per query tile for dq, sharing one tile body); the table
-gradients come from per-row bins of P and dS, written once each by the dq kernel and reduced by torch in a fixed
-order: no atomics, two backward passes are bitwise equal. k and v may have fewer heads than q (grouped-query
-attention): query head ``h`` reads key/value head ``h // (H // Hkv)``, and dk, dv of a key/value head are summed
-over its group by one program, in order.
+term is ``bins @ a^V`` after the loop. The position-to-content term (``rel_q``, DeBERTa's p2c: ``k_j . a^Q_t``)
+is gathered the same way from ``KA = k a^Q^T`` (one number per key off the band, per pair on it). The backward
+is FlashAttention-2's (P recomputed from the saved log-sum-exp; one kernel per key tile for dk and dv, one per
+query tile for dq, sharing one tile body); the table gradients come from per-row bins of P and dS, written once
+each by the dq kernel, and (rel_q) per-key bins of dS, written once each by the dk/dv kernel, reduced by torch in
+a fixed order: no atomics, two backward passes are bitwise equal. k and v may have fewer heads than q
+(grouped-query attention): query head ``h`` reads key/value head ``h // (H // Hkv)``, and dk, dv of a key/value
+head are summed over its group by one program, in order.
 
 Serves CUDA tensors when ``triton`` is importable; with ``TRITON_INTERPRET=1`` in the environment when
 relattn is imported, also CPU tensors (the same kernels, interpreted: how CI tests them; slow, so "auto"
 never picks it on the CPU). float16 and bfloat16 (float32 statistics, 16-bit matmul inputs as in flash
 attention: the weights rounded to 16 bits on their way into a matmul), float32 (IEEE float32 matmuls, no
-TF32) and float64 (gradcheck); head dims up to 128 (D != Dv allowed); any K; any mask that needs no
-gradient; no dropout.
+TF32) and float64 (gradcheck); head dims up to 128 (D != Dv allowed); any K; the tables a^K, a^V, a^Q (rel_q),
+each optional, shared or per head; any mask that needs no gradient; no dropout.
 
 Tiles, warps and pipeline stages per kernel come from ``config`` (by GPU architecture, element size and head
 dim); ``benchmarks/triton_compile.py`` compiles every launch of this module for sm_80 and sm_90a without a GPU
@@ -56,6 +58,12 @@ CONFIGS = {
     ("fwd", 80, 64): (128, 64, 8, 2, 2), ("fwd", 80, 128): (128, 64, 8, 2, 4),
     ("dkdv", 80, 64): (32, 64, 8, 1, 2), ("dkdv", 80, 128): (32, 64, 8, 2, 2),
     ("dq", 80, 64): (64, 32, 4, 2, 2), ("dq", 80, 128): (32, 64, 8, 2, 4),
+}
+# Launches with rel_q (the position-to-content term: a per-key gather in the score and, in dkdv, per-key bins of dS)
+# where the table above spills: their own entry, compiled without spills under both Tritons likewise.
+RQ_CONFIGS = {
+    ("fwd", 80, 64): (128, 64, 8, 2, 4), ("dkdv", 80, 64): (64, 32, 8, 2, 2),
+    ("fwd", 80, 128): (64, 64, 8, 2, 2),
 }
 FP32_CONFIGS = {"fwd": (32, 32, 8, 1, 2), "dkdv": (16, 16, 8, 1, 1), "dq": (32, 16, 4, 2, 1)}  # float32, float64
 # The interpreter pays per tile operation (about 0.2 ms, little more for a larger tile): large tiles there.
@@ -116,21 +124,23 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def config(kernel: str, dtype: torch.dtype, head_dim: int, arch: int | None) -> tuple[int, int, int, int, int]:
+def config(kernel: str, dtype: torch.dtype, head_dim: int, arch: int | None,
+           rel_q: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, BAND_SPLIT) of ``kernel`` ("fwd", "dkdv", "dq") for a padded head
-    dim on a GPU of compute capability ``arch`` (None: interpreted)."""
+    dim on a GPU of compute capability ``arch`` (None: interpreted), with or without the ``rel_q`` term."""
     if arch is None:
         return (*INTERPRETED_TILES, 4, 1, 1)
     if dtype not in LOW_PRECISION:
         return FP32_CONFIGS[kernel]
-    return CONFIGS[(kernel, 90 if arch == 90 else 80, 64 if head_dim <= 64 else 128)]
+    key = (kernel, 90 if arch == 90 else 80, 64 if head_dim <= 64 else 128)
+    return RQ_CONFIGS.get(key, CONFIGS[key]) if rel_q else CONFIGS[key]
 
 
-def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal):
+def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None):
     """The constexprs and launch options of one kernel for these inputs."""
     n, m = q.shape[2], k.shape[2]
     dp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
-    bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device))
+    bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device), rel_q is not None)
     override = FWD_TILES if kernel == "fwd" else BWD_TILES
     if override is not None:
         bm, bn = override
@@ -139,7 +149,8 @@ def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal):
     split = max(1, min(split, (bm if kernel == "dkdv" else bn) // 16))  # band tiles of at least 16 (tl.dot's minimum)
     kern = _kernels()
     return dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=dp, HEAD_DIM_V=dvp,
-                HAS_RK=rel_k is not None, HAS_RV=rel_v is not None, HAS_MASK=_mask_kind(q, k, mask), CAUSAL=is_causal,
+                HAS_RK=rel_k is not None, HAS_RQ=rel_q is not None, HAS_RV=rel_v is not None,
+                HAS_MASK=_mask_kind(q, k, mask), CAUSAL=is_causal,
                 EVEN_M=n % bm == 0, EVEN_N=m % bn == 0, EVEN_D=(dp == q.shape[-1] and dvp == v.shape[-1]),
                 PREC="ieee" if q.dtype not in LOW_PRECISION else "tf32",
                 ACC=kern.tl.float64 if q.dtype == torch.float64 else kern.tl.float32,
@@ -172,16 +183,18 @@ def _mask_args(q, k, mask) -> dict:
     return dict(MASK=q if full is None else full, **_strides("m", full, "bhnm"))
 
 
-def table_scores(x: Tensor, table: Tensor, dtype: torch.dtype) -> Tensor:
-    """``x @ table^T`` per head: (B, H, N, d), (Hr, 2K+1, d) -> (B, H, N, 2K+1) in ``dtype`` (one launch)."""
-    b, h, n, d = x.shape
+def table_scores(x: Tensor, table: Tensor, dtype: torch.dtype, heads: int | None = None) -> Tensor:
+    """``x @ table^T`` per head: (B, Hx, N, d), (Hr, 2K+1, d) -> (B, H, N, 2K+1) in ``dtype`` (one launch), H =
+    ``heads`` (default Hx, a multiple of it: head h reads x's head ``h // (H // Hx)``)."""
+    b, hx, n, d = x.shape
+    h = hx if heads is None else heads
     r = table.shape[1]
     out = x.new_empty(b, h, n, r, dtype=dtype)
     block_n, block_r = (128, 128) if INTERPRET else (64, 64) if x.element_size() == 2 else (32, 32)
     block_n, block_r = min(block_n, _pow2(n)), min(block_r, _pow2(r))
     _launch(_kernels()._table_scores_kernel, (_cdiv(n, block_n), b * h, _cdiv(r, block_r)),
             X=x, T=table, S=out, **_strides("x", x, "bhnd"), **_table_strides("t", table),
-            **_strides("s", out, "bhn"), H=h, N=n, D=d, R=r,
+            **_strides("s", out, "bhn"), H=h, XGROUP=h // hx, N=n, D=d, R=r,
             BLOCK_N=block_n, BLOCK_R=block_r, HEAD_DIM=_pow2(d),
             PREC="ieee" if x.dtype not in LOW_PRECISION else "tf32", num_warps=4, num_stages=1)
     return out
@@ -201,6 +214,38 @@ def kv_splits(q_tiles: int, heads: int, m: int, bn: int, device: torch.device) -
     return max(1, min(math.ceil(target / programs), m // (4 * bn)))
 
 
+def key_scores(k: Tensor, rel_q: Tensor | None, heads: int, dtype: torch.dtype) -> tuple[Tensor | None, int]:
+    """``KA = k a^Q^T``, the keys' position-to-content scores, and KA_GROUP (query head h reads KA's head
+    ``h // KA_GROUP``): (B, H, M, 2K+1) for a per-head table, (B, Hkv, M, 2K+1) for a shared one (k's own heads).
+    (None, 1) without a table."""
+    if rel_q is None:
+        return None, 1
+    if rel_q.shape[0] == 1:
+        return table_scores(k, rel_q, dtype), heads // k.shape[1]
+    return table_scores(k, rel_q, dtype, heads), 1
+
+
+def _key_table_grads(kb: Tensor, k: Tensor, rel_q: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """From the per-(key, table row) bins of dS, KB (B, H, M, R): dk's share ``scale * sum over the group of
+    KB_h @ a^Q_h`` (B, Hkv, M, d) in KB's dtype, and ``d a^Q = scale * sum of KB^T @ k`` (Hr, R, d) in rel_q's
+    dtype; every sum in a fixed order."""
+    b, h, m, r = kb.shape
+    hkv, d = k.shape[1], k.shape[-1]
+    g = h // hkv
+    kf = k.to(kb.dtype)
+    table = rel_q.to(kb.dtype)
+    if rel_q.shape[0] == 1:
+        bins = kb.view(b, hkv, g, m, r).sum(2)  # (B, Hkv, M, R): the group shares the table
+        dk = torch.matmul(bins, table[0]) * scale
+        grad = torch.mm(bins.permute(3, 0, 1, 2).reshape(r, b * hkv * m), kf.reshape(b * hkv * m, d))[None]
+    else:
+        dk = (torch.matmul(kb.view(b, hkv, g, m, r), table.view(hkv, g, r, d)) * scale).sum(2)
+        lhs = kb.permute(1, 3, 0, 2).reshape(h, r, b * m)
+        rhs = kf.permute(1, 0, 2, 3)[:, None].expand(hkv, g, b, m, d).reshape(h, b * m, d)
+        grad = torch.bmm(lhs, rhs)
+    return dk, (grad * scale).to(rel_q.dtype)
+
+
 def _common_args(q, k, v, max_relative_position, query_offset, scale) -> dict:
     b, h, n, d = q.shape
     return dict(**_strides("q", q, "bhnd"), **_strides("k", k, "bhnd"), **_strides("v", v, "bhnd"),
@@ -211,15 +256,13 @@ def _common_args(q, k, v, max_relative_position, query_offset, scale) -> dict:
 def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
             query_offset: int, rel_q=None) -> tuple[Tensor, Tensor]:
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros and lse -inf.
-    k, v: (B, Hkv, M, D|Dv) with H % Hkv == 0."""
-    if rel_q is not None:
-        raise ValueError("relattn triton: no position-to-content term (rel_q); 'blocked' takes it")
+    k, v: (B, Hkv, M, D|Dv) with H % Hkv == 0; rel_q: the position-to-content table (Hr, 2K+1, D) or None."""
     b, h, n, _ = q.shape
     m, dv, kk = k.shape[2], v.shape[3], max_relative_position
     sdt = stats_dtype(q.dtype)
     if b * h * n == 0:
         return q.new_zeros(b, h, n, dv), q.new_full((b, h, n), float("-inf"), dtype=sdt)
-    meta = _meta("fwd", q, k, v, rel_k, rel_v, mask, is_causal)
+    meta = _meta("fwd", q, k, v, rel_k, rel_v, mask, is_causal, rel_q)
     q_tiles = math.ceil(n / meta["BLOCK_M"])
     splits = kv_splits(q_tiles, b * h, m, meta["BLOCK_N"], q.device)
     split_len = math.ceil(math.ceil(max(m, 1) / splits) / meta["BLOCK_N"]) * meta["BLOCK_N"]
@@ -229,14 +272,15 @@ def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causa
     else:  # each split's normalised output, in the statistics' dtype, merged below
         out, lse = q.new_empty(splits, b, h, n, dv, dtype=sdt), q.new_empty(splits, b, h, n, dtype=sdt)
     qa = table_scores(q, rel_k, sdt) if rel_k is not None else None
+    ka, ka_group = key_scores(k, rel_q, h, sdt)
     bins = q.new_empty(b, h, n, 2 * kk + 1, dtype=sdt) if rel_v is not None else None
     scratch = qa if qa is not None else bins
     _launch(_kernels()._fwd_kernel, (q_tiles, b * h, splits),
-            Q=q, K=k, V=v, QA=q if qa is None else qa, RV=q if rel_v is None else rel_v, **_mask_args(q, k, mask),
-            BINS=q if bins is None else bins, OUT=out, LSE=lse,
-            **_strides("s", scratch, "bhn"), **_table_strides("rv", rel_v), **_strides("o", out, "sbhnd"),
-            **_strides("l", lse, "sbhn"), **_common_args(q, k, v, kk, query_offset, scale), H=h, split_len=split_len,
-            **meta)
+            Q=q, K=k, V=v, QA=q if qa is None else qa, KA=q if ka is None else ka, RV=q if rel_v is None else rel_v,
+            **_mask_args(q, k, mask), BINS=q if bins is None else bins, OUT=out, LSE=lse,
+            **_strides("s", scratch, "bhn"), **_strides("ka", ka, "bhn"), **_table_strides("rv", rel_v),
+            **_strides("o", out, "sbhnd"), **_strides("l", lse, "sbhn"),
+            **_common_args(q, k, v, kk, query_offset, scale), H=h, KA_GROUP=ka_group, split_len=split_len, **meta)
     if splits == 1:
         return out[0], lse[0]
     total = torch.logsumexp(lse, 0)  # fixed order: deterministic
@@ -255,42 +299,50 @@ def _table_grad(bins: Tensor, x: Tensor, hr: int, dtype: torch.dtype, scale: flo
 
 def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
              scale: float, query_offset: int, rel_q=None) -> tuple[Tensor, ...]:
-    """(dq, dk, dv, d_rel_k | None, d_rel_v | None) in their inputs' dtypes, dq, dk, dv contiguous; dk, dv of a
-    key/value head summed over its group of query heads."""
-    if rel_q is not None:
-        raise ValueError("relattn triton: no position-to-content term (rel_q); 'blocked' takes it")
+    """(dq, dk, dv, d_rel_k | None, d_rel_v | None), and d_rel_q when rel_q is given, in their inputs' dtypes; dq,
+    dk, dv contiguous; dk, dv of a key/value head summed over its group of query heads."""
     b, h, n, _ = q.shape
     hkv, m, kk = k.shape[1], k.shape[2], max_relative_position
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    sdt = stats_dtype(q.dtype)
+    # with rel_q, dk is kept in the statistics' dtype until the table's share is added
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k, dtype=k.dtype if rel_q is None else sdt), torch.zeros_like(v)
     d_rel_k = None if rel_k is None else torch.zeros_like(rel_k)
     d_rel_v = None if rel_v is None else torch.zeros_like(rel_v)
+    more = () if rel_q is None else (torch.zeros_like(rel_q),)
     if b * h == 0 or n == 0 or m == 0:
-        return dq, dk, dv, d_rel_k, d_rel_v
+        return dq, dk.to(k.dtype), dv, d_rel_k, d_rel_v, *more
     grad_out = grad_out.to(q.dtype).contiguous()
-    sdt = stats_dtype(q.dtype)
     delta = (grad_out.to(sdt) * out.to(sdt)).sum(-1)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse).contiguous()  # empty rows: P = 0
     qa = table_scores(q, rel_k, sdt) if rel_k is not None else None
     doa = table_scores(grad_out, rel_v, sdt) if rel_v is not None else None
+    ka, ka_group = key_scores(k, rel_q, h, sdt)
+    # per key, per table row: dS (for a^Q), written by the dk/dv kernel; zeros where no pair falls
+    kb = torch.zeros(b, h, m, 2 * kk + 1, dtype=sdt, device=q.device) if rel_q is not None else None
     # per row, per table row: P (for a^V) and dS (for a^K); zeros where no pair falls
     pb = torch.zeros(b, h, n, 2 * kk + 1, dtype=sdt, device=q.device) if rel_v is not None else None
     sb = torch.zeros(b, h, n, 2 * kk + 1, dtype=sdt, device=q.device) if rel_k is not None else None
     scratch = next((t for t in (qa, doa, pb, sb) if t is not None), None)
-    args = dict(Q=q, K=k, V=v, QA=q if qa is None else qa, DOA=q if doa is None else doa, **_mask_args(q, k, mask),
-                DO=grad_out, LSE=lse, DELTA=delta, **_strides("s", scratch, "bhn"), **_strides("do", grad_out, "bhnd"),
-                **_strides("l", lse, "bhn"), **_common_args(q, k, v, kk, query_offset, scale), scale=scale)
-    meta = _meta("dkdv", q, k, v, rel_k, rel_v, mask, is_causal)
-    _launch(_kernels()._dkdv_kernel, (math.ceil(m / meta["BLOCK_N"]), b * hkv), DK=dk, DV_=dv, H_KV=hkv,
-            **args, **meta)
-    meta = _meta("dq", q, k, v, rel_k, rel_v, mask, is_causal)
+    args = dict(Q=q, K=k, V=v, QA=q if qa is None else qa, KA=q if ka is None else ka,
+                DOA=q if doa is None else doa, **_mask_args(q, k, mask), DO=grad_out, LSE=lse, DELTA=delta,
+                **_strides("s", scratch, "bhn"), **_strides("ka", ka, "bhn"), **_strides("do", grad_out, "bhnd"),
+                **_strides("l", lse, "bhn"), **_common_args(q, k, v, kk, query_offset, scale), KA_GROUP=ka_group,
+                scale=scale)
+    meta = _meta("dkdv", q, k, v, rel_k, rel_v, mask, is_causal, rel_q)
+    _launch(_kernels()._dkdv_kernel, (math.ceil(m / meta["BLOCK_N"]), b * hkv), DK=dk, DV_=dv,
+            KB=q if kb is None else kb, **_strides("kb", kb, "bhn"), H_KV=hkv, **args, **meta)
+    meta = _meta("dq", q, k, v, rel_k, rel_v, mask, is_causal, rel_q)
     _launch(_kernels()._dq_kernel, (math.ceil(n / meta["BLOCK_M"]), b * h), DQ=dq, RK=q if rel_k is None else rel_k,
             PB=q if pb is None else pb, SB=q if sb is None else sb, H=h, **_table_strides("rk", rel_k), **args, **meta)
     if rel_k is not None:
         d_rel_k = _table_grad(sb, q, rel_k.shape[0], rel_k.dtype, scale)
     if rel_v is not None:
         d_rel_v = _table_grad(pb, grad_out, rel_v.shape[0], rel_v.dtype)
-    return dq, dk, dv, d_rel_k, d_rel_v
+    if rel_q is None:
+        return dq, dk, dv, d_rel_k, d_rel_v
+    dk_q, d_rel_q = _key_table_grads(kb, k, rel_q, scale)
+    return dq, (dk + dk_q).to(k.dtype), dv, d_rel_k, d_rel_v, d_rel_q
 
 
 # relattn::triton_fwd / relattn::triton_bwd: see _common.define_stats_ops.
@@ -300,14 +352,14 @@ triton_fwd = define_stats_ops("triton", forward, backward)
 def triton_attention(call: AttentionCall) -> Tensor:
     """The output (B, H, N, Dv), in q's dtype."""
     out, _ = triton_fwd(call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, call.max_relative_position,
-                        call.is_causal, call.scale, call.query_offset)
+                        call.is_causal, call.scale, call.query_offset, call.rel_q)
     return out
 
 
 BACKEND = Backend("triton", triton_attention,
                   Serves(devices=frozenset({"cuda", "cpu"} if INTERPRET else {"cuda"}),
-                         max_head_dim=MAX_HEAD_DIM, grouped_kv=True),
+                         max_head_dim=MAX_HEAD_DIM, grouped_kv=True, pos_to_content=True),
                   "Triton flash kernels, forward and backward: key loops in three stages (left of the band, band, "
-                  "right), the key term gathered from q a^K^T, the value term as per-row bins times a^V; CUDA (CPU "
-                  "under TRITON_INTERPRET=1), no dropout",
+                  "right), the key term gathered from q a^K^T, the position-to-content term (rel_q) from k a^Q^T, "
+                  "the value term as per-row bins times a^V; CUDA (CPU under TRITON_INTERPRET=1), no dropout",
                   unavailable=unavailable)
