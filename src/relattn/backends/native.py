@@ -227,13 +227,15 @@ def _as_float(t):
 def _data(gemm16: bool, *tensors):
     """q, k, v (and dO, out) for the kernel: 16-bit as they are for 16-bit GEMMs, else as float32 (the whole kernel
     then runs in float32)."""
-    return tensors if gemm16 else tuple(_as_float(t) for t in tensors)
+    if gemm16 or tensors[0].dtype not in LOW_PRECISION:
+        return tensors
+    return tuple(_as_float(t) for t in tensors)
 
 
 def _tables_and_mask(rel_k, rel_v, mask):
     """The tables (contiguous (Hr, 2K+1, d)) and the mask, float32 for 16-bit inputs: the kernel's compute type."""
-    return tuple(_as_float(t) for t in (None if rel_k is None else rel_k.contiguous(),
-                                        None if rel_v is None else rel_v.contiguous(), mask))
+    return (None if rel_k is None else _as_float(rel_k.contiguous()),
+            None if rel_v is None else _as_float(rel_v.contiguous()), _as_float(mask))
 
 
 def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
@@ -245,7 +247,7 @@ def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causa
     tiles = tile_q(q.shape[-2], is_causal), TILE_K
     out, lse = torch.ops.relattn_native.fwd(*_data(gemm16, q, k, v), *_tables_and_mask(rel_k, rel_v, mask),
                                             max_relative_position, is_causal, scale, query_offset, *tiles)
-    return out.to(q.dtype), lse
+    return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
 
 
 def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
@@ -269,10 +271,10 @@ def _needs_op(call: AttentionCall) -> bool:
     """Whether the call must go through the custom op: under torch.compile / torch.export (which trace it), or
     when autograd will ask for a backward. Otherwise (inference, decoding) the kernel is called directly: the
     op's dispatch and autograd wrappers cost more than a one-query kernel call."""
-    if torch.compiler.is_compiling():
+    if torch.is_grad_enabled() and (call.q.requires_grad or call.k.requires_grad or call.v.requires_grad or any(
+            t is not None and t.requires_grad for t in (call.rel_k, call.rel_v, call.mask))):
         return True
-    tensors = (call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask)
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return torch.compiler.is_compiling()
 
 
 def native_attention(call: AttentionCall) -> Tensor:
