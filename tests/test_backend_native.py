@@ -500,3 +500,31 @@ def test_every_build_says_it_is_compiling(monkeypatch, tmp_path, caplog):
     assert [(n, s, kw["build_directory"]) for n, s, kw in builds] == [(name, [str(build_dir / "shaw_cpu.cpp")],
                                                                        str(build_dir))] * 2
     assert (build_dir / "shaw_cpu.cpp").read_bytes() == SOURCE
+
+
+@needs_native
+def test_eager_differentiated_calls_skip_the_custom_op_and_equal_it(small_tiles, monkeypatch):
+    """An eager call that autograd differentiates runs the kernels through a plain autograd Function, not through the
+    custom op (whose wrappers cost more than a short sequence's kernels): the same output and gradients, bit for bit,
+    as the op gives under a dispatch mode (which, like torch.compile and torch.export, gets the op)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    inputs = random_inputs(1, 2, 11, 13, 5, 5, 3, tables="keys_per_head", dtype=torch.float32, requires_grad=True)
+    go = torch.randn(1, 2, 11, 5)
+    kw = dict(max_relative_position=3, is_causal=True, query_offset=2)
+    with Passthrough():
+        op_out, op_grads = grads("native", inputs, go, **kw)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eager call went through the custom op")
+
+    monkeypatch.setattr(native, "native_fwd", refuse)
+    out, got = grads("native", inputs, go, **kw)
+    assert torch.equal(out, op_out)
+    assert all(torch.equal(a, b) for a, b in zip(got, op_grads, strict=True))
+    with Passthrough(), pytest.raises(AssertionError, match="custom op"):
+        grads("native", inputs, go, **kw)

@@ -470,11 +470,20 @@ const I* block_as(const T* S, int64_t rows, int64_t width, int64_t ld, std::vect
   }
 }
 
+// The grain of a parallel_for over ``tasks`` tasks of about ``work`` multiply-adds each: all of them on the calling
+// thread when the whole is under 2^20 multiply-adds (a decoding step against a few hundred keys: some 50 us on one
+// thread), else one task at a time. Waking the other threads for so little costs more than they save: on a busy
+// machine the wake-up alone took longer than the whole call.
+int64_t grain_for(int64_t tasks, int64_t work) {
+  return tasks * work < (int64_t{1} << 20) ? std::max<int64_t>(tasks, 1) : 1;
+}
+
 template <typename I, typename T>
 void forward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile_q, int64_t tile_k, I* out, T* lse) {
   constexpr bool narrow = !std::is_same_v<I, T>;
   const int64_t nq = (g.N + tile_q - 1) / tile_q, last = 2 * g.kk, R = g.R;
-  at::parallel_for(0, g.B * g.H * nq, 1, [&](int64_t begin, int64_t end) {
+  const int64_t grain = grain_for(g.B * g.H * nq, tile_q * (g.M + (g.has_k || g.has_v ? R : 0)) * (g.D + g.Dv));
+  at::parallel_for(0, g.B * g.H * nq, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> S(tile_q * tile_k), QA(g.has_k ? tile_q * R : 0), PW(g.has_v ? tile_q * R : 0);
     std::vector<T> acc(tile_q * g.Dv), mx(tile_q), sm(tile_q), rmax(tile_q);
     std::vector<T> qbuf(narrow && g.has_k ? tile_q * g.D : 0);
