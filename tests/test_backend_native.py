@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.utils.cpp_extension
 
-from helpers import CASES, IDS, assert_close, grads, random_inputs, reference_output, unavailable_here
+from helpers import CASES, IDS, assert_close, grads, oracle_grads, random_inputs, reference_output, unavailable_here
 from relattn import functional as fn
 from relattn.backends import AttentionCall, native
 
@@ -101,6 +101,28 @@ def test_default_tiles_match_dense(small_tiles):
     assert_close(got_out, want_out, torch.float64, "out")
     for a, w in zip(got, want, strict=True):
         assert_close(a, w, torch.float64, "grad")
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(67, 64, 64, 64, 66, True), (600, 59, 33, 5, 599, False), (7, 64, 59, 2, 3, True)],
+                         ids=["m67-K64-causal", "m600-d59-dv33", "m7-causal-offset3"])
+@pytest.mark.parametrize("tables", ["shared", "per_head", "none"])
+def test_one_query_in_float32_matches_the_oracle(small_tiles, one_thread, shape, tables):
+    """A decoding step (one query against M cached keys) in float32 at the default tiles: every GEMM of the forward
+    and of the backward has one row there, which the kernel runs as its own vectorized GEMV (row counts and head dims
+    that leave tails: 67 keys, D = 59, Dv = 33); outputs and gradients against the float64 oracle."""
+    small_tiles(native=(0, 512))
+    m, d, dv, kk, off, causal = shape
+    inputs = random_inputs(1, 3, 1, m, d, dv, kk, tables=tables, dtype=torch.float32, requires_grad=True, seed=11)
+    kw = dict(max_relative_position=kk, query_offset=off, is_causal=causal)
+    go = torch.randn(1, 3, 1, dv, generator=torch.Generator().manual_seed(12))
+    got_out, got = grads("native", inputs, go, **kw)
+    want_out, want = oracle_grads(inputs, go, **kw)
+    assert_close(got_out, want_out, torch.float32, "out")
+    with torch.no_grad():  # the inference path calls the kernel directly
+        assert torch.equal(fn.relative_attention(*inputs, backend="native", **kw), got_out.detach())
+    for a, w in zip(got, want, strict=True):
+        assert_close(a, w, torch.float32, "grad")
 
 
 def _masks(b, h, n, m, g):
@@ -478,3 +500,31 @@ def test_every_build_says_it_is_compiling(monkeypatch, tmp_path, caplog):
     assert [(n, s, kw["build_directory"]) for n, s, kw in builds] == [(name, [str(build_dir / "shaw_cpu.cpp")],
                                                                        str(build_dir))] * 2
     assert (build_dir / "shaw_cpu.cpp").read_bytes() == SOURCE
+
+
+@needs_native
+def test_eager_differentiated_calls_skip_the_custom_op_and_equal_it(small_tiles, monkeypatch):
+    """An eager call that autograd differentiates runs the kernels through a plain autograd Function, not through the
+    custom op (whose wrappers cost more than a short sequence's kernels): the same output and gradients, bit for bit,
+    as the op gives under a dispatch mode (which, like torch.compile and torch.export, gets the op)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    inputs = random_inputs(1, 2, 11, 13, 5, 5, 3, tables="keys_per_head", dtype=torch.float32, requires_grad=True)
+    go = torch.randn(1, 2, 11, 5)
+    kw = dict(max_relative_position=3, is_causal=True, query_offset=2)
+    with Passthrough():
+        op_out, op_grads = grads("native", inputs, go, **kw)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eager call went through the custom op")
+
+    monkeypatch.setattr(native, "native_fwd", refuse)
+    out, got = grads("native", inputs, go, **kw)
+    assert torch.equal(out, op_out)
+    assert all(torch.equal(a, b) for a, b in zip(got, op_grads, strict=True))
+    with Passthrough(), pytest.raises(AssertionError, match="custom op"):
+        grads("native", inputs, go, **kw)

@@ -119,7 +119,8 @@ def test_autocast_casts_the_inputs_as_for_sdpa_and_no_further(backend):
 @pytest.mark.parametrize("backend", FAST)
 def test_inference_calls_equal_the_ops(backend):
     """Without autograd a backend may call its kernel directly (native does, to save the op's wrappers on small
-    decoding calls): the output is bitwise the one the custom op gives."""
+    decoding calls): the output is bitwise the one a differentiated call gives (through the custom op, or, for
+    native in eager mode, its autograd Function: see test_backend_native.py)."""
     q, k, v, rk, rv = random_inputs(1, 2, 7, 12, 4, 4, 3, tables="keys_per_head", dtype=torch.float32)
     kw = dict(max_relative_position=3, is_causal=True, query_offset=5, backend=backend)
     with torch.no_grad():

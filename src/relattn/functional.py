@@ -26,23 +26,27 @@ def _shape(t: torch.Tensor) -> str:
 
 
 def _check_table(name, table, *, heads, rows, dim, like) -> torch.Tensor | None:
+    """``table`` checked against (rows, dim) or (heads, rows, dim) and q's dtype and device; (1 | heads, rows, dim)."""
     if table is None:
         return None
     if not isinstance(table, torch.Tensor):
         raise TypeError(f"{name} must be a Tensor or None, got {type(table).__name__}")
-    if table.dim() not in (2, 3):
+    shape = table.shape
+    if len(shape) == 2:
+        fits = shape[0] == rows and shape[1] == dim
+    elif len(shape) == 3:
+        fits = shape[0] in (1, heads) and shape[1] == rows and shape[2] == dim
+    else:
         raise ValueError(f"{name} must be (R, D) or (H, R, D) with R = {rows} table rows; got {table.dim()} dims "
                          f"{_shape(table)}")
-    received = _shape(table)
-    if table.dim() == 2:
-        table = table.unsqueeze(0)
-    if table.shape[0] not in (1, heads) or table.shape[1] != rows or table.shape[2] != dim:
+    if not fits:
         raise ValueError(
             f"{name} must be ({rows}, {dim}) or ({heads}, {rows}, {dim}) for H={heads}, "
-            f"{rows} table rows, head dim {dim}; got {received}"
+            f"{rows} table rows, head dim {dim}; got {_shape(table)}"
         )
-    _check_like(name, table, like)
-    return table
+    if table.dtype != like.dtype or table.device != like.device:
+        _check_like(name, table, like)
+    return table.unsqueeze(0) if len(shape) == 2 else table
 
 
 def _check_like(name, t, like) -> None:
@@ -81,14 +85,12 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.to(dtype)
 
 
-def _autocast(tensors: list) -> list:
-    """Under ``torch.autocast``, the inputs as autocast casts SDPA's: 16/32-bit floats to the autocast dtype
-    (float64 is left alone, as autocast leaves it). Outside autocast, unchanged."""
-    q = tensors[0]
-    if (not isinstance(q, torch.Tensor) or not torch.amp.is_autocast_available(q.device.type)
-            or not torch.is_autocast_enabled(q.device.type)):
+def _autocast(tensors: list, device_type: str) -> list:
+    """Under ``torch.autocast`` for ``device_type`` (q's), the inputs as autocast casts SDPA's: 16/32-bit floats to
+    the autocast dtype (float64 is left alone, as autocast leaves it). Outside autocast, unchanged."""
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
         return tensors
-    dtype = torch.get_autocast_dtype(q.device.type)
+    dtype = torch.get_autocast_dtype(device_type)
     return [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
             else t for t in tensors]
 
@@ -103,7 +105,10 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
 def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_causal, dropout_p, scale,
              query_offset, beyond="clip", enable_gqa=False, rel_q=None) -> AttentionCall:
     """Check every argument and bring it to the canonical form backends receive (k and v keep their ``Hkv``
-    heads; :func:`relative_attention` repeats them for the backends that need H)."""
+    heads; :func:`relative_attention` repeats them for the backends that need H).
+
+    Every call pays for this, a decoding step too: each check is a cheap comparison first, and an error's
+    message is built only when it is raised."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
@@ -113,37 +118,48 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
         raise TypeError(f"q must be floating point, got {q.dtype}")
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
-    q, k, v, rel_k, rel_v, rel_q = _autocast([q, k, v, rel_k, rel_v, rel_q])
-    _check_like("k", k, q)
-    _check_like("v", v, q)
-    lead, n, d = tuple(q.shape[:-2]), q.shape[-2], q.shape[-1]
-    h = lead[-1] if lead else 1
-    layout = "(B, H, M, D)" if q.dim() == 4 else "(..., H, M, D)"
-    if k.dim() != q.dim() or k.shape[-1] != d or tuple(k.shape[:-3]) != lead[:-1]:
-        want = ", ".join(str(x) for x in (*lead, "M", d))
-        raise ValueError(f"k must be {layout} = ({want}) to match q {_shape(q)}; got {_shape(k)}")
-    hkv = k.shape[-3] if k.dim() > 2 else 1
+    device = q.device
+    q, k, v, rel_k, rel_v, rel_q = _autocast([q, k, v, rel_k, rel_v, rel_q], device.type)
+    dtype = q.dtype
+    if k.dtype != dtype or k.device != device:
+        _check_like("k", k, q)
+    if v.dtype != dtype or v.device != device:
+        _check_like("v", v, q)
+    qs, ks, vs = q.shape, k.shape, v.shape
+    dims = len(qs)
+    n, d = qs[-2], qs[-1]
+    h = qs[-3] if dims > 2 else 1
+    if len(ks) != dims or ks[-1] != d or (ks[0] != qs[0] if dims == 4 else dims > 4 and ks[:-3] != qs[:-3]):
+        raise ValueError(_k_message(q, k, d))
+    hkv = ks[-3] if dims > 2 else 1
     if hkv != h and not (enable_gqa and hkv > 0 and h % hkv == 0):
-        want = ", ".join(str(x) for x in (*lead, "M", d))
         extra = (f" or, with enable_gqa=True, key/value heads dividing H = {h}" if enable_gqa else
                  " (fewer key/value heads than query heads: pass enable_gqa=True)" if hkv and h % hkv == 0 else "")
-        raise ValueError(f"k must be {layout} = ({want}) to match q {_shape(q)}{extra}; got {_shape(k)}")
-    m = k.shape[-2]
-    if v.dim() != k.dim() or tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
-        want = ", ".join(str(x) for x in (*k.shape[:-1], "Dv"))
-        raise ValueError(f"v must be {layout.replace('D)', 'Dv)')} = ({want}) to match k {_shape(k)}; "
-                         f"got {_shape(v)}")
-    window = check_positions(max_relative_position)
-    beyond = check_beyond(beyond)
-    rows = table_rows(window)
-    offsets = (-(n - 1) - query_offset, m - 1 - query_offset) if isinstance(query_offset, int) else (0, 0)
-    rel_k = _check_table("rel_k", rel_k, heads=h, rows=rows, dim=d, like=q)
-    rel_v = _check_table("rel_v", rel_v, heads=h, rows=rows, dim=v.shape[-1], like=q)
-    rel_q = _check_table("rel_q", rel_q, heads=h, rows=rows, dim=d, like=q)
-    rel_k, kk = symmetric_table(rel_k, window, beyond, offsets=offsets)
-    rel_v, _ = symmetric_table(rel_v, window, beyond, offsets=offsets)
-    rel_q, _ = symmetric_table(rel_q, window, beyond, offsets=offsets)
-    mask = _check_mask(attn_mask, target=(*lead, n, m), like=q)
+        raise ValueError(_k_message(q, k, d, extra))
+    m = ks[-2]
+    if len(vs) != dims or (vs[0] != ks[0] or vs[1] != ks[1] or vs[2] != m if dims == 4 else vs[:-1] != ks[:-1]):
+        want = ", ".join(str(x) for x in (*ks[:-1], "Dv"))
+        layout = "(B, H, M, Dv)" if dims == 4 else "(..., H, M, Dv)"
+        raise ValueError(f"v must be {layout} = ({want}) to match k {_shape(k)}; got {_shape(v)}")
+    if type(max_relative_position) is int and max_relative_position >= 0 and beyond == "clip":
+        # a symmetric clipped window: the kernels' own form, the tables as they are
+        kk = max_relative_position
+        rows = 2 * kk + 1
+        rel_k = _check_table("rel_k", rel_k, heads=h, rows=rows, dim=d, like=q)
+        rel_v = _check_table("rel_v", rel_v, heads=h, rows=rows, dim=vs[-1], like=q)
+        rel_q = _check_table("rel_q", rel_q, heads=h, rows=rows, dim=d, like=q)
+    else:
+        window = check_positions(max_relative_position)
+        beyond = check_beyond(beyond)
+        rows = table_rows(window)
+        offsets = (-(n - 1) - query_offset, m - 1 - query_offset) if isinstance(query_offset, int) else (0, 0)
+        rel_k = _check_table("rel_k", rel_k, heads=h, rows=rows, dim=d, like=q)
+        rel_v = _check_table("rel_v", rel_v, heads=h, rows=rows, dim=vs[-1], like=q)
+        rel_q = _check_table("rel_q", rel_q, heads=h, rows=rows, dim=d, like=q)
+        rel_k, kk = symmetric_table(rel_k, window, beyond, offsets=offsets)
+        rel_v, _ = symmetric_table(rel_v, window, beyond, offsets=offsets)
+        rel_q, _ = symmetric_table(rel_q, window, beyond, offsets=offsets)
+    mask = None if attn_mask is None else _check_mask(attn_mask, target=(*qs[:-2], n, m), like=q)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if isinstance(query_offset, bool) or not isinstance(query_offset, int):
@@ -154,8 +170,16 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
         scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    return AttentionCall(_as_4d(q), _as_4d(k), _as_4d(v), rel_k, rel_v, kk, mask, is_causal, float(dropout_p),
-                         float(scale), query_offset, rel_q=rel_q)
+    if dims != 4:
+        q, k, v = _as_4d(q), _as_4d(k), _as_4d(v)
+    return AttentionCall(q, k, v, rel_k, rel_v, kk, mask, is_causal, float(dropout_p), float(scale), query_offset,
+                         rel_q=rel_q)
+
+
+def _k_message(q, k, d, extra="") -> str:
+    layout = "(B, H, M, D)" if q.dim() == 4 else "(..., H, M, D)"
+    want = ", ".join(str(x) for x in (*q.shape[:-2], "M", d))
+    return f"k must be {layout} = ({want}) to match q {_shape(q)}{extra}; got {_shape(k)}"
 
 
 def backend_refusals(backend: str, **kinds) -> list[str]:

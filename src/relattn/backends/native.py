@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .._io import atomic_path
 from ._common import (
@@ -229,15 +230,17 @@ def _as_float(t):
 def _data(gemm16: bool, *tensors):
     """q, k, v (and dO, out) for the kernel: 16-bit as they are for 16-bit GEMMs, else as float32 (the whole kernel
     then runs in float32)."""
-    return tensors if gemm16 else tuple(_as_float(t) for t in tensors)
+    if gemm16 or tensors[0].dtype not in LOW_PRECISION:
+        return tensors
+    return tuple(_as_float(t) for t in tensors)
 
 
 def _tables_and_mask(rel_k, rel_v, mask, rel_q):
     """rel_k, rel_v, the mask and rel_q as the kernel takes them: tables contiguous (Hr, 2K+1, d), all float32 for
     16-bit inputs (the kernel's compute type)."""
-    return tuple(_as_float(t) for t in (None if rel_k is None else rel_k.contiguous(),
-                                        None if rel_v is None else rel_v.contiguous(), mask,
-                                        None if rel_q is None else rel_q.contiguous()))
+    return (None if rel_k is None else _as_float(rel_k.contiguous()),
+            None if rel_v is None else _as_float(rel_v.contiguous()), _as_float(mask),
+            None if rel_q is None else _as_float(rel_q.contiguous()))
 
 
 def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
@@ -249,7 +252,7 @@ def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causa
     tiles = tile_q(q.shape[-2], is_causal), TILE_K
     out, lse = torch.ops.relattn_native.fwd(*_data(gemm16, q, k, v), *_tables_and_mask(rel_k, rel_v, mask, rel_q),
                                             max_relative_position, is_causal, scale, query_offset, *tiles)
-    return out.to(q.dtype), lse
+    return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
 
 
 def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
@@ -262,33 +265,69 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     tiles = tile_q(q.shape[-2], is_causal), TILE_K
     grads = torch.ops.relattn_native.bwd(go, q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), out_, lse,
                                          max_relative_position, is_causal, scale, query_offset, *tiles, KV_SPLITS)
-    tensors = (q, k, v, rel_k, rel_v, rel_q)
-    return tuple(g if t is None else g.to(t.dtype) for g, t in zip(grads, tensors, strict=True))
+    return tuple(g if t is None or g.dtype == t.dtype else g.to(t.dtype)
+                 for g, t in zip(grads, (q, k, v, rel_k, rel_v, rel_q), strict=True))
 
 
 # relattn::native_fwd / relattn::native_bwd: see _common.define_stats_ops.
 native_fwd = define_stats_ops("native", forward, backward)
 
 
-def _needs_op(call: AttentionCall) -> bool:
-    """Whether the call must go through the custom op: under torch.compile / torch.export (which trace it), or
-    when autograd will ask for a backward. Otherwise (inference, decoding) the kernel is called directly: the
-    op's dispatch and autograd wrappers cost more than a one-query kernel call."""
-    if torch.compiler.is_compiling():
-        return True
-    tensors = (call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, call.rel_q)
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def _differentiated(call: AttentionCall) -> bool:
+    """Whether autograd will ask for a backward of this call."""
+    return torch.is_grad_enabled() and (call.q.requires_grad or call.k.requires_grad or call.v.requires_grad or any(
+        t is not None and t.requires_grad for t in (call.rel_k, call.rel_v, call.mask, call.rel_q)))
+
+
+def _traced() -> bool:
+    """Whether something traces or transforms the call: torch.compile and torch.export, a dispatch mode (make_fx's,
+    FakeTensorMode), a torch function mode, a torch.func transform. Those see the custom op (fake kernels,
+    registered autograd); plain eager calls skip its dispatch and wrappers."""
+    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active())
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The custom op's forward and backward (the same kernels, the same saved tensors) as a plain autograd Function,
+    for eager differentiated calls: the op's dispatch and Python wrappers cost about 0.15 ms of a forward+backward,
+    which is most of a short sequence's overhead (N = 128: about 2 ms in all)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset, rel_q):
+        # forward(ctx, ...) rather than setup_context: Function.apply binds a setup_context Function's arguments
+        # through inspect.signature on every call (some 50 us)
+        out, lse = forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position,
+                           is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, rel_k, rel_v, mask, rel_q, out, lse)
+        ctx.args = (max_relative_position, is_causal, scale, query_offset)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        if grad_out is None:  # no gradient reached the output
+            return (None,) * 11
+        q, k, v, rel_k, rel_v, mask, rel_q, out, lse = ctx.saved_tensors
+        kk, is_causal, scale, query_offset = ctx.args
+        dq, dk, dv, drk, drv, drq = backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse,
+                                             max_relative_position=kk, is_causal=is_causal, scale=scale,
+                                             query_offset=query_offset, rel_q=rel_q)
+        return (dq, dk, dv, None if rel_k is None else drk, None if rel_v is None else drv, *(None,) * 5,
+                None if rel_q is None else drq)
 
 
 def native_attention(call: AttentionCall) -> Tensor:
-    """The output (B, H, N, Dv), in q's dtype."""
-    if not _needs_op(call):
-        return forward(call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask,
-                       max_relative_position=call.max_relative_position, is_causal=call.is_causal, scale=call.scale,
-                       query_offset=call.query_offset, rel_q=call.rel_q)[0]
-    out, _ = native_fwd(call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, call.max_relative_position,
-                        call.is_causal, call.scale, call.query_offset, call.rel_q)
-    return out
+    """The output (B, H, N, Dv), in q's dtype. Traced calls go through the custom op; eager ones call the kernel
+    directly (inference, decoding) or through :class:`_EagerAttention` (when autograd will ask for a backward)."""
+    args = (call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, call.max_relative_position, call.is_causal,
+            call.scale, call.query_offset, call.rel_q)
+    if _traced():
+        return native_fwd(*args)[0]
+    if _differentiated(call):
+        return _EagerAttention.apply(*args)
+    return forward(*args[:6], max_relative_position=call.max_relative_position, is_causal=call.is_causal,
+                   scale=call.scale, query_offset=call.query_offset, rel_q=call.rel_q)[0]
 
 
 BACKEND = Backend("native", native_attention,

@@ -75,6 +75,80 @@ bool has_gemm16(at::ScalarType dtype) {
   return false;
 }
 
+// Row-major c[0:n] = alpha * a[0:k] @ op(B)[k, n] + beta * c: a GEMM of one row (stride 1), as every GEMM of a
+// one-query (decoding) call is. Written out with ATen's vectors: MKL runs GEMVs through its generic, unvectorized
+// code on some x86 CPUs (AMD's), where a decoding call spent half its time. Nothing is skipped for zero entries
+// of a (0 * NaN is NaN, as in the GEMM).
+template <typename T>
+void gemv_row(bool tb, int64_t n, int64_t k, T alpha, const T* a, const T* b, int64_t ldb, T beta, T* c) {
+  using V = at::vec::Vectorized<T>;
+  constexpr int64_t w = V::size();
+  const auto put = [&](int64_t j, T dot) { c[j] = beta == T(0) ? alpha * dot : alpha * dot + beta * c[j]; };
+  if (tb) {  // c[j] = alpha * a . B[j, 0:k] + beta * c[j], four rows of B at a time
+    const auto hsum = [](const V& s) { return at::vec::vec_reduce_all<T>([](V& x, V& y) { return x + y; }, s); };
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      const T* r0 = b + j * ldb;
+      const T *r1 = r0 + ldb, *r2 = r1 + ldb, *r3 = r2 + ldb;
+      V s0(T(0)), s1(T(0)), s2(T(0)), s3(T(0));
+      int64_t x = 0;
+      for (; x + w <= k; x += w) {
+        const V av = V::loadu(a + x);
+        s0 = at::vec::fmadd(av, V::loadu(r0 + x), s0);
+        s1 = at::vec::fmadd(av, V::loadu(r1 + x), s1);
+        s2 = at::vec::fmadd(av, V::loadu(r2 + x), s2);
+        s3 = at::vec::fmadd(av, V::loadu(r3 + x), s3);
+      }
+      T t0 = hsum(s0), t1 = hsum(s1), t2 = hsum(s2), t3 = hsum(s3);
+      for (; x < k; ++x) {
+        t0 += a[x] * r0[x];
+        t1 += a[x] * r1[x];
+        t2 += a[x] * r2[x];
+        t3 += a[x] * r3[x];
+      }
+      put(j, t0), put(j + 1, t1), put(j + 2, t2), put(j + 3, t3);
+    }
+    for (; j < n; ++j) {
+      const T* r = b + j * ldb;
+      V s(T(0));
+      int64_t x = 0;
+      for (; x + w <= k; x += w) s = at::vec::fmadd(V::loadu(a + x), V::loadu(r + x), s);
+      T t = hsum(s);
+      for (; x < k; ++x) t += a[x] * r[x];
+      put(j, t);
+    }
+    return;
+  }
+  // c[j0:j0+cols] = alpha * sum_x a[x] B[x, j0:j0+cols] + beta * c, the columns held in registers over all x
+  int64_t j0 = 0;
+  for (; j0 + 4 * w <= n; j0 += 4 * w) {
+    V s0(T(0)), s1(T(0)), s2(T(0)), s3(T(0));
+    for (int64_t x = 0; x < k; ++x) {
+      const V ax(a[x]);
+      const T* r = b + x * ldb + j0;
+      s0 = at::vec::fmadd(ax, V::loadu(r), s0);
+      s1 = at::vec::fmadd(ax, V::loadu(r + w), s1);
+      s2 = at::vec::fmadd(ax, V::loadu(r + 2 * w), s2);
+      s3 = at::vec::fmadd(ax, V::loadu(r + 3 * w), s3);
+    }
+    T buf[4 * w];
+    s0.store(buf), s1.store(buf + w), s2.store(buf + 2 * w), s3.store(buf + 3 * w);
+    for (int64_t u = 0; u < 4 * w; ++u) put(j0 + u, buf[u]);
+  }
+  for (; j0 + w <= n; j0 += w) {
+    V s(T(0));
+    for (int64_t x = 0; x < k; ++x) s = at::vec::fmadd(V(a[x]), V::loadu(b + x * ldb + j0), s);
+    T buf[w];
+    s.store(buf);
+    for (int64_t u = 0; u < w; ++u) put(j0 + u, buf[u]);
+  }
+  for (; j0 < n; ++j0) {
+    T t = 0;
+    for (int64_t x = 0; x < k; ++x) t += a[x] * b[x * ldb + j0];
+    put(j0, t);
+  }
+}
+
 // Row-major C[m, n] = alpha * op(A)[m, k] @ op(B)[k, n] + beta * C; lda/ldb/ldc are row strides.
 // (Column-major BLAS sees the transposes: C.T = op(B).T @ op(A).T.)
 template <typename T>
@@ -86,6 +160,7 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a
       for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == T(0) ? T(0) : beta * c[i * ldc + j];
     return;
   }
+  if (m == 1 && !ta) return gemv_row<T>(tb, n, k, alpha, a, b, ldb, beta, c);
   const char opa = tb ? 'T' : 'N', opb = ta ? 'T' : 'N';
   const int im = static_cast<int>(n), in = static_cast<int>(m), ik = static_cast<int>(k);
   const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
@@ -532,11 +607,20 @@ const I* block_as(const T* S, int64_t rows, int64_t width, int64_t ld, std::vect
   }
 }
 
+// The grain of a parallel_for over ``tasks`` tasks of about ``work`` multiply-adds each: all of them on the calling
+// thread when the whole is under 2^20 multiply-adds (a decoding step against a few hundred keys: some 50 us on one
+// thread), else one task at a time. Waking the other threads for so little costs more than they save: on a busy
+// machine the wake-up alone took longer than the whole call.
+int64_t grain_for(int64_t tasks, int64_t work) {
+  return tasks * work < (int64_t{1} << 20) ? std::max<int64_t>(tasks, 1) : 1;
+}
+
 template <typename I, typename T>
 void forward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile_q, int64_t tile_k, I* out, T* lse) {
   constexpr bool narrow = !std::is_same_v<I, T>;
   const int64_t nq = (g.N + tile_q - 1) / tile_q, last = 2 * g.kk, R = g.R;
-  at::parallel_for(0, g.B * g.H * nq, 1, [&](int64_t begin, int64_t end) {
+  const int64_t grain = grain_for(g.B * g.H * nq, tile_q * (g.M + (g.has_k || g.has_v ? R : 0)) * (g.D + g.Dv));
+  at::parallel_for(0, g.B * g.H * nq, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> S(tile_q * tile_k), QA(g.has_k ? tile_q * w.ldr : 0), PW(g.has_v ? tile_q * R : 0);
     std::vector<T> acc(tile_q * g.Dv), mx(tile_q), sm(tile_q), rmax(tile_q);
     std::vector<T> qbuf(narrow && g.has_k ? tile_q * g.D : 0);
