@@ -14,9 +14,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 import relattn.integrations.deberta as deberta  # noqa: E402
 from relattn.integrations.transformers import is_patched, patch, unpatch  # noqa: E402
-
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
-N = 23
+from test_integrations_deberta import TOL, N, _grads_close, _inputs, _rel  # noqa: E402  (v2's: the same checks)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,14 +33,6 @@ def _config(kind, dropout=0.0, **more):
     return transformers.DebertaConfig(
         vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
         max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=dropout, **kw)
-
-
-def _inputs():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, 40, (2, N), generator=g)
-    mask = torch.ones(2, N, dtype=torch.long)
-    mask[1, 15:] = 0
-    return ids, mask
 
 
 def _pair(kind, dtype, cls=None, dropout=0.0, **more):
@@ -69,18 +59,6 @@ def _run(model, ids, mask, cotangent):
     model.zero_grad(set_to_none=True)
     (out * cotangent * mask[..., None]).sum().backward()
     return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
-def _grads_close(got, want, tol):
-    floor = max(g.abs().max().item() for g in want.values())
-    assert set(got) == set(want)
-    for name, w in want.items():
-        err = (got[name] - w).abs().max().item()
-        assert err <= tol * max(w.abs().max().item(), 1e-6 * floor), (name, err)
 
 
 CASES = [(kind, torch.float64) for kind in KINDS] + [("base", torch.float32), ("short-span", torch.float32)]
