@@ -149,17 +149,20 @@ void gemv_row(bool tb, int64_t n, int64_t k, T alpha, const T* a, const T* b, in
   }
 }
 
+// C[m, n] = beta * C (0 where beta is 0: C may hold garbage), the GEMMs' result when k = 0.
+template <typename T>
+void scale_only(int64_t m, int64_t n, T beta, T* c, int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == T(0) ? T(0) : beta * c[i * ldc + j];
+}
+
 // Row-major C[m, n] = alpha * op(A)[m, k] @ op(B)[k, n] + beta * C; lda/ldb/ldc are row strides.
 // (Column-major BLAS sees the transposes: C.T = op(B).T @ op(A).T.)
 template <typename T>
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
           int64_t ldb, T beta, T* c, int64_t ldc) {
   if (m <= 0 || n <= 0) return;
-  if (k <= 0) {
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == T(0) ? T(0) : beta * c[i * ldc + j];
-    return;
-  }
+  if (k <= 0) return scale_only(m, n, beta, c, ldc);
   if (m == 1 && !ta) return gemv_row<T>(tb, n, k, alpha, a, b, ldb, beta, c);
   const char opa = tb ? 'T' : 'N', opb = ta ? 'T' : 'N';
   const int im = static_cast<int>(n), in = static_cast<int>(m), ik = static_cast<int>(k);
@@ -176,11 +179,7 @@ template <typename I>
 void gemm16(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const I* a, int64_t lda, const I* b,
             int64_t ldb, float beta, float* c, int64_t ldc) {
   if (m <= 0 || n <= 0) return;
-  if (k <= 0) {
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.f ? 0.f : beta * c[i * ldc + j];
-    return;
-  }
+  if (k <= 0) return scale_only(m, n, beta, c, ldc);
   const auto f = std::is_same_v<I, at::BFloat16> ? cblas_gemm_bf16bf16f32 : cblas_gemm_f16f16f32;
   f(101, ta ? 112 : 111, tb ? 112 : 111, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, a,
     static_cast<int>(lda), b, static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
@@ -375,19 +374,19 @@ inline Runs runs_of(int64_t p, int64_t n0, int64_t width, int64_t kk, bool causa
   return {left, right, valid, n0 - p + kk};
 }
 
+// Columns to compute of a GEMM whose R output columns are wanted: a multiple of 16 (BLAS runs an odd count, such as
+// R = 2K + 1 = 1025, 1.1 to 1.9 times slower than 1040 here; the extra columns come from zero table rows).
+inline int64_t gemm_columns(int64_t R) { return (R + 15) / 16 * 16; }
+
 // The row stride of KA and of its gradient's bins for R table rows: the band is read along a diagonal, ld + 1
 // apart, so ld + 1 is made an odd number of 64-byte lines (R = 1025 would put the diagonal's lines 4104 bytes
 // apart: a few cache sets, evicted before the next row reuses them).
 inline int64_t diagonal_ld(int64_t R, int64_t elem_size) {
   const int64_t line = 64 / elem_size;  // elements per cache line
-  int64_t ld = (R + 15) / 16 * 16;      // room for gemm_columns(R)
+  int64_t ld = gemm_columns(R);         // room for the GEMM's columns
   while ((ld + 1) % (2 * line) != line) ++ld;
   return ld;
 }
-
-// Columns to compute of a GEMM whose R output columns are wanted: a multiple of 16 (BLAS runs an odd count, such as
-// R = 2K + 1 = 1025, 1.1 to 1.9 times slower than 1040 here; the extra columns come from zero table rows).
-inline int64_t gemm_columns(int64_t R) { return (R + 15) / 16 * 16; }
 
 struct Geometry {
   int64_t B, H, N, M, D, Dv, Hk, Hv, R, kk, off;  // Hk, Hv: heads of the key / value table (1 or H)
@@ -407,13 +406,11 @@ struct Views {
   const T *tk, *tv, *mask;
   int64_t qs[3], ks[3], vs[3];  // strides of dims 0, 1, 2 (the last is 1)
   int64_t ms[4];                // the mask's strides, 0 where it broadcasts
-  // The position-to-content term, or nulls: a^Q (Hq, R, D); the same with zero rows out to ka_cols, which the
-  // kernels multiply with keys into KA rows ka_ld apart (key_table_rows).
-  const T *rq = nullptr, *rq_pad = nullptr;
-  int64_t ka_ld = 0, ka_cols = 0;
-  // a^K and a^V with zero rows out to ldr = gemm_columns(R): the GEMMs of q (dO) with them write rows ldr apart.
-  const T *tk_pad = nullptr, *tv_pad = nullptr;
-  int64_t ldr = 0;
+  // The tables with zero rows out to ldr (padded_tables): the GEMMs of q (dO) with a^K (a^V) write rows ldr
+  // apart; the kernels multiply keys with a^Q's ldr rows into KA rows ka_ld apart (key_table_rows).
+  const T *tk_pad = nullptr, *tv_pad = nullptr, *rq_pad = nullptr;
+  int64_t ldr = 0, ka_ld = 0;
+  const T* rq = nullptr;  // the position-to-content table a^Q (Hq, R, D), or null
   // The additive mask of query row i, keys from n0 (its entry for key n0 + x is row[x * ms[3]]), or null.
   const T* mask_row(int64_t b, int64_t h, int64_t i, int64_t n0) const {
     return mask == nullptr ? nullptr : mask + b * ms[0] + h * ms[1] + i * ms[2] + n0 * ms[3];
@@ -459,14 +456,12 @@ template <typename I, typename T>
 Views<I, T> views(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tk,
                   const at::Tensor& tv, const at::Tensor& mask, const at::Tensor& tq, const Padded& pad) {
   Views<I, T> w = views<I, T>(q, k, v, tk, tv, mask);
-  const at::Tensor& tq_pad = pad.q;
   w.ldr = pad.cols;
   if (tk.defined()) w.tk_pad = pad.k.data_ptr<T>();
   if (tv.defined()) w.tv_pad = pad.v.data_ptr<T>();
   if (tq.defined()) {
     w.rq = tq.data_ptr<T>();
-    w.rq_pad = tq_pad.data_ptr<T>();
-    w.ka_cols = pad.cols;
+    w.rq_pad = pad.q.data_ptr<T>();
     w.ka_ld = diagonal_ld(tq.size(1), sizeof(T));
   }
   return w;
@@ -565,7 +560,7 @@ PosRows<T> key_table_rows(const Geometry& g, const Views<I, T>& w, int64_t b, in
   const int64_t nk = j1 - j0, hq = g.Hq == 1 ? 0 : h, ld = w.ka_ld;
   int64_t ldk;
   const T* kf = rows_as<T>(w.kh(b, h / g.group) + j0 * w.ks[2], nk, g.D, w.ks[2], kbuf, ldk);
-  gemm<T>(false, true, nk, w.ka_cols, g.D, scale, kf, ldk, w.rq_pad + hq * w.ka_cols * g.D, g.D, T(0), ka, ld);
+  gemm<T>(false, true, nk, w.ldr, g.D, scale, kf, ldk, w.rq_pad + hq * w.ldr * g.D, g.D, T(0), ka, ld);
   for (int64_t x = 0; x < nk; ++x) {
     lo[x] = ka[x * ld];
     hi[x] = ka[x * ld + g.R - 1];
