@@ -14,7 +14,14 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 import relattn.integrations.deberta as deberta  # noqa: E402
 from relattn.integrations.transformers import is_patched, patch, unpatch  # noqa: E402
-from test_integrations_deberta import TOL, N, _grads_close, _inputs, _rel  # noqa: E402  (v2's: the same checks)
+from test_integrations_deberta import (  # noqa: E402  (v2's: the same checks)
+    TOL,
+    N,
+    _assert_head_outputs_match,
+    _grads_close,
+    _inputs,
+    _rel,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,6 +80,7 @@ def test_patched_model_matches_unpatched(kind, dtype):
     got, got_g = _run(patched, ids, mask, go)
     real = mask.bool()
     assert _rel(got[real], want[real]) <= TOL[dtype]
+    assert set(got_g) == set(want_g)
     _grads_close(got_g, want_g, TOL[dtype])
 
 
@@ -90,18 +98,7 @@ def test_the_position_terms_are_there():
                                  "DebertaForTokenClassification", "DebertaForQuestionAnswering"])
 def test_every_head_class_matches_unpatched(cls):
     plain, patched = _pair("base", torch.float64, getattr(transformers, cls))
-    ids, mask = _inputs()
-    outs = []
-    for model in (plain, patched):
-        out = model(input_ids=ids, attention_mask=mask)
-        logits = out.logits if hasattr(out, "logits") else torch.stack([out.start_logits, out.end_logits], -1)
-        real = logits[mask.bool()] if logits.dim() > 2 and logits.shape[1] == N else logits
-        model.zero_grad(set_to_none=True)
-        (real * torch.linspace(-1, 1, real.shape[-1], dtype=real.dtype)).sum().backward()
-        outs.append((real, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (want, want_g), (got, got_g) = outs
-    assert _rel(got, want) <= 1e-10
-    _grads_close(got_g, want_g, 1e-10)
+    _assert_head_outputs_match(plain, patched)
 
 
 def test_no_pairwise_mask_or_positions_reach_the_layers(monkeypatch):
