@@ -67,7 +67,7 @@ def check_name(name: object, *, what: str = "backend") -> str:
 
 def refusals(name: str, *, device: str | None = None, dtype: torch.dtype | None = None, dropout: bool = False,
              mask: bool = False, head_dim: int | None = None, v_head_dim: int | None = None,
-             pos_to_content: bool = False) -> list[str]:
+             pos_to_content: bool = False, position_query: bool = False) -> list[str]:
     """Every reason backend ``name`` will refuse the calls a module, model or run of this kind makes, known at
     construction (before any call): its ``Serves`` declaration (:func:`declared_reasons`; None leaves a property
     unchecked), then, if that allows them, ``unavailable()`` (a missing package or compiler). ``"auto"`` refuses
@@ -76,7 +76,8 @@ def refusals(name: str, *, device: str | None = None, dtype: torch.dtype | None 
         return []
     backend = BACKENDS[name]
     reasons = declared_reasons(backend.serves, device=device, dtype=dtype, dropout=dropout, mask=mask,
-                               head_dim=head_dim, v_head_dim=v_head_dim, pos_to_content=pos_to_content)
+                               head_dim=head_dim, v_head_dim=v_head_dim, pos_to_content=pos_to_content,
+                               position_query=position_query)
     if not reasons and (why := backend.unavailable()) is not None:
         reasons.append(why)
     return reasons

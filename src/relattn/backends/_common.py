@@ -36,6 +36,9 @@ class AttentionCall:
     ``rel_q`` (Hr,2K+1,D) or None: the position-to-content table, adding ``k_j . rel_q[idx_ij]`` to the scores at
     the key term's row ``idx_ij = clip(j - i - query_offset, -K, K) + K``; only backends declaring
     ``Serves(pos_to_content=True)`` ever see one.
+    ``q_pos`` (B,H,N,D) or None: the queries the key table ``rel_k`` reads, apart from the content queries ``q``
+    (Transformer-XL's biases: ``q = q + content_bias``, ``q_pos = q + position_bias``); None means ``q`` itself.
+    Only backends declaring ``Serves(position_query=True)`` ever see one; they return its gradient apart from q's.
     """
 
     q: Tensor
@@ -50,6 +53,7 @@ class AttentionCall:
     scale: float
     query_offset: int
     rel_q: Tensor | None = None
+    q_pos: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class Serves:
     head_dims_differ: bool = True  # D != Dv
     grouped_kv: bool = False  # takes k, v with fewer heads than q (H % Hkv == 0) without repeating them
     pos_to_content: bool = False  # takes rel_q, the position-to-content table (DeBERTa's p2c, BERT's key_query)
+    position_query: bool = False  # takes q_pos, queries for the key table apart from q (Transformer-XL's biases)
 
 
 @dataclass(frozen=True)
@@ -81,13 +86,15 @@ class Backend:
 
 def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.dtype | None = None,
                      dropout: bool = False, mask: bool = False, mask_grad: bool = False, head_dim: int | None = None,
-                     v_head_dim: int | None = None, pos_to_content: bool = False) -> list[str]:
+                     v_head_dim: int | None = None, pos_to_content: bool = False,
+                     position_query: bool = False) -> list[str]:
     """Every reason a backend declaring ``serves`` refuses calls of this kind; empty when it serves them.
 
     ``device`` (a device type), ``dtype`` and the head dims ``D`` (``head_dim``) and ``Dv`` (``v_head_dim``, default
     ``D``) are left unchecked when None; ``dropout``, ``mask`` and ``mask_grad`` say whether the calls have
     ``dropout_p > 0``, an ``attn_mask``, a mask that requires grad; ``pos_to_content`` whether they carry a
-    ``rel_q`` table. :func:`not_supported_reasons` asks this about
+    ``rel_q`` table; ``position_query`` whether they carry a ``q_pos`` (content or position biases).
+    :func:`not_supported_reasons` asks this about
     one call; the module and ``relattn train`` ask it at construction, before there is any call.
     """
     s, reasons = serves, []
@@ -110,6 +117,8 @@ def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.
     if pos_to_content and not s.pos_to_content:
         reasons.append("a position-to-content table rel_q (no k . a^Q term; 'native', 'triton', 'blocked' and "
                        "'dense' take it)")
+    if position_query and not s.position_query:
+        reasons.append("a separate position query q_pos (content/position biases; 'dense' and 'blocked' take it)")
     return reasons
 
 
@@ -119,7 +128,7 @@ def not_supported_reasons(backend: Backend, call: AttentionCall) -> list[str]:
     reasons = declared_reasons(backend.serves, device=q.device.type, dtype=q.dtype, dropout=call.dropout_p > 0.0,
                                mask=mask is not None, mask_grad=mask is not None and mask.requires_grad,
                                head_dim=q.shape[-1], v_head_dim=call.v.shape[-1],
-                               pos_to_content=call.rel_q is not None)
+                               pos_to_content=call.rel_q is not None, position_query=call.q_pos is not None)
     if not reasons and (why := backend.unavailable()) is not None:
         reasons.append(why)
     return reasons
