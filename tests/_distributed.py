@@ -63,11 +63,11 @@ N_LOCAL = 6  # positions per rank
 
 
 def _case(window, tables="shared", *, causal=False, layout="contiguous", beyond="clip", mask=None, backend="auto",
-          rel_q=None, heads=(3, 3), offset=0, scale=None):
+          rel_q=None, heads=(3, 3), offset=0, scale=None, biases=False):
     """One conformance case of the ring: ``tables`` as helpers.TABLES names them, ``rel_q`` None / "shared" /
     "per_head", ``heads`` (H, Hkv), ``mask`` None / "padding" / "full" (random, one row fully masked) / "float"."""
     return dict(window=window, tables=tables, causal=causal, layout=layout, beyond=beyond, mask=mask,
-                backend=backend, rel_q=rel_q, heads=heads, offset=offset, scale=scale)
+                backend=backend, rel_q=rel_q, heads=heads, offset=offset, scale=scale, biases=biases)
 
 
 # The ring's conformance cases: the op's features combined pairwise (tables shared / per head / one side / none,
@@ -91,6 +91,9 @@ OP_CASES = {
     "zigzag rel_q mask": _case(5, layout="zigzag", rel_q="shared", mask="full"),
     "key padding mask gqa rel_q": _case(3, "keys_per_head", mask="padding", heads=(4, 2), rel_q="per_head"),
     "full mask causal zigzag offset": _case(7, "per_head", causal=True, layout="zigzag", mask="full", offset=2),
+    "transformer-xl blocked": _case(23, "keys_per_head", biases=True, backend="blocked", mask="padding"),
+    "transformer-xl causal gqa zigzag blocked": _case(40, "per_head", biases=True, causal=True, layout="zigzag",
+                                                      heads=(4, 2), backend="blocked"),
     "blocked gqa rel_q": _case(9, "per_head", backend="blocked", heads=(4, 2), rel_q="shared"),
     "blocked causal zigzag mask log": _case(("log", 3, 4, 12), causal=True, layout="zigzag", mask="full",
                                             backend="blocked"),
@@ -143,6 +146,8 @@ def _case_inputs(name: str, world: int):
         mask = rnd(2, h, n, n)
     kw = dict(max_relative_position=window, beyond=c["beyond"], is_causal=c["causal"], query_offset=c["offset"],
               scale=c["scale"], enable_gqa=hkv != h)
+    if c["biases"]:
+        kw.update(content_bias=rnd(h, d), position_bias=rnd(h, d))
     return (q, k, v, rel_k, rel_v, rel_q, grad_out, mask), kw, c["layout"], c["backend"]
 
 
@@ -168,7 +173,7 @@ WALK = {
     "max_relative_position": (("log", 3, 4, 12), "served"), "beyond": ("zero", "served"),
     "attn_mask": ("mask", "served"), "is_causal": (True, "served"), "dropout_p": (0.1, "refused"),
     "scale": (0.3, "served"), "query_offset": (3, "served"), "enable_gqa": (True, "served"),
-    "backend": ("dense", "refused"),
+    "backend": ("dense", "refused"), "content_bias": ("bias", "served"), "position_bias": ("bias", "served"),
 }
 
 
@@ -195,6 +200,8 @@ def _walk(rank: int, world: int) -> dict:
         tables = {}
         if name in ("rel_k", "rel_v", "rel_q"):
             tables[name] = torch.randn(5, 4, generator=g, dtype=torch.float64)
+        elif name in ("content_bias", "position_bias"):
+            tables[name] = torch.randn(2, 4, generator=g, dtype=torch.float64)
         elif name == "max_relative_position":
             kw[name] = _window(value)
             tables["rel_k"] = torch.randn(2 * value[1], 4, generator=g, dtype=torch.float64)
@@ -202,7 +209,7 @@ def _walk(rank: int, world: int) -> dict:
             kw[name] = torch.rand(1, 1, n, n, generator=g) > 0.4
         else:
             kw[name] = value
-        if name in ("beyond", "is_causal", "query_offset", "scale", "enable_gqa"):
+        if name in ("beyond", "is_causal", "query_offset", "scale", "enable_gqa", "content_bias", "position_bias"):
             tables["rel_k"] = torch.randn(5, 4, generator=g, dtype=torch.float64)
         want = None if kind == "refused" else relative_attention(q, k, v, **tables, **kw)
 

@@ -37,6 +37,9 @@ class AttentionCall:
     ``rel_q`` (Hr,2K+1,D) or None: the position-to-content table, adding ``k_j . rel_q[idx_ij]`` to the scores at
     the key term's row ``idx_ij = clip(j - i - query_offset, -K, K) + K``; only backends declaring
     ``Serves(pos_to_content=True)`` ever see one.
+    ``q_pos`` (B,H,N,D) or None: the queries the key table ``rel_k`` reads, apart from the content queries ``q``
+    (Transformer-XL's biases: ``q = q + content_bias``, ``q_pos = q + position_bias``); None means ``q`` itself.
+    Only backends declaring ``Serves(position_query=True)`` ever see one; they return its gradient apart from q's.
     """
 
     q: Tensor
@@ -51,6 +54,7 @@ class AttentionCall:
     scale: float
     query_offset: int
     rel_q: Tensor | None = None
+    q_pos: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class Serves:
     head_dims_differ: bool = True  # D != Dv
     grouped_kv: bool = False  # takes k, v with fewer heads than q (H % Hkv == 0) without repeating them
     pos_to_content: bool = False  # takes rel_q, the position-to-content table (DeBERTa's p2c, BERT's key_query)
+    position_query: bool = False  # takes q_pos, queries for the key table apart from q (Transformer-XL's biases)
     chunk_pairs: bool = False  # computes one chunk pair of a larger softmax (its log-sum-exp, and its gradients
     # given the merged output and log-sum-exp): what context parallelism's ring runs; such a backend has ``stats``
 
@@ -90,13 +95,14 @@ class Backend:
 def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.dtype | None = None,
                      dropout: bool = False, mask: bool = False, mask_grad: bool = False, head_dim: int | None = None,
                      v_head_dim: int | None = None, pos_to_content: bool = False,
-                     chunk_pairs: bool = False) -> list[str]:
+                     position_query: bool = False, chunk_pairs: bool = False) -> list[str]:
     """Every reason a backend declaring ``serves`` refuses calls of this kind; empty when it serves them.
 
     ``device`` (a device type), ``dtype`` and the head dims ``D`` (``head_dim``) and ``Dv`` (``v_head_dim``, default
     ``D``) are left unchecked when None; ``dropout``, ``mask`` and ``mask_grad`` say whether the calls have
     ``dropout_p > 0``, an ``attn_mask``, a mask that requires grad; ``pos_to_content`` whether they carry a
-    ``rel_q`` table; ``chunk_pairs`` whether they are a context-parallel ring's chunk pairs.
+    ``rel_q`` table; ``position_query`` whether they carry a ``q_pos`` (content or position biases);
+    ``chunk_pairs`` whether they are a context-parallel ring's chunk pairs.
     :func:`not_supported_reasons` asks this about
     one call; the module and ``relattn train`` ask it at construction, before there is any call.
     """
@@ -120,6 +126,8 @@ def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.
     if pos_to_content and not s.pos_to_content:
         reasons.append("a position-to-content table rel_q (no k . a^Q term; 'native', 'triton', 'blocked' and "
                        "'dense' take it)")
+    if position_query and not s.position_query:
+        reasons.append("a separate position query q_pos (content/position biases; 'dense' and 'blocked' take it)")
     if chunk_pairs and not s.chunk_pairs:
         reasons.append("a context-parallel chunk pair (returns no log-sum-exp to merge by)")
     return reasons
@@ -132,7 +140,8 @@ def not_supported_reasons(backend: Backend, call: AttentionCall, *, chunk_pairs:
     reasons = declared_reasons(backend.serves, device=q.device.type, dtype=q.dtype, dropout=call.dropout_p > 0.0,
                                mask=mask is not None, mask_grad=mask is not None and mask.requires_grad,
                                head_dim=q.shape[-1], v_head_dim=call.v.shape[-1],
-                               pos_to_content=call.rel_q is not None, chunk_pairs=chunk_pairs)
+                               pos_to_content=call.rel_q is not None, position_query=call.q_pos is not None,
+                               chunk_pairs=chunk_pairs)
     if not reasons and (why := backend.unavailable()) is not None:
         reasons.append(why)
     return reasons
@@ -183,10 +192,11 @@ def grads_laid_out(inputs, grads) -> tuple[Tensor, ...]:
 
 
 # The arguments every kernel with a saved log-sum-exp takes, in its ops' order: the leading tensors (q, k, v, rel_k?,
-# rel_v?, mask?), the scalars, then the optional tables that came later (each with a gradient after the first five).
+# rel_v?, mask?), the scalars, then the optional tensors that came later, each with a gradient after the first five
+# (rel_q, the position-to-content table; q_pos, the queries of the key table).
 LEADING = ("q", "k", "v", "rel_k", "rel_v", "mask")
 SCALARS = (("max_relative_position", "int"), ("is_causal", "bool"), ("scale", "float"), ("query_offset", "int"))
-TABLES = ("rel_q",)
+TABLES = ("rel_q", "q_pos")
 
 
 class StatsAutograd:
@@ -244,7 +254,7 @@ class StatsAutograd:
 def _differentiated(call: AttentionCall) -> bool:
     """Whether autograd will ask for a backward of this call."""
     return torch.is_grad_enabled() and (call.q.requires_grad or call.k.requires_grad or call.v.requires_grad or any(
-        t is not None and t.requires_grad for t in (call.rel_k, call.rel_v, call.mask, call.rel_q)))
+        t is not None and t.requires_grad for t in (call.rel_k, call.rel_v, call.mask, call.rel_q, call.q_pos)))
 
 
 def traced() -> bool:
@@ -315,25 +325,31 @@ class StatsOps:
         self.eager = self.wiring.function(self._forward)
         self._leading, self._scalars = lead, ns
 
+    def _keywords(self, scalars, tables) -> dict:
+        """The kernel's keywords: the scalars, and the optional tensors given (a kernel that does not take one is
+        never handed it: its declaration refuses the calls that carry it)."""
+        kw = dict(zip(self.scalar_names, scalars, strict=True))
+        kw.update((n, t) for n, t in zip(TABLES, tables, strict=True) if t is not None)
+        return kw
+
     def _forward(self, *inputs):
         lead, ns = self._leading, self._scalars
-        return self.kernel_forward(*inputs[:lead], **dict(zip(self.scalar_names, inputs[lead:lead + ns], strict=True)),
-                                   rel_q=inputs[lead + ns])
+        return self.kernel_forward(*inputs[:lead], **self._keywords(inputs[lead:lead + ns], inputs[lead + ns:]))
 
     def _backward(self, grad_out, *inputs):
-        """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q) from ``(*leading, out, lse, *scalars, *tables)``."""
+        """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos) from ``(*leading, out, lse, *scalars, *tables)``."""
         lead, ns = self._leading, self._scalars
         grads = self.kernel_backward(grad_out, *inputs[:lead + 2],
-                                     **dict(zip(self.scalar_names, inputs[lead + 2:lead + 2 + ns], strict=True)),
-                                     rel_q=inputs[lead + 2 + ns])
-        return (*grads, None)[:5 + len(TABLES)]
+                                     **self._keywords(inputs[lead + 2:lead + 2 + ns], inputs[lead + 2 + ns:]))
+        return (*grads, *(None,) * len(TABLES))[:5 + len(TABLES)]
 
     def _inputs(self, call: AttentionCall, seed: Tensor | None) -> tuple:
         lead = (call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask)
         if not self.dropout:
-            return (*lead, call.max_relative_position, call.is_causal, call.scale, call.query_offset, call.rel_q)
+            return (*lead, call.max_relative_position, call.is_causal, call.scale, call.query_offset, call.rel_q,
+                    call.q_pos)
         return (*lead, seed, call.max_relative_position, call.is_causal, call.dropout_p, call.scale,
-                call.query_offset, call.rel_q)
+                call.query_offset, call.rel_q, call.q_pos)
 
     def run(self, call: AttentionCall, *, seed: Tensor | None = None) -> Tensor:
         """The output (B, H, N, Dv) of ``call`` (``seed``: the dropout seed, for a kernel with dropout)."""
@@ -344,25 +360,23 @@ class StatsOps:
             return self.eager.apply(*inputs)
         return self._forward(*inputs)[0]
 
-    def _pair(self, q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset, rel_q):
-        lead = (q, k, v, rel_k, rel_v, mask)
+    def _pair(self, q, mask_lead, tables, scalars: dict):
+        lead = (q, *mask_lead)
         if self.dropout:
-            return (*lead, torch.zeros((), dtype=torch.int64, device=q.device)), dict(
-                max_relative_position=max_relative_position, is_causal=is_causal, dropout_p=0.0, scale=scale,
-                query_offset=query_offset, rel_q=rel_q)
-        return lead, dict(max_relative_position=max_relative_position, is_causal=is_causal, scale=scale,
-                          query_offset=query_offset, rel_q=rel_q)
+            lead, scalars = (*lead, torch.zeros((), dtype=torch.int64, device=q.device)), {**scalars, "dropout_p": 0.0}
+        return lead, self._keywords([scalars[n] for n in self.scalar_names], tables)
 
-    def pair_forward(self, q, k, v, rel_k, rel_v, mask, rel_q, *, max_relative_position: int, is_causal: bool,
+    def pair_forward(self, q, k, v, rel_k, rel_v, mask, tables, *, max_relative_position: int, is_causal: bool,
                      scale: float, query_offset: int) -> tuple[Tensor, Tensor]:
-        """(out, lse) of one call, no dropout."""
-        lead, kw = self._pair(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset,
-                              rel_q)
+        """(out, lse) of one call, no dropout; ``tables``: the optional tensors of :data:`TABLES` (or None)."""
+        lead, kw = self._pair(q, (k, v, rel_k, rel_v, mask), tables, dict(
+            max_relative_position=max_relative_position, is_causal=is_causal, scale=scale, query_offset=query_offset))
         return self.kernel_forward(*lead, **kw)
 
-    def pair_backward(self, grad_out, q, k, v, rel_k, rel_v, mask, rel_q, out, lse, *, max_relative_position: int,
+    def pair_backward(self, grad_out, q, k, v, rel_k, rel_v, mask, tables, out, lse, *, max_relative_position: int,
                       is_causal: bool, scale: float, query_offset: int) -> tuple:
-        """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q) of one call given the merged ``out`` and ``lse`` of its rows."""
-        lead, kw = self._pair(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset,
-                              rel_q)
-        return (*self.kernel_backward(grad_out, *lead, out, lse, **kw), None)[:5 + len(TABLES)]
+        """(dq, dk, dv, d_rel_k, d_rel_v, *d tables) of one call given the merged ``out`` and ``lse`` of its rows."""
+        lead, kw = self._pair(q, (k, v, rel_k, rel_v, mask), tables, dict(
+            max_relative_position=max_relative_position, is_causal=is_causal, scale=scale, query_offset=query_offset))
+        grads = self.kernel_backward(grad_out, *lead, out, lse, **kw)
+        return (*grads, *(None,) * len(TABLES))[:5 + len(TABLES)]

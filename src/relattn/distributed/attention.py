@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -11,9 +12,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..backends import resolve
-from ..functional import check_mask, validate
+from ..functional import check_mask, relative_attention, validate
 from .layouts import check_layout, positions, segments, shard
 from .ring import Ring, RingAttention
+
+# The op's keywords and their defaults: what the ring takes (one signature: the op's).
+_OP_DEFAULTS = {name: p.default for name, p in inspect.signature(relative_attention).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not inspect.Parameter.empty}
 
 
 def _agree(group, world: int, mine: list[int], error: Exception | None) -> None:
@@ -35,26 +40,9 @@ def _agree(group, world: int, mine: list[int], error: Exception | None) -> None:
                          + ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes)))
 
 
-def context_parallel_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    rel_k: Tensor | None = None,
-    rel_v: Tensor | None = None,
-    *,
-    max_relative_position,
-    rel_q: Tensor | None = None,
-    beyond: str = "clip",
-    attn_mask: Tensor | None = None,
-    is_causal: bool = False,
-    dropout_p: float = 0.0,
-    scale: float | None = None,
-    query_offset: int = 0,
-    enable_gqa: bool = False,
-    backend: str = "auto",
-    group=None,
-    layout: str = "contiguous",
-) -> Tensor:
+def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None = None,
+                               rel_v: Tensor | None = None, *, group=None, layout: str = "contiguous",
+                               **op_arguments) -> Tensor:
     """:func:`relattn.relative_attention` over a sequence split across the ranks of ``group`` (default: the world).
 
     Every rank of the group calls it with its own part of the sequence, at the same shapes (checked by one small
@@ -64,18 +52,21 @@ def context_parallel_attention(
         q: (B, H, n, D) the local positions' queries (which positions: ``layout``; any leading dims, as the op).
         k: (B, H, n, D) their keys; (B, Hkv, n, D) with ``enable_gqa``.
         v: (B, H, n, Dv) their values; (B, Hkv, n, Dv) with ``enable_gqa``.
-        rel_k, rel_v, rel_q: the tables, as for the op, the same on every rank.
-        max_relative_position, beyond, is_causal, scale, query_offset, enable_gqa: as for the op, on the whole
-            sequence of ``N = P n`` positions (a :class:`~relattn.positions.LogBuckets` window or zero-beyond table is
-            expanded for the whole sequence's offsets).
-        attn_mask: bool (True = may attend) or float, broadcastable to (B, H, n, N): the local queries' rows,
-            every key's column in global position order; needs no gradient.
-        dropout_p: must be 0 (the ring serves no dropout: a ValueError otherwise).
-        backend: ``"auto"`` or a backend that serves context-parallel chunk pairs (``Serves(chunk_pairs=True)``:
-            ``native``, ``triton``, ``blocked``), for the chunk computations; refused by its declaration otherwise.
+        rel_k, rel_v: the tables, as for the op, the same on every rank.
         group: the process group the sequence is split over.
         layout: ``"contiguous"`` (rank ``r`` holds ``[r n, (r + 1) n)``) or ``"zigzag"`` (rank ``r`` holds the
             half-chunks ``r`` and ``2P - 1 - r``; balanced for causal attention; ``n`` even).
+        op_arguments: the keywords of :func:`relattn.relative_attention`, each as the op takes it, on the whole
+            sequence of ``N = P n`` positions (``max_relative_position`` is required; a
+            :class:`~relattn.positions.LogBuckets` window or zero-beyond table is expanded for the whole sequence's
+            offsets), except:
+
+            * ``attn_mask``: bool (True = may attend) or float, broadcastable to (B, H, n, N): the local queries'
+              rows, every key's column in global position order; needs no gradient.
+            * ``dropout_p``: must be 0 (the ring serves no dropout: a ValueError otherwise).
+            * ``backend``: ``"auto"`` or a backend that serves context-parallel chunk pairs
+              (``Serves(chunk_pairs=True)``: ``native``, ``triton``, ``blocked``); refused by its declaration
+              otherwise.
 
     Returns:
         (B, H, n, Dv): the local positions' rows of ``relative_attention`` on the whole sequence. Differentiable
@@ -88,6 +79,13 @@ def context_parallel_attention(
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     error, mine = None, [-1] * 6
     try:
+        unknown = sorted(set(op_arguments) - set(_OP_DEFAULTS) - {"max_relative_position"})
+        if unknown:
+            raise TypeError(f"context_parallel_attention got keywords the op does not take: {unknown}")
+        if "max_relative_position" not in op_arguments:
+            raise TypeError("context_parallel_attention needs max_relative_position (as the op)")
+        arguments = {**_OP_DEFAULTS, **op_arguments}
+        backend, attn_mask, dropout_p = arguments.pop("backend"), arguments.pop("attn_mask"), arguments["dropout_p"]
         check_layout(layout)
         if not isinstance(q, Tensor) or not isinstance(k, Tensor) or not isinstance(v, Tensor) or q.dim() < 2 \
                 or k.dim() < 2 or v.dim() < 2:
@@ -102,10 +100,9 @@ def context_parallel_attention(
             raise ValueError(f"dropout_p must be 0 under context parallelism (the ring serves no dropout); got "
                              f"{dropout_p}")
         total = world * n
-        call = validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, attn_mask=None,
-                        is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset,
-                        beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q,
-                        offsets=(-(total - 1) - query_offset, total - 1 - query_offset))
+        offset = arguments["query_offset"]
+        call = validate(q, k, v, rel_k, rel_v, attn_mask=None, **arguments,
+                        offsets=(-(total - 1) - offset, total - 1 - offset) if isinstance(offset, int) else None)
         mask = check_mask(attn_mask, target=(*q.shape[:-2], n, total), like=call.q) if attn_mask is not None \
             else None
         if mask is not None and mask.requires_grad:
@@ -124,7 +121,7 @@ def context_parallel_attention(
     ring = Ring(group, rank, world, peer(rank + 1), peer(rank - 1), segs, chosen.stats,
                 1 if chosen.serves.grouped_kv else groups, call.max_relative_position, call.is_causal, call.scale,
                 call.query_offset)
-    out = RingAttention.apply(call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, ring, call.rel_q)
+    out = RingAttention.apply(call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, ring, call.rel_q, call.q_pos)
     return out if q.dim() == 4 else out.reshape(*q.shape[:-2], *out.shape[-2:])
 
 

@@ -167,7 +167,14 @@ def _head_sums(g: Tensor, groups: int) -> Tensor:
 # ------------------------------------------------------------------------------------------------------ the ring
 
 
-def ring_forward(q, k, v, rel_k, rel_v, mask, ring: Ring, rel_q):
+def _pair_tables(pair: Pair, rel_k, rel_v, rel_q, q_pos):
+    """The tables a pair's call takes (the whole tables, or their edge row) and the rows of ``q_pos`` its queries
+    are."""
+    tables = (rel_k, rel_v, rel_q) if pair.rows is None else tuple(_table_rows(pair, t) for t in (rel_k, rel_v, rel_q))
+    return (*tables, None if q_pos is None else _rows(q_pos, pair.qs))
+
+
+def ring_forward(q, k, v, rel_k, rel_v, mask, ring: Ring, rel_q, q_pos):
     """(out (B,H,n,Dv) in q's dtype, lse (B,H,n)) of the local queries against the whole sequence."""
     d = k.shape[-1]
     stats = stats_dtype(q.dtype)
@@ -182,11 +189,10 @@ def ring_forward(q, k, v, rel_k, rel_v, mask, ring: Ring, rel_q):
         for pair in ring.pairs(src):
             qs, ks = pair.qs, pair.ks
             pair_kv = _rows(kv, ks)
-            tables = (rel_k, rel_v, rel_q) if pair.rows is None else \
-                tuple(_table_rows(pair, t) for t in (rel_k, rel_v, rel_q))
+            pk, pv, pq, pqp = _pair_tables(pair, rel_k, rel_v, rel_q, q_pos)
             o, lo = ring.ops.pair_forward(_rows(q, qs), _heads(pair_kv[..., :d], ring.groups),
-                                          _heads(pair_kv[..., d:], ring.groups), tables[0], tables[1],
-                                          _mask_for(mask, qs, ks), tables[2], **ring.scalars(pair))
+                                          _heads(pair_kv[..., d:], ring.groups), pk, pv, _mask_for(mask, qs, ks),
+                                          (pq, pqp), **ring.scalars(pair))
             acc[qs] = _merge(*acc[qs], o.to(stats), lo)
         _mark("forward", step, "compute_end")
         works.wait()
@@ -197,14 +203,15 @@ def ring_forward(q, k, v, rel_k, rel_v, mask, ring: Ring, rel_q):
     return torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2)
 
 
-def ring_backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, ring: Ring, rel_q):
-    """(dq, dk, dv, d_rel_k share, d_rel_v share, d_rel_q share) of the local positions."""
+def ring_backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, ring: Ring, rel_q, q_pos):
+    """(dq, dk, dv, d_rel_k share, d_rel_v share, d_rel_q share, d_q_pos) of the local positions."""
     d = k.shape[-1]
     acc_dtype = stats_dtype(q.dtype)
     grad_out = grad_out.contiguous()
     kv = torch.cat([k, v], -1).contiguous()
     spare = torch.empty_like(kv) if ring.world > 1 else None
     dq = torch.zeros_like(q, dtype=acc_dtype)
+    d_q_pos = None if q_pos is None else torch.zeros_like(q_pos, dtype=acc_dtype)
     d_tables = [None if t is None else torch.zeros_like(t, dtype=acc_dtype) for t in (rel_k, rel_v, rel_q)]
     arriving = torch.empty_like(kv, dtype=acc_dtype) if ring.world > 1 else None  # dK|dV of the chunk now held
     pending, sent = Transfers(), None  # the previous step's send of the gradient accumulator, and what it sends
@@ -218,13 +225,15 @@ def ring_backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, ring: Ring, r
         for pair in ring.pairs(src):
             qs, ks = pair.qs, pair.ks
             pair_kv = _rows(kv, ks)
-            tables = (rel_k, rel_v, rel_q) if pair.rows is None else \
-                tuple(_table_rows(pair, t) for t in (rel_k, rel_v, rel_q))
-            gq, gk, gv, *g_tables = ring.ops.pair_backward(
+            pk, pv, pq, pqp = _pair_tables(pair, rel_k, rel_v, rel_q, q_pos)
+            gq, gk, gv, grk, grv, grq, gqp = ring.ops.pair_backward(
                 _rows(grad_out, qs), _rows(q, qs), _heads(pair_kv[..., :d], ring.groups),
-                _heads(pair_kv[..., d:], ring.groups), tables[0], tables[1], _mask_for(mask, qs, ks), tables[2],
+                _heads(pair_kv[..., d:], ring.groups), pk, pv, _mask_for(mask, qs, ks), (pq, pqp),
                 _rows(out, qs), _rows(lse, qs), **ring.scalars(pair))
+            g_tables = (grk, grv, grq)
             _rows(dq, qs).add_(gq)
+            if d_q_pos is not None:
+                _rows(d_q_pos, qs).add_(gqp)
             _rows(dkv[..., :d], ks).add_(_head_sums(gk, ring.groups))
             _rows(dkv[..., d:], ks).add_(_head_sums(gv, ring.groups))
             rows = slice(None) if pair.rows is None else pair.rows
@@ -246,10 +255,10 @@ def ring_backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, ring: Ring, r
         pending.wait()
         del sent
         dkv = arriving
-    grads = (dq, dkv[..., :d], dkv[..., d:], *d_tables)
+    grads = (dq, dkv[..., :d], dkv[..., d:], *d_tables, d_q_pos)
     return tuple(None if g is None else g.to(t.dtype).contiguous()
-                 for g, t in zip(grads, (q, k, v, rel_k, rel_v, rel_q), strict=True))
+                 for g, t in zip(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos), strict=True))
 
 
 # The ring's autograd: the same wiring as every backend's custom op (relattn.backends.StatsAutograd), around the ring.
-RingAttention = StatsAutograd(ring_backward, leading=6, scalars=1).function(ring_forward)
+RingAttention = StatsAutograd(ring_backward, leading=6, scalars=1, tables=2).function(ring_forward)
