@@ -131,3 +131,19 @@ def test_a_refused_call_leaves_the_cache_unchanged():
         mod(torch.randn(1, 1, E, dtype=torch.float64), key_padding_mask=torch.zeros(1, 3, dtype=torch.bool),
             kv_cache=cache)
     assert len(cache) == 3
+
+
+def test_a_call_refused_for_gradients_leaves_the_cache_free_for_cross_attention():
+    """A static cache handed keys that need gradients refuses them and stays as new: the next, valid call (here
+    cross-attention, under no_grad) is served and equals the uncached pass."""
+    mod = module()
+    x, mem = torch.randn(1, 2, E, dtype=torch.float64), torch.randn(1, 5, E, dtype=torch.float64)
+    cache = KVCache(max_len=8)
+    with pytest.raises(RuntimeError, match="cannot carry gradients"):
+        mod(x, kv_cache=cache)
+    assert cache.kind is None and len(cache) == 0
+    with torch.no_grad():
+        got = mod(x, mem, mem, kv_cache=cache)[0]
+        assert cache.kind == "cross"
+        assert_close(got, mod(x, mem, mem)[0], torch.float64)
+

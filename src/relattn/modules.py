@@ -357,7 +357,6 @@ class RelativeMultiheadAttention(nn.Module):
         if self_attention:
             return kv_cache.update(k, v)
         if kv_cache.kind is None:
-            kv_cache.claim("cross")
             kv_cache.set_memory(*((key, value) if bf else (key.transpose(0, 1), value.transpose(0, 1))), k, v)
         kv_cache.advance(n)
         return k, v
