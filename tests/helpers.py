@@ -31,7 +31,7 @@ import torch
 from relattn import BACKENDS, relative_attention
 from relattn import reference as ref
 from relattn.backends import AttentionCall, native, not_supported_reasons
-from relattn.positions import check_window, relative_position_index
+from relattn.positions import LogBuckets, check_window, relative_position_index
 
 TOL_EPS = 512  # float64/float32: max error <= TOL_EPS * eps * (1 + max|want|)
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # compared with the plain PyTorch yardstick instead
@@ -110,9 +110,11 @@ def _materialised(table, idx, heads, beyond):
 
 
 def attention_ref(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, attn_mask=None, is_causal=False,
-                  scale=None, query_offset=0, beyond="clip", upcast=True):
+                  scale=None, query_offset=0, beyond="clip", upcast=True, rel_q=None):
     """Shaw attention the plain PyTorch way: q (B,H,N,D), k (B,Hkv,M,D), v (B,Hkv,M,Dv) (H % Hkv == 0), tables
-    (R, D|Dv) or (Hr, R, D|Dv), the op's keywords; returns (B, H, N, Dv), differentiable.
+    (R, D|Dv) or (Hr, R, D|Dv), the op's keywords; returns (B, H, N, Dv), differentiable. ``rel_q`` (shaped like
+    ``rel_k``) adds the position-to-content term ``k_j . rel_q[idx_ij]``; a :class:`relattn.positions.LogBuckets`
+    ``max_relative_position`` indexes the compact tables by :meth:`LogBuckets.row` of each offset.
 
     ``upcast=True``: computed in float64 (the oracle); ``upcast=False``: on the inputs as they are, every matmul
     and the softmax run as a user's own PyTorch code would run them, under autocast too (the yardstick). A row
@@ -120,17 +122,24 @@ def attention_ref(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, att
     reaches there (the float64 oracle sums the value term by buckets of offsets, as the specification does).
     """
     if upcast:
-        q, k, v, rel_k, rel_v = (None if t is None else t.double() for t in (q, k, v, rel_k, rel_v))
+        q, k, v, rel_k, rel_v, rel_q = (None if t is None else t.double() for t in (q, k, v, rel_k, rel_v, rel_q))
     b, h, n, d = q.shape
     m = k.shape[-2]
     if k.shape[1] != h:  # grouped-query attention: query head i reads key/value head i // (H // Hkv)
         k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
-    idx = relative_position_index(n, m, max_relative_position, query_offset=query_offset, beyond=beyond,
-                                  device=q.device)
+    if isinstance(max_relative_position, LogBuckets):
+        offsets = torch.arange(m, device=q.device)[None, :] - torch.arange(n, device=q.device)[:, None] - query_offset
+        idx = max_relative_position.row(offsets)
+    else:
+        idx = relative_position_index(n, m, max_relative_position, query_offset=query_offset, beyond=beyond,
+                                      device=q.device)
     scores = q @ k.transpose(-1, -2)
     if rel_k is not None:
         ak, letters = _materialised(rel_k, idx, h, beyond)
         scores = scores + torch.einsum(f"bhnd,{letters}->bhnm", q, ak)
+    if rel_q is not None:
+        aq, letters = _materialised(rel_q, idx, h, beyond)
+        scores = scores + torch.einsum(f"bhmd,{letters}->bhnm", k, aq)
     scores = scores * (1 / math.sqrt(d) if scale is None else scale)
     if attn_mask is not None:
         mask = attn_mask.to(q.device)
