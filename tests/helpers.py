@@ -31,7 +31,7 @@ import torch
 from relattn import BACKENDS, relative_attention
 from relattn import reference as ref
 from relattn.backends import AttentionCall, native, not_supported_reasons
-from relattn.positions import check_window, relative_position_index
+from relattn.positions import LogBuckets, check_window, relative_position_index
 
 TOL_EPS = 512  # float64/float32: max error <= TOL_EPS * eps * (1 + max|want|)
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # compared with the plain PyTorch yardstick instead
@@ -119,7 +119,8 @@ def attention_ref(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, rel
     """Shaw attention the plain PyTorch way: q (B,H,N,D), k (B,Hkv,M,D), v (B,Hkv,M,Dv) (H % Hkv == 0), tables
     (R, D|Dv) or (Hr, R, D|Dv) (``rel_q``, position-to-content, as ``rel_k``), Transformer-XL's biases (H, D)
     (``content_bias`` on the content term, ``position_bias`` on the key-table term), the op's keywords; returns
-    (B, H, N, Dv), differentiable.
+    (B, H, N, Dv), differentiable. A :class:`relattn.positions.LogBuckets` ``max_relative_position`` indexes the
+    compact tables by :meth:`LogBuckets.row` of each offset.
 
     ``upcast=True``: computed in float64 (the oracle); ``upcast=False``: on the inputs as they are, every matmul
     and the softmax run as a user's own PyTorch code would run them, under autocast too (the yardstick). A row
@@ -133,8 +134,12 @@ def attention_ref(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, rel
     m = k.shape[-2]
     if k.shape[1] != h:  # grouped-query attention: query head i reads key/value head i // (H // Hkv)
         k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
-    idx = relative_position_index(n, m, max_relative_position, query_offset=query_offset, beyond=beyond,
-                                  device=q.device)
+    if isinstance(max_relative_position, LogBuckets):
+        offsets = torch.arange(m, device=q.device)[None, :] - torch.arange(n, device=q.device)[:, None] - query_offset
+        idx = max_relative_position.row(offsets)
+    else:
+        idx = relative_position_index(n, m, max_relative_position, query_offset=query_offset, beyond=beyond,
+                                      device=q.device)
     q_content = q if content_bias is None else q + content_bias[:, None, :]
     q_pos = q if position_bias is None else q + position_bias[:, None, :]
     scores = q_content @ k.transpose(-1, -2)

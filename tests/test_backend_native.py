@@ -359,8 +359,37 @@ def test_grouped_kv_16_bit_within_2x_of_plain_pytorch(monkeypatch, gemm16):
         assert err <= 2 * plain_err, f"{name}: error {err:.3g} > 2 x plain PyTorch's {plain_err:.3g}"
 
 
-def test_native_serves_grouped_kv():
-    assert native.BACKEND.serves.grouped_kv
+@needs_native
+def test_the_op_hands_native_grouped_kv_as_they_are():
+    """native declares grouped k/v, so the op hands it k and v with their Hkv heads, not repeated to H: what its
+    backward saves is k itself (a declaration that did not hold would show here as a repeated copy), and the result
+    is the repeated call's."""
+    q, k, v, rk, rv = random_inputs(1, 4, 9, 9, 4, 4, 2, tables="per_head", requires_grad=True)
+    k, v = (t.detach()[:, :2].contiguous().requires_grad_() for t in (k, v))
+    out = fn.relative_attention(q, k, v, rk, rv, max_relative_position=2, enable_gqa=True, backend="native")
+    saved = [t for t in out.grad_fn.saved_tensors if t is not None]
+    assert any(t.data_ptr() == k.data_ptr() and t.shape == k.shape for t in saved)
+    assert not [t for t in saved if t.shape == (1, 4, 9, 4) and t.data_ptr() not in (q.data_ptr(), out.data_ptr())]
+    want = fn.relative_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), rk, rv,
+                                 max_relative_position=2, backend="dense")
+    assert_close(out, want, torch.float64)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_forced_16_bit_gemms_run_in_the_backward_too(monkeypatch, dtype):
+    """GEMM16 forced on: the backward takes the 16-bit path as well. The same forward (the same saved output and
+    statistics) differentiated again with GEMM16 off takes the float32 path, and its gradients differ from the first
+    ones: had the backward run float32 under GEMM16 on, the two would be equal."""
+    lo = [t.to(dtype).requires_grad_() for t in random_inputs(1, 2, 40, 40, 16, 16, 4, tables="per_head", seed=3)]
+    go = torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(4)).to(dtype)
+    monkeypatch.setattr(native, "GEMM16", True)
+    out = fn.relative_attention(*lo, max_relative_position=4, is_causal=True, backend="native")
+    sixteen = torch.autograd.grad(out, lo, go, retain_graph=True)
+    monkeypatch.setattr(native, "GEMM16", False)
+    float32 = torch.autograd.grad(out, lo, go)
+    for name, a, b in zip(("dq", "dk", "dv"), sixteen, float32, strict=False):  # (the tables' are float32 in both)
+        assert a.dtype == dtype and not torch.equal(a, b), name
 
 
 @needs_native

@@ -75,6 +75,10 @@ def test_a_cache_refuses_the_other_kind_and_another_memory():
         mod(x[:, 1:2], kv_cache=cross)
     with pytest.raises(ValueError, match=r"another cross-attention memory \(key \(1, 5, 8\)\); got key \(1, 5, 8\)"):
         mod(x[:, 1:2], mem + 1, mem + 1, kv_cache=cross)
+    # a slice of the memory it holds (the same storage, the same first element) is another memory, not stale keys
+    with pytest.raises(ValueError, match=r"another cross-attention memory \(key \(1, 5, 8\)\); got key \(1, 3, 8\)"):
+        mod(x[:, 1:2], mem[:, :3], mem[:, :3], kv_cache=cross)
+    assert cross.k.shape[2] == 5 and cross.position == 1  # refused: unchanged
     cross.reset()
     assert len(cross) == 0 and cross.kind is None and cross.k is None and cross.position == 0
     got = mod(x[:, :1], mem + 1, mem + 1, kv_cache=cross)[0]  # after reset: a new memory

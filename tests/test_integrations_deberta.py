@@ -33,6 +33,12 @@ KINDS = {
                           share_att_key=False),
     "no-position-terms": dict(pos_att_type=[], position_buckets=8, max_relative_positions=20),
     "absolute-only": dict(relative_attention=False),
+    # transformers divides by sqrt(3 D) here: it counts pos_att_type's terms without relative attention too
+    "absolute-with-pos-att-type": dict(relative_attention=False, pos_att_type=["p2c", "c2p"],
+                                       initializer_range=0.2),
+    # a small config's buckets wider than its positions (max_relative_positions: max_position_embeddings = 64)
+    "buckets-past-positions": dict(pos_att_type=["p2c", "c2p"], position_buckets=256, max_relative_positions=-1,
+                                   share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False),
 }
 
 
@@ -175,6 +181,7 @@ def test_state_dict_unchanged_and_unpatch_restores():
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), patched.state_dict().values(),
                                                  strict=True))
     assert "encoder" in report.patched and "encoder.layer.1.attention.self" in report.patched
+    assert report.skipped == {}  # the DebertaV2Attention wrappers around the patched modules are not "skipped"
     assert all(is_patched(patched.get_submodule(n)) for n in report.patched)
     assert sorted(unpatch(patched)) == sorted(report.patched)
     assert not any(is_patched(m) for m in patched.modules())
@@ -230,3 +237,50 @@ def test_positions_of_a_module_follow_its_config():
     assert deberta.positions(att) == deberta.LogBuckets(8, 8, 20)
     att = DisentangledSelfAttention(_config("both-unshared"))
     assert deberta.positions(att) == deberta.LogBuckets(64)  # max_relative_positions < 1: max_position_embeddings
+
+
+def _attention_pair(**config):
+    from transformers.models.deberta_v2.modeling_deberta_v2 import DisentangledSelfAttention
+
+    torch.manual_seed(0)
+    att = DisentangledSelfAttention(_config("v3", **config)).double().eval()
+    return att, copy.deepcopy(att)
+
+
+def test_buckets_past_the_positions_are_transformers_map_where_it_folds_back():
+    """position_buckets=256, max_relative_positions=64: offsets past 128 take transformers' folded-back rows
+    (N = 150 reaches them); patched, the module computes what transformers computes."""
+    plain, att = _attention_pair(position_buckets=256, max_relative_positions=64)
+    assert patch(att).patched == [""]
+    n = 150
+    x = torch.randn(1, n, 16, dtype=torch.float64)
+    rel = torch.randn(512, 16, dtype=torch.float64)
+    mask = torch.ones(1, 1, n, n, dtype=torch.bool)
+    assert _rel(att(x, mask[:, :, :1], rel_embeddings=rel)[0], plain(x, mask, rel_embeddings=rel)[0]) <= 1e-10
+
+
+def test_buckets_without_finite_log_positions_are_refused_at_patch_naming_the_config():
+    """max_relative_positions = position_buckets // 2 + 1: transformers' log buckets divide by log(1) = 0. patch()
+    leaves the layers and the encoder as they are, with a reason naming the config fields."""
+    torch.manual_seed(0)
+    model = transformers.DebertaV2Model(_config("v3", position_buckets=8, max_relative_positions=5))
+    with pytest.warns(UserWarning, match="no supported attention"):
+        report = patch(model)
+    assert report.patched == [] and not is_patched(model)
+    reason = report.skipped["encoder.layer.0.attention.self"]
+    assert "position_buckets=8" in reason and "max_relative_positions=5" in reason
+    assert "encoder" in report.skipped
+
+
+@pytest.mark.slow
+def test_patched_attention_compiles_without_a_graph_break():
+    """fullgraph=True: the scale (transformers' float32 sqrt) is a constant to the compiler, not a graph break."""
+    plain, att = _attention_pair()
+    patch(att)
+    x = torch.randn(2, N, 16, dtype=torch.float64)
+    rel = torch.randn(16, 16, dtype=torch.float64)
+    mask = torch.ones(2, 1, 1, N, dtype=torch.bool)
+    eager = att(x, mask, rel_embeddings=rel)[0]  # (the first call, eager: see test_toolchain for compile first)
+    got = torch.compile(att, fullgraph=True, backend="eager")(x, mask, rel_embeddings=rel)[0]
+    assert _rel(got, plain(x, mask.expand(2, 1, N, N), rel_embeddings=rel)[0]) <= 1e-10
+    assert _rel(got, eager) <= 1e-12

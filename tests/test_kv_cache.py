@@ -131,3 +131,35 @@ def test_a_refused_call_leaves_the_cache_unchanged():
         mod(torch.randn(1, 1, E, dtype=torch.float64), key_padding_mask=torch.zeros(1, 3, dtype=torch.bool),
             kv_cache=cache)
     assert len(cache) == 3
+
+
+def test_a_call_refused_for_gradients_leaves_the_cache_free_for_cross_attention():
+    """A static cache handed keys that need gradients refuses them and stays as new: the next, valid call (here
+    cross-attention, under no_grad) is served and equals the uncached pass."""
+    mod = module()
+    x, mem = torch.randn(1, 2, E, dtype=torch.float64), torch.randn(1, 5, E, dtype=torch.float64)
+    cache = KVCache(max_len=8)
+    with pytest.raises(RuntimeError, match="cannot carry gradients"):
+        mod(x, kv_cache=cache)
+    assert cache.kind is None and len(cache) == 0
+    with torch.no_grad():
+        got = mod(x, mem, mem, kv_cache=cache)[0]
+        assert cache.kind == "cross"
+        assert_close(got, mod(x, mem, mem)[0], torch.float64)
+
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+@torch.no_grad()
+def test_unbatched_decoding_with_a_cache_equals_the_full_pass(static):
+    """(N, E) inputs, one step at a time, self- and cross-attention: the cache sees the same call as the batched
+    one (the query handed as key is self-attention, before the batch dimension is added)."""
+    torch.manual_seed(0)
+    mod = RelativeMultiheadAttention(E, H, 2, num_kv_heads=1, position_to_content=True, share_heads=False,
+                                     dtype=torch.float64).eval()
+    x, mem = torch.randn(5, E, dtype=torch.float64), torch.randn(4, E, dtype=torch.float64)
+    for memory in (None, mem):
+        cache = KVCache(max_len=8) if static else KVCache()
+        steps = [mod(x[i:i + 1], memory, memory, is_causal=memory is None, kv_cache=cache)[0] for i in range(5)]
+        assert cache.kind == ("self" if memory is None else "cross")
+        assert_close(torch.cat(steps), mod(x, memory, memory, is_causal=memory is None)[0], torch.float64)

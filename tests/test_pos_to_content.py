@@ -33,8 +33,8 @@ def bucket64(r: int, buckets: int, max_position: int) -> int:
     mid = buckets // 2
     if buckets <= 0 or abs(r) <= mid:
         return r
-    return int(math.copysign(math.ceil(math.log(abs(r) / mid) / math.log((max_position - 1) / mid) * (mid - 1))
-                             + mid, r))
+    log_pos = math.ceil(math.log(abs(r) / mid) / math.log((max_position - 1) / mid) * (mid - 1)) + mid
+    return log_pos if r > 0 else -log_pos  # sign(r) * log_pos (negative when the map folds back)
 
 
 def shaw_rows(n, m, left, right, *, query_offset=0, beyond="clip"):
@@ -291,7 +291,8 @@ def test_rel_q_is_validated_like_the_key_table():
 # ------------------------------------------------------------------------------------------ log buckets
 
 
-@pytest.mark.parametrize(("buckets", "max_position"), [(8, 20), (16, 64), (256, 512)])
+# (256, 64): a small config's buckets wider than its positions, where transformers' map folds back
+@pytest.mark.parametrize(("buckets", "max_position"), [(8, 20), (16, 64), (256, 512), (256, 64)])
 def test_log_buckets_are_transformers_and_the_float64_formula(buckets, max_position):
     from transformers.models.deberta_v2.modeling_deberta_v2 import make_log_bucket_position
 
@@ -301,7 +302,8 @@ def test_log_buckets_are_transformers_and_the_float64_formula(buckets, max_posit
     assert got.tolist() == [bucket64(x, buckets, max_position) for x in r.tolist()]
 
 
-@pytest.mark.parametrize("positions", [LogBuckets(4, 8, 20), LogBuckets(6), LogBuckets(8, 16, 64)])
+@pytest.mark.parametrize("positions", [LogBuckets(4, 8, 20), LogBuckets(6), LogBuckets(8, 16, 64),
+                                       LogBuckets(16, 16, 5)])
 @pytest.mark.parametrize("length", [1, 3, 30, 200])
 def test_expanded_table_gives_each_offset_its_row(positions, length):
     kk = positions.max_relative_position(-(length - 1), length - 1)
@@ -320,7 +322,7 @@ def test_log_buckets_are_checked():
     with pytest.raises(TypeError, match="buckets"):
         LogBuckets(4, 2.0, 20)
     with pytest.raises(ValueError, match="max_position"):
-        LogBuckets(4, 8, 4)
+        LogBuckets(4, 8, 5)  # max_position = buckets // 2 + 1: the log divides by log(1) = 0
     q = torch.zeros(1, 1, 4, 2, dtype=torch.float64)
     with pytest.raises(ValueError, match="beyond"):
         relative_attention(q, q, q, torch.zeros(8, 2, dtype=torch.float64), max_relative_position=LogBuckets(4),

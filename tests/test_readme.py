@@ -73,3 +73,20 @@ def test_readme_is_a_front_door():
     assert "relative_attention(" in code and "RelativeMultiheadAttention(" in code
     for page in sorted((ROOT / "docs").glob("*.md")):
         assert f"docs/{page.name}" in readme, page.name
+
+
+def test_api_in_brief_names_every_parameter():
+    """The README's API in brief writes the op's and the module's signatures whole: a parameter added to either
+    and left out there fails here."""
+    import inspect
+
+    from relattn import RelativeMultiheadAttention, relative_attention
+
+    brief = (ROOT / "README.md").read_text(encoding="utf-8").split("## API in brief", 1)[1].split("\n## ", 1)[0]
+    for name, fn in (("relative_attention", relative_attention),
+                     ("RelativeMultiheadAttention", RelativeMultiheadAttention)):
+        written = re.search(rf"`{name}\((.*?)\)`", brief, re.DOTALL).group(1)
+        said = [part.strip().split("=")[0] for part in written.split(",") if part.strip() not in ("*", "")]
+        want = [p for p in inspect.signature(fn).parameters if p not in ("device", "dtype", "add_bias_kv",
+                                                                         "add_zero_attn")]
+        assert said == want, name

@@ -513,3 +513,29 @@ def test_deterministic_flag_restored():
     # runs after the determinism tests in file order: the fixture put the global flag back
     assert not torch.are_deterministic_algorithms_enabled()
 
+
+
+_COMPILE_FIRST = """
+import torch
+import relattn
+
+torch.manual_seed(0)
+mod = relattn.RelativeMultiheadAttention(16, 4, 3, num_kv_heads=2, position_to_content=True).double()
+x = torch.randn(2, 9, 16, dtype=torch.float64)
+got = torch.compile(mod, fullgraph=True, backend="eager")(x, is_causal=True)[0]  # the first relattn call
+print(float((got - mod(x, is_causal=True)[0]).abs().max()))
+"""
+
+
+@pytest.mark.slow
+def test_compile_as_the_first_call_in_a_process():
+    """torch.compile(fullgraph=True) before any eager call: asking the native kernel whether it is there (a build
+    under a lock) is a constant to the compiler, not a graph break."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FIRST], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split()[-1]) <= 1e-12

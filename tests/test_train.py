@@ -20,6 +20,7 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+import relattn.training.compare as compare_lib
 from relattn import cli
 from relattn._io import OutputPathError
 from relattn.training.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
@@ -251,12 +252,14 @@ def test_torchrun_two_processes(tmp_path, one_thread):
 # ------------------------------------------------------------------------------------------------ bad inputs
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "not-utf8", "directory", "short", "heads", "context", "lr"])
+@pytest.mark.parametrize("case", ["missing", "empty", "not-utf8", "directory", "short", "heads", "context", "lr",
+                                  "weight-decay"])
 def test_bad_input_is_one_line_and_exit_status_2(tmp_path, case, capsys):
     data = tmp_path / "data.txt"
     args = ["train", "--out", str(tmp_path / "o"), "--steps", "2"]
     expect = {"missing": "no such file", "empty": "empty", "not-utf8": "not UTF-8", "directory": "directory",
-              "short": "too short", "heads": "divisible", "context": "--context", "lr": "--lr"}[case]
+              "short": "too short", "heads": "divisible", "context": "--context", "lr": "--lr",
+              "weight-decay": "--weight-decay must be >= 0, got -1.0"}[case]
     if case == "empty":
         data.write_bytes(b"")
     elif case == "not-utf8":
@@ -267,11 +270,22 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path, case, capsys):
         data.write_text("hello world " * 10)  # 120 bytes: validation split of 12 < context + 1
     if case in ("missing", "empty", "not-utf8", "directory", "short"):
         args += ["--data", str(data)]
-    args += {"heads": ["--d-model", "30", "--heads", "4"], "context": ["--context", "0"], "lr": ["--lr", "-1"]}.get(
-        case, [])
+    args += {"heads": ["--d-model", "30", "--heads", "4"], "context": ["--context", "0"], "lr": ["--lr", "-1"],
+             "weight-decay": ["--weight-decay", "-1"]}.get(case, [])
     assert cli.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("relattn train: error:") and expect in err[0], err
+    assert "--grad-clip" not in err[0]  # (no such flag)
+
+
+def test_under_torchrun_a_bad_input_is_said_by_rank_0_alone(tmp_path, monkeypatch, capsys):
+    """Every rank meets the same bad input (setup checks it before any process group) and exits 2; only rank 0
+    prints the line."""
+    args = ["train", "--out", str(tmp_path / "o"), "--steps", "2", "--lr", "-1"]
+    for rank, lines in (("1", 0), ("0", 1)):
+        monkeypatch.setenv("RANK", rank)
+        assert cli.main(args) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == lines, rank
 
 
 def test_bad_input_from_the_shell_has_no_traceback(tmp_path):
@@ -343,7 +357,8 @@ def test_compare_runs_three_models_and_tabulates(tmp_path, one_thread, capsys):
     table = (tmp_path / "compare.md").read_text().splitlines()
     assert len(table) == 5 and table[0].count("val @") == 4
     assert summary["results"]["relative"]["parameters"] > summary["results"]["none"]["parameters"]
-    assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "compare.png").exists() and "compare.png" not in capsys.readouterr().out  # --no-plots
+    assert compare_lib.plot(summary, tmp_path / "plots.png").read_bytes()[:4] == b"\x89PNG"  # what it would write
     # The table reports the runs compare made: each run differs from the others in its positions only, and
     # every cell is that run's own metric (bold: the column's best).
     runs = {pos: json.loads((tmp_path / pos / "metrics.json").read_text()) for pos in summary["results"]}

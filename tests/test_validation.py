@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from relattn import relative_attention
+from helpers import assert_close, reference_output
+from relattn import BACKENDS, relative_attention
 
 
 def base(**over):
@@ -95,10 +96,28 @@ def test_table_rows_follow_the_window():
 
 
 def test_mask_of_other_float_dtype_is_cast_not_refused():
+    """A float64 mask on float32 inputs is cast and applied: the reference's output with that mask, not the
+    unmasked one (the mask forbids a key in every row and adds to the others)."""
     t = base()
-    mask = torch.zeros(5, 6, dtype=torch.float64)
+    mask = torch.randn(5, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    mask[:, 2] = float("-inf")
     out = relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], max_relative_position=2, attn_mask=mask)
     assert out.dtype == torch.float32
+    want = reference_output(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], max_relative_position=2, attn_mask=mask)
+    assert_close(out, want, torch.float32, "masked")
+    unmasked = relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], max_relative_position=2)
+    assert (out - unmasked).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("backend", ["auto", *BACKENDS])
+def test_keys_of_another_batch_are_refused_on_every_backend(backend):
+    """k and v of batch 1 against q of batch 2 are refused before any backend could broadcast them."""
+    t = base(k=torch.randn(1, 3, 6, 4), v=torch.randn(1, 3, 6, 7))
+    with pytest.raises(ValueError, match=r"k must be \(B, H, M, D\) = \(2, 3, M, 4\) .*got \(1, 3, 6, 4\)"):
+        relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], max_relative_position=2, backend=backend)
+    t = base(v=torch.randn(1, 3, 6, 7))
+    with pytest.raises(ValueError, match=r"v must be \(B, H, M, Dv\) = \(2, 3, 6, Dv\) .*got \(1, 3, 6, 7\)"):
+        relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], max_relative_position=2, backend=backend)
 
 
 def test_meta_tensors_pass_validation():

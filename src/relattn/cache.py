@@ -80,9 +80,9 @@ class KVCache:
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append (B, H, L_new, D) keys and (B, H, L_new, Dv) values; return everything cached (self-attention)."""
         self._check_like(k, v)
-        self.claim("self")
         new = k.shape[2]
         if self.max_len is None:
+            self.claim("self")
             if self._k is None:
                 self._k, self._v = k, v
             else:
@@ -95,12 +95,13 @@ class KVCache:
         if self._len + new > self.max_len:
             raise ValueError(f"KVCache(max_len={self.max_len}) holds {self._len} positions; {new} more would "
                              f"exceed max_len")
+        if self._k is not None and (k.dtype != self._k.dtype or k.device != self._k.device):
+            raise ValueError(f"cache holds {self._k.dtype} on {self._k.device}; got keys {k.dtype} on {k.device}")
+        self.claim("self")  # after every check: a refused call leaves the cache as it was
         if self._k is None:
             b, h, _, d = k.shape
             self._k = k.new_empty(b, h, self.max_len, d)
             self._v = v.new_empty(b, h, self.max_len, v.shape[3])
-        elif k.dtype != self._k.dtype or k.device != self._k.device:
-            raise ValueError(f"cache holds {self._k.dtype} on {self._k.device}; got keys {k.dtype} on {k.device}")
         self._k.narrow(2, self._len, new).copy_(k)
         self._v.narrow(2, self._len, new).copy_(v)
         self._len += new
@@ -136,10 +137,12 @@ class KVCache:
         return True
 
     def set_memory(self, key: torch.Tensor, value: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Hold the projections ``k`` (B, H, M, D), ``v`` (B, H, M, Dv) of memory ``key``, ``value`` (B, M, ...)."""
+        """Hold the projections ``k`` (B, H, M, D), ``v`` (B, H, M, Dv) of memory ``key``, ``value`` (B, M, ...):
+        the cache is then a cross-attention one (checked first: a refused memory leaves the cache as it was)."""
         self._check_like(k, v)
         if self.max_len is not None and k.shape[2] > self.max_len:
             raise ValueError(f"KVCache(max_len={self.max_len}) cannot hold a memory of {k.shape[2]} positions")
+        self.claim("cross")
         self._memory, self._k, self._v, self._len = (key, value), k, v, k.shape[2]
 
     def advance(self, queries: int) -> None:

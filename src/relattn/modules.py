@@ -376,15 +376,16 @@ class RelativeMultiheadAttention(nn.Module):
             mask = _combine(mask, _allowed_or_added(_attn_mask_4d(attn_mask, b, self.num_heads, n, m)), dtype)
         return mask
 
-    def _keys_values(self, query, key, value, kv_cache: KVCache | None, bf: bool):
+    def _keys_values(self, key, value, kv_cache: KVCache | None, bf: bool, self_attention: bool):
         """This call's keys and values (B, Hkv, M, D|Dv), projected or from ``kv_cache``, and the position of its
-        first query. The cache is only read here; :meth:`_cache_update` writes it once the call is checked."""
+        first query (``self_attention``: the caller's key was its query, before unbatched inputs got a batch dim).
+        The cache is only read here; :meth:`_cache_update` writes it once the call is checked."""
         heads = self.num_kv_heads
         if kv_cache is None:
             return self._heads(self.k_proj(key), bf, heads), self._heads(self.v_proj(value), bf, heads), 0
         if not isinstance(kv_cache, KVCache):
             raise TypeError(f"kv_cache must be a KVCache or None, got {type(kv_cache).__name__}")
-        if key is query:
+        if self_attention:
             if kv_cache.kind == "cross":
                 kv_cache.claim("self")  # raises: a cross-attention cache handed self-attention keys
             return self._heads(self.k_proj(key), bf, heads), self._heads(self.v_proj(value), bf, heads), \
@@ -414,7 +415,6 @@ class RelativeMultiheadAttention(nn.Module):
         if self_attention:
             return kv_cache.update(k, v)
         if kv_cache.kind is None:
-            kv_cache.claim("cross")
             kv_cache.set_memory(*((key, value) if bf else (key.transpose(0, 1), value.transpose(0, 1))), k, v)
         kv_cache.advance(n)
         return k, v
@@ -480,7 +480,7 @@ class RelativeMultiheadAttention(nn.Module):
             query, key, value = query[None], key[None], value[None]
         bf = self.batch_first or not batched
         q = self._heads(self.q_proj(query), bf, self.num_heads)
-        k, v, offset = self._keys_values(query, key, value, kv_cache, bf)
+        k, v, offset = self._keys_values(key, value, kv_cache, bf, self_attention)
         b, n = q.shape[0], q.shape[2]
         m = k.shape[2] + (offset if self_attention and kv_cache is not None else 0)
         if context_parallel is not None:

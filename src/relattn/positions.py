@@ -62,6 +62,11 @@ class LogBuckets:
         buckets: ``position_buckets`` (<= 0: none).
         max_position: ``max_relative_positions``: the offset the log buckets reach ``buckets // 2 - 1`` steps
             past ``buckets // 2`` (used only with buckets).
+
+    A ``max_position`` below ``buckets // 2 + 1`` (small configs: ``position_buckets=256`` with
+    ``max_position_embeddings=64``) makes transformers' log map fold back: offsets past ``buckets // 2`` take rows
+    nearer the middle again, and far ones the opposite edge row. That is transformers' behaviour, not a design, but
+    it is what such a model was trained with, so the map is kept as transformers computes it.
     """
 
     span: int
@@ -75,9 +80,11 @@ class LogBuckets:
                 raise TypeError(f"LogBuckets.{name} must be an int, got {type(value).__name__}")
         if self.span < 1:
             raise ValueError(f"LogBuckets.span must be >= 1, got {self.span}")
-        if self.buckets > 0 and (self.buckets < 2 or self.max_position <= self.buckets // 2 + 1):
-            raise ValueError(f"LogBuckets with buckets={self.buckets} needs buckets >= 2 and max_position > "
-                             f"buckets // 2 + 1; got max_position={self.max_position}")
+        finite = self.max_position >= 1 and self.max_position != self.buckets // 2 + 1
+        if self.buckets > 0 and (self.buckets < 2 or not finite):
+            raise ValueError(f"LogBuckets with buckets={self.buckets} needs buckets >= 2 and a max_position >= 1 other "
+                             f"than buckets // 2 + 1 = {self.buckets // 2 + 1} (there the log buckets divide by "
+                             f"log(1) = 0); got max_position={self.max_position}")
 
     @property
     def rows(self) -> int:
@@ -93,14 +100,9 @@ class LogBuckets:
 
     def max_relative_position(self, lowest: int, highest: int) -> int:
         """The smallest ``K`` such that clipping to ``[-K, K]`` gives every offset in ``[lowest, highest]`` its row:
-        beyond ``K`` the row no longer changes (it saturates) or no offset reaches."""
-        reach = max(-lowest, highest, 0)
-        rows = self.row(torch.arange(-reach, reach + 1))
-        changes_right = torch.nonzero(rows[reach:] != rows[-1])
-        changes_left = torch.nonzero(rows[: reach + 1].flip(0) != rows[0])
-        right = int(changes_right[-1]) + 1 if len(changes_right) else 0
-        left = int(changes_left[-1]) + 1 if len(changes_left) else 0
-        return max(left, right)
+        beyond ``K`` the row no longer changes (it saturates) or no offset reaches. A constant to ``torch.compile``
+        (computed eagerly when traced: no graph break)."""
+        return _saturation(self.span, self.buckets, self.max_position, lowest, highest)
 
     def expand(self, table: torch.Tensor, max_relative_position: int) -> torch.Tensor:
         """``(..., 2 * span, D)`` -> the equivalent ``(..., 2K + 1, D)`` table of clipped offsets: row ``r + K`` is
@@ -110,12 +112,25 @@ class LogBuckets:
         return table.index_select(-2, index)
 
 
+@torch.compiler.assume_constant_result
+def _saturation(span: int, buckets: int, max_position: int, lowest: int, highest: int) -> int:
+    """:meth:`LogBuckets.max_relative_position` (plain ints in: what the compiler takes as a constant's key)."""
+    reach = max(-lowest, highest, 0)
+    rows = LogBuckets(span, buckets, max_position).row(torch.arange(-reach, reach + 1))
+    changes_right = torch.nonzero(rows[reach:] != rows[-1])
+    changes_left = torch.nonzero(rows[: reach + 1].flip(0) != rows[0])
+    right = int(changes_right[-1]) + 1 if len(changes_right) else 0
+    left = int(changes_left[-1]) + 1 if len(changes_left) else 0
+    return max(left, right)
+
+
 def log_bucket_position(relative_pos: torch.Tensor, buckets: int, max_position: int) -> torch.Tensor:
     """DeBERTa's log buckets of signed positions (transformers' ``make_log_bucket_position``), LongTensor.
 
     With ``mid = buckets // 2``: ``r`` itself for ``|r| <= mid``; beyond,
     ``sign(r) * (ceil(log(|r| / mid) / log((max_position - 1) / mid) * (mid - 1)) + mid)`` (an odd function of
-    ``r``, growing without bound). Computed in float32 as transformers computes it, so the buckets match bit for bit.
+    ``r``, growing without bound when ``max_position > mid + 1``, folding back when it is smaller). Computed in
+    float32 as transformers computes it, so the buckets match bit for bit.
     """
     relative_pos = relative_pos.long()
     mid = buckets // 2

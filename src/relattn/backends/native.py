@@ -158,6 +158,7 @@ def toolchain_missing() -> str | None:
     return None
 
 
+@torch.compiler.assume_constant_result  # traced first (torch.compile as the first call): run eagerly, a constant
 def unavailable() -> str | None:
     """None once the kernel is loaded (building it on the first call), else why it cannot be."""
     if "error" in _state:

@@ -74,6 +74,7 @@ KV_SPLITS = 0  # forward: splits of the keys (0: chosen by kv_splits)
 _state: dict = {}  # "kernels": the imported module; "error": None once imported, else why not
 
 
+@torch.compiler.assume_constant_result  # traced first (torch.compile as the first call): run eagerly, a constant
 def unavailable() -> str | None:
     """None once the kernels are imported (on the first call), else why they cannot be."""
     if "error" not in _state:

@@ -9,7 +9,8 @@ of key ``j`` seen from query ``i``, :class:`relattn.positions.LogBuckets`)::
 
 with ``A_K = key_proj(A)``, ``A_Q = query_proj(A)`` when ``share_att_key``, else ``pos_key_proj(A)`` and
 ``pos_query_proj(A)``; the c2p term (``A_K``) and the p2c term (``A_Q``) each present when ``pos_att_type`` names
-it, and ``f`` one plus the number of terms present. No value term. In relattn's terms: ``rel_k = A_K`` and
+it, and ``f`` one plus the number of terms ``pos_att_type`` names (with ``relative_attention=False`` too, as
+transformers counts them). No value term. In relattn's terms: ``rel_k = A_K`` and
 ``rel_q = A_Q``, both ``(H, 2 span, D)`` as DeBERTa stores them, with ``max_relative_position=LogBuckets(...)``;
 the op turns them into the equivalent clipped tables (gradients flow back), so no (B, H, N, N) score, index or
 mask tensor is built (the encoder hands its layers a (B, 1, 1, N) padding mask and no (N, N) positions).
@@ -64,8 +65,11 @@ def _is_standard(relative_pos: torch.Tensor, module: nn.Module, n: int) -> bool:
     return torch.equal(torch.cat([rp[0].flip(0)[:-1], rp[:, 0]]).long(), edge.long())
 
 
+@torch.compiler.assume_constant_result
 def _scale(head_dim: int, terms: int) -> float:
-    """transformers' ``scaled_size_sqrt``: ``sqrt(terms * D)``, computed in float32 as it is there."""
+    """transformers' ``scaled_size_sqrt``: ``sqrt(terms * D)``, computed by torch in float32 as it is there (torch's
+    float32 ``sqrt`` is not always the correctly rounded one, so no other way gives the same bits). A constant to
+    ``torch.compile``: no graph break."""
     return float(torch.sqrt(torch.tensor(head_dim, dtype=torch.float32) * terms))
 
 
@@ -97,7 +101,7 @@ def _deberta_forward(self, hidden_states, attention_mask, output_attentions=Fals
             rel_k = _heads(self.key_proj(table) if self.share_att_key else self.pos_key_proj(table), heads)
         if p2c:
             rel_q = _heads(self.query_proj(table) if self.share_att_key else self.pos_query_proj(table), heads)
-    terms = 1 + (c2p and self.relative_attention) + (p2c and self.relative_attention)
+    terms = 1 + c2p + p2c  # as transformers counts them: with relative_attention=False too
     args = dict(max_relative_position=positions(self) if self.relative_attention else 0, rel_q=rel_q,
                 attn_mask=_keep_mask(attention_mask), scale=1.0 / _scale(q.shape[-1], terms))
     out = relative_attention(q, k, v, rel_k, None, dropout_p=self.dropout.p if self.training else 0.0,
@@ -126,13 +130,21 @@ def _encoder_forward(self, hidden_states, attention_mask, *args, **kwargs):
 
 
 def _attention_reason(module) -> str | None:
+    if not module.relative_attention:
+        return None
+    try:
+        positions(module)
+    except ValueError as exc:
+        return (f"position_buckets={module.position_buckets} with "
+                f"max_relative_positions={module.max_relative_positions} (the config's max_relative_positions, or "
+                f"max_position_embeddings when that is < 1) gives no finite log buckets ({exc}); left as it is")
     return None
 
 
 def _encoder_reason(module) -> str | None:
     layers = [layer.attention.self for layer in module.layer]
-    if not all(type(a).__name__ == "DisentangledSelfAttention" for a in layers):
-        return "an encoder whose layers are not all DisentangledSelfAttention keeps transformers' (N, N) masks"
+    if not all(type(a).__name__ == "DisentangledSelfAttention" and _attention_reason(a) is None for a in layers):
+        return "an encoder whose layers are not all patched keeps transformers' (N, N) masks and positions"
     return None
 
 

@@ -38,7 +38,9 @@ SUPPORTED = ("Wav2Vec2-BERT (relative_key)", "SeamlessM4T-v2 speech encoder (rel
 
 @dataclass
 class PatchReport:
-    """What :func:`patch` did: ``patched`` module names, and ``skipped`` attention modules with the reason."""
+    """What :func:`patch` did: ``patched`` module names, and ``skipped`` attention modules with the reason (only
+    modules left as they are: a wrapper whose inner attention is patched, as DeBERTa's ``attention.self``, is not
+    listed)."""
 
     patched: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
@@ -209,7 +211,8 @@ def patch(model: nn.Module, *, backend: str = "auto") -> PatchReport:
             forward, why = _HANDLERS[qualname]
             reason = why(module)
         else:
-            if type(module).__name__.endswith("SelfAttention") or qualname.endswith("Attention"):
+            wrapper = any(_qualname(child) in _HANDLERS for child in module.children())  # DeBERTa's Attention
+            if not wrapper and (type(module).__name__.endswith("SelfAttention") or qualname.endswith("Attention")):
                 report.skipped[name] = f"{type(module).__name__} is not a supported Shaw attention module"
             continue
         if reason is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from dataclasses import fields, replace
@@ -108,18 +109,22 @@ def configs_from_args(args: argparse.Namespace, defaults: TrainOptions) -> tuple
 
 
 def run_command(args: argparse.Namespace, body) -> int:
-    """Run ``body()``; expected failures become one line on stderr and exit status 2 (1 for divergence)."""
+    """Run ``body()``; expected failures become one line on stderr and exit status 2 (1 for divergence). Under
+    torchrun every rank meets the same error and exits with the same status, and rank 0 alone says it."""
+    def say(message: str) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"relattn {args.command}: {message}", file=sys.stderr)
+
     try:
         body()
     except (DataError, UsageError, CheckpointError, OutputPathError) as e:
-        print(f"relattn {args.command}: error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return 2
     except TrainingDiverged as e:
-        print(f"relattn {args.command}: error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return 1
     except KeyboardInterrupt:
-        print(f"relattn {args.command}: interrupted; rerun with --resume to continue from the last checkpoint",
-              file=sys.stderr)
+        say("interrupted; rerun with --resume to continue from the last checkpoint")
         return 130
     return 0
 

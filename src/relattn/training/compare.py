@@ -50,7 +50,10 @@ def compare(config: TransformerConfig, options: TrainOptions, positions=POSITION
     print(table)
     atomic_write_text(out / "compare.json", json.dumps(summary, indent=1) + "\n")
     atomic_write_text(out / "compare.md", table + "\n")
-    print(f"\nsaved {out / 'compare.json'}\nsaved {out / 'compare.md'}\nsaved {plot(summary, out / 'compare.png')}")
+    saved = [out / "compare.json", out / "compare.md"]
+    if options.plots:
+        saved.append(plot(summary, out / "compare.png"))
+    print("\n" + "\n".join(f"saved {path}" for path in saved))
     return summary
 
 

@@ -83,8 +83,10 @@ class TrainOptions:
             raise UsageError(f"--warmup must be >= 0, got {self.warmup}")
         if not self.lr > 0 or not math.isfinite(self.lr):
             raise UsageError(f"--lr must be a positive number, got {self.lr}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise UsageError("--weight-decay and --grad-clip must be >= 0")
+        if not self.weight_decay >= 0:
+            raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if not self.grad_clip >= 0:  # no flag: set in TrainOptions only
+            raise UsageError(f"TrainOptions.grad_clip must be >= 0, got {self.grad_clip}")
         if not 0.0 < self.val_fraction < 1.0:
             raise UsageError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
         if self.device not in ("auto", "cpu", "cuda"):
