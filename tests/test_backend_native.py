@@ -85,12 +85,26 @@ def test_backward_key_segments(small_tiles, splits, case):
         assert torch.equal(a, a2)
 
 
-def test_tile_q_by_length_for_causal_calls(monkeypatch):
-    monkeypatch.setattr(native, "TILE_Q", 0)
+def test_tile_q_by_length_for_causal_calls(kernel_settings):
+    kernel_settings(native, tile_q=0)
     assert [native.tile_q(n, True) for n in (1, 191, 192, 767, 768, 4096)] == [32, 32, 64, 64, 256, 256]
     assert {native.tile_q(n, False) for n in (1, 128, 512, 4096)} == {256}
-    monkeypatch.setattr(native, "TILE_Q", 7)
+    kernel_settings(native, tile_q=7)
     assert native.tile_q(100, True) == native.tile_q(100, False) == 7
+
+
+def test_settings_refuse_bad_values_and_restore_after_the_block():
+    before = native.SETTINGS.current
+    with pytest.raises(ValueError, match="tile_k must be an int >= 1; got 0"):
+        native.SETTINGS.override(tile_k=0).__enter__()
+    with pytest.raises(TypeError, match="unknown setting.*TILE_Q"):
+        native.SETTINGS.override(TILE_Q=3).__enter__()
+    with native.SETTINGS.override(tile_q=5) as inner:
+        assert inner.tile_q == 5 and native.tile_q(100, True) == 5
+        with native.SETTINGS.override(gemm16=False):
+            assert native.SETTINGS.current.tile_q == 5 and not native.uses_gemm16(torch.bfloat16)
+        assert native.SETTINGS.current.gemm16 is before.gemm16
+    assert native.SETTINGS.current == before
 
 
 @needs_native
@@ -170,12 +184,12 @@ def test_masks_match_reference_and_dense_grads(small_tiles, chunked, kind, shape
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16_bit_fallback_is_float32_inside(monkeypatch, dtype):
+def test_16_bit_fallback_is_float32_inside(kernel_settings, dtype):
     """The path of a CPU without 16-bit instructions (forced here): 16-bit inputs are computed in float32, so the
     output is the float32 computation on the same (rounded) inputs, rounded once. The backward is the float32 one,
     except that rowsum(dO * O) uses the saved 16-bit output (as PyTorch's own flash backward does), so gradients
     are within a few 16-bit roundings of the float32 ones."""
-    monkeypatch.setattr(native, "GEMM16", False)
+    kernel_settings(native, gemm16=False)
     lo = [t.to(dtype).requires_grad_() for t in random_inputs(1, 2, 30, 30, 8, 8, 3, tables="keys_per_head")]
     hi = [t.detach().float().requires_grad_() for t in lo]
     go = torch.randn(1, 2, 30, 8).to(dtype)
@@ -201,13 +215,13 @@ def test_16_bit_gemms_only_where_the_cpu_has_the_instructions(monkeypatch):
                              ({"avx512_fp16": True}, False, True), ({"amx_fp16": True, "amx_bf16": True}, True, True)]:
         monkeypatch.setattr(native, "_gemm16_here", {})
         monkeypatch.setattr(torch.cpu, "get_capabilities", lambda caps=caps: caps)
-        monkeypatch.setattr(native, "GEMM16", None)
-        assert (native.uses_gemm16(torch.bfloat16), native.uses_gemm16(torch.float16)) == (bf16, fp16), caps
-        assert not native.uses_gemm16(torch.float32) and not native.uses_gemm16(torch.float64)
+        with native.SETTINGS.override(gemm16=None):
+            assert (native.uses_gemm16(torch.bfloat16), native.uses_gemm16(torch.float16)) == (bf16, fp16), caps
+            assert not native.uses_gemm16(torch.float32) and not native.uses_gemm16(torch.float64)
         for forced in (True, False):
-            monkeypatch.setattr(native, "GEMM16", forced)
-            assert native.uses_gemm16(torch.bfloat16) is forced and native.uses_gemm16(torch.float16) is forced
-            assert not native.uses_gemm16(torch.float32)
+            with native.SETTINGS.override(gemm16=forced):
+                assert native.uses_gemm16(torch.bfloat16) is forced and native.uses_gemm16(torch.float16) is forced
+                assert not native.uses_gemm16(torch.float32)
 
 
 def _plain_error(got, plain, want):
@@ -234,7 +248,7 @@ _SAVED_OUTPUT_BOUND = {"decode-offset-keypad": {"dq", "drel_k"}}
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", list(_16_BIT_CASES))
-def test_16_bit_gemms_within_2x_of_plain_pytorch(monkeypatch, dtype, case):
+def test_16_bit_gemms_within_2x_of_plain_pytorch(dtype, case):
     """16-bit GEMMs (forced; on a CPU without 16-bit instructions MKL converts inside): the output and every
     gradient within twice the error of plain PyTorch at the same dtype ("dense" on the 16-bit inputs: 16-bit
     matmuls, float32 softmax) against float64 (see _SAVED_OUTPUT_BOUND for the exceptions), and not the
@@ -250,10 +264,10 @@ def test_16_bit_gemms_within_2x_of_plain_pytorch(monkeypatch, dtype, case):
     lo = [None if t is None else t.detach().to(dtype).requires_grad_() for t in inputs]
     kw16 = {**kw, "attn_mask": mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)}
     plain_out, plain = grads("dense", lo, go.to(dtype), **kw16)
-    monkeypatch.setattr(native, "GEMM16", True)
-    got_out, got = grads("native", lo, go.to(dtype), **kw16)
-    monkeypatch.setattr(native, "GEMM16", False)
-    f32_out, f32 = grads("native", lo, go.to(dtype), **kw16)
+    with native.SETTINGS.override(gemm16=True):
+        got_out, got = grads("native", lo, go.to(dtype), **kw16)
+    with native.SETTINGS.override(gemm16=False):
+        f32_out, f32 = grads("native", lo, go.to(dtype), **kw16)
     assert got_out.dtype == dtype and not torch.equal(got_out, f32_out)
     for name, a, p, w, f in zip(["out", "dq", "dk", "dv", "drel_k", "drel_v"], [got_out, *got], [plain_out, *plain],
                                 [want_out, *want], [f32_out, *f32], strict=True):
@@ -322,12 +336,12 @@ _GROUPED_CASES = {
 @needs_native
 @pytest.mark.parametrize("splits", [0, 3])
 @pytest.mark.parametrize("case", list(_GROUPED_CASES))
-def test_grouped_kv_matches_repeated_reference(monkeypatch, splits, case):
+def test_grouped_kv_matches_repeated_reference(kernel_settings, splits, case):
     """k, v with Hkv < H heads, read in place: the output and every gradient (dk, dv summed over each group's
     query heads) equal "dense" on k, v repeated to H heads, and the same bits from one call to the next (the
     group's query heads are summed in a fixed order); with the backward's key segments forced (3) too."""
     b, h, hkv, n, m, d, dv, kk, tables, mask_kind, causal, off = _GROUPED_CASES[case]
-    monkeypatch.setattr(native, "KV_SPLITS", splits)
+    kernel_settings(native, kv_splits=splits)
     inputs, mask, go = _grouped_inputs(b, h, hkv, n, m, d, dv, kk, tables, seed=31, mask_kind=mask_kind)
     want_out, want = _repeated_reference(inputs, go, kk, mask, causal, off)
     got_out, got = _grouped_run(inputs, go, kk, mask, causal, off)
@@ -342,10 +356,10 @@ def test_grouped_kv_matches_repeated_reference(monkeypatch, splits, case):
 
 @needs_native
 @pytest.mark.parametrize("gemm16", [True, False])
-def test_grouped_kv_16_bit_within_2x_of_plain_pytorch(monkeypatch, gemm16):
+def test_grouped_kv_16_bit_within_2x_of_plain_pytorch(kernel_settings, gemm16):
     """Grouped k, v in bfloat16, through 16-bit GEMMs and through float32 copies: within twice plain PyTorch's
     error (dense on the repeated 16-bit k, v) against float64."""
-    monkeypatch.setattr(native, "GEMM16", gemm16)
+    kernel_settings(native, gemm16=gemm16)
     inputs, mask, go = _grouped_inputs(1, 4, 2, 40, 40, 16, 16, 6, "per_head", seed=41)
     inputs = [(t * 0.5).detach().requires_grad_() for t in inputs]
     want_out, want = _repeated_reference(inputs, go, 6, None, True, 0)

@@ -18,6 +18,7 @@ from ._common import (
     Serves,
     StatsAutograd,
     StatsOps,
+    compute_capability,
     declared_reasons,
     not_supported_reasons,
     stats_dtype,
@@ -37,6 +38,8 @@ def _serves_line(s: Serves) -> str:
         parts.append(f"head dim <= {s.max_head_dim}")
     if not s.head_dims_differ:
         parts.append("D = Dv only")
+    if s.cuda_archs is not None:
+        parts.append("GPUs " + "/".join(f"sm_{arch}" for arch, _ in s.cuda_archs))
     if s.grouped_kv:
         parts.append("grouped k/v heads in place")
     return ", ".join(parts)
@@ -86,9 +89,11 @@ def refusals(name: str, *, device: str | None = None, dtype: torch.dtype | None 
     if check_name(name) == "auto":
         return []
     backend = BACKENDS[name]
+    # on CUDA, the GPU the calls will run on: the current one
+    arch = compute_capability(torch.device("cuda")) if device == "cuda" and torch.cuda.is_available() else None
     reasons = declared_reasons(backend.serves, device=device, dtype=dtype, dropout=dropout, mask=mask,
                                head_dim=head_dim, v_head_dim=v_head_dim, pos_to_content=pos_to_content,
-                               position_query=position_query, chunk_pairs=chunk_pairs)
+                               position_query=position_query, chunk_pairs=chunk_pairs, arch=arch)
     if not reasons and (why := backend.unavailable()) is not None:
         reasons.append(why)
     return reasons

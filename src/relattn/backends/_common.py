@@ -73,16 +73,21 @@ class Serves:
     position_query: bool = False  # takes q_pos, queries for the key table apart from q (Transformer-XL's biases)
     chunk_pairs: bool = False  # computes one chunk pair of a larger softmax (its log-sum-exp, and its gradients
     # given the merged output and log-sum-exp): what context parallelism's ring runs; such a backend has ``stats``
+    # CUDA: the GPUs served, as ((compute capability 10 * major + minor, the dtypes served there), ...); None: every
+    # GPU in every dtype of ``dtypes``
+    cuda_archs: tuple[tuple[int, frozenset[torch.dtype]], ...] | None = None
 
 
 @dataclass(frozen=True)
 class Backend:
-    """One backend: ``run(call)`` returns the (B,H,N,Dv) output; ``serves`` says for which calls;
-    ``unavailable()`` says why it cannot run on this machine at all (a missing compiler or package), else None."""
+    """One backend: ``run(call)`` returns the (B,H,N,Dv) output; ``declares`` says for which calls, as a
+    :class:`Serves` or a function returning one when asked (what "triton" serves depends on ``TRITON_INTERPRET``
+    at that moment); ``unavailable()`` says why it cannot run on this machine at all (a missing compiler or
+    package), else None."""
 
     name: str
     run: Callable[[AttentionCall], Tensor]
-    serves: Serves
+    declares: Serves | Callable[[], Serves]
     doc: str
     unavailable: Callable[[], str | None] = lambda: None
     stats: StatsOps | None = None  # the ops of a kernel that saves its log-sum-exp (``serves.chunk_pairs``)
@@ -91,26 +96,51 @@ class Backend:
         if self.serves.chunk_pairs != (self.stats is not None):
             raise ValueError(f"backend {self.name!r}: Serves(chunk_pairs=True) goes with stats ops, and only with them")
 
+    @property
+    def serves(self) -> Serves:
+        """What the backend serves now."""
+        return self.declares if isinstance(self.declares, Serves) else self.declares()
+
+
+def compute_capability(device: torch.device) -> int | None:
+    """A CUDA device's compute capability as ``10 * major + minor`` (75 for a T4, 90 for an H100); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def _sm(arch: int) -> str:
+    return f"sm_{arch}"
+
 
 def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.dtype | None = None,
                      dropout: bool = False, mask: bool = False, mask_grad: bool = False, head_dim: int | None = None,
                      v_head_dim: int | None = None, pos_to_content: bool = False,
-                     position_query: bool = False, chunk_pairs: bool = False) -> list[str]:
+                     position_query: bool = False, chunk_pairs: bool = False,
+                     arch: int | None = None) -> list[str]:
     """Every reason a backend declaring ``serves`` refuses calls of this kind; empty when it serves them.
 
     ``device`` (a device type), ``dtype`` and the head dims ``D`` (``head_dim``) and ``Dv`` (``v_head_dim``, default
     ``D``) are left unchecked when None; ``dropout``, ``mask`` and ``mask_grad`` say whether the calls have
     ``dropout_p > 0``, an ``attn_mask``, a mask that requires grad; ``pos_to_content`` whether they carry a
     ``rel_q`` table; ``position_query`` whether they carry a ``q_pos`` (content or position biases);
-    ``chunk_pairs`` whether they are a context-parallel ring's chunk pairs.
-    :func:`not_supported_reasons` asks this about
-    one call; the module and ``relattn train`` ask it at construction, before there is any call.
+    ``chunk_pairs`` whether they are a context-parallel ring's chunk pairs; ``arch`` the GPU's compute capability
+    on CUDA (None: unchecked). :func:`not_supported_reasons` asks this about one call; the module and ``relattn
+    train`` ask it at construction, before there is any call.
     """
     s, reasons = serves, []
     if device is not None and s.devices is not None and device not in s.devices:
         reasons.append(f"device {device} (serves {', '.join(sorted(s.devices))})")
     if dtype is not None and dtype not in s.dtypes:
         reasons.append(f"dtype {dtype} (serves {', '.join(sorted(str(d) for d in s.dtypes))})")
+    if device == "cuda" and arch is not None and s.cuda_archs is not None:
+        archs = dict(s.cuda_archs)
+        if arch not in archs:
+            reasons.append(f"GPU compute capability {_sm(arch)} (serves {', '.join(_sm(a) for a in sorted(archs))})")
+        elif dtype is not None and dtype in s.dtypes and dtype not in archs[arch]:
+            reasons.append(f"dtype {dtype} on {_sm(arch)} (serves {', '.join(sorted(str(d) for d in archs[arch]))}"
+                           " there)")
     if dropout and not s.dropout:
         reasons.append("dropout_p > 0 (no dropout; 'blocked' and 'dense' take it)")
     if mask and not s.mask:
@@ -141,7 +171,7 @@ def not_supported_reasons(backend: Backend, call: AttentionCall, *, chunk_pairs:
                                mask=mask is not None, mask_grad=mask is not None and mask.requires_grad,
                                head_dim=q.shape[-1], v_head_dim=call.v.shape[-1],
                                pos_to_content=call.rel_q is not None, position_query=call.q_pos is not None,
-                               chunk_pairs=chunk_pairs)
+                               chunk_pairs=chunk_pairs, arch=compute_capability(q.device))
     if not reasons and (why := backend.unavailable()) is not None:
         reasons.append(why)
     return reasons
