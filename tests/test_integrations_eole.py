@@ -309,3 +309,51 @@ def test_cached_generation_after_a_left_padded_prompt_equals_the_teacher_forced_
         model.decoder._disable_cache()
         teacher = head(model(tokens, None, None).dec_out)
     assert _gap(torch.stack(logps, 1), teacher[:, prompt.shape[1] - 1:-1]) < 1e-10
+
+
+# ------------------------------------------------------------------------------------------ CTranslate2, the peer
+
+
+def _benchmark_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "eole_models.py"
+    spec = importlib.util.spec_from_file_location("eole_models_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ctranslate2_logits_and_greedy_tokens_equal_the_patched_models(tmp_path):
+    """The benchmark's peer: the same decoder-only eole model exported to CTranslate2 (its own eole converter
+    functions, relative positions, float32) computes the patched model's logits, and the same greedy tokens."""
+    ctranslate2 = pytest.importorskip("ctranslate2", reason="ctranslate2 is not installed (the 'eole' extra)")
+    assert ctranslate2.__version__.startswith("4.")
+    bench = _benchmark_module()
+    model, cfg = bench.decoder_lm(hidden=32, heads=4, layers=2, ff=48, k=3, vocab=30)
+    generator = bench.ctranslate2_generator(model, cfg, str(tmp_path), threads=1)
+    patch(model)
+    tokens = torch.randint(3, 29, (2, 11), generator=torch.Generator().manual_seed(0))
+    truth = bench.eole_logits(model.double(), tokens)
+    assert_close(bench.ctranslate2_logits(generator, tokens), truth, torch.float32, "CTranslate2 logits")
+    assert_close(bench.eole_logits(model.float(), tokens), truth, torch.float32, "relattn logits")
+    prompt = tokens[:, :4]
+    assert torch.equal(bench.eole_greedy(model, prompt, 7), bench.ctranslate2_greedy(generator, prompt, 7))
+
+
+@pytest.mark.slow
+def test_benchmark_quick_writes_both_cases(tmp_path):
+    pytest.importorskip("ctranslate2", reason="ctranslate2 is not installed (the 'eole' extra)")
+    import json
+
+    bench = _benchmark_module()
+    assert bench.main(["--quick", "--threads", "1", "--out", str(tmp_path / "r.json")]) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [(r["case"], r["variant"]) for r in rows if r["case"] == "train"] == [("train", "eole"),
+                                                                                 ("train", "relattn")]
+    decode = [r for r in rows if r["case"] == "decode"]
+    assert {(r["batch"], r["variant"]) for r in decode} == {(b, v) for b in (1, 3)
+                                                           for v in ("eole", "relattn", "ctranslate2")}
+    assert all(r["greedy_tokens_equal"] and r["max_abs_logit_diff"] < 1e-4 and r["tokens_per_s"] > 0
+               for r in decode)

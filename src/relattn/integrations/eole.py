@@ -63,6 +63,19 @@ def _eole_positions_call(q, k, v, mask):
     return q5, k5, v5, m5, k.shape[-2] - 1
 
 
+def _causal_split(mask: torch.Tensor, n: int, offset: int):
+    """eole's decoder masks are ``causal & key padding`` written out, (B, 1, N, M): as ``(True, key mask
+    (B, 1, 1, M) or None)`` when ``mask`` is exactly that (one O(N M) comparison), so that the kernels skip the
+    keys past each query; else ``(False, mask)``."""
+    if n == 1 or mask.dim() != 4 or mask.shape[-2] != n or mask.dtype != torch.bool:
+        return False, mask
+    keys = mask[..., -1:, :]  # the last query may attend every unpadded key
+    causal = torch.ones(n, mask.shape[-1], dtype=torch.bool, device=mask.device).tril(offset)
+    if not torch.equal(mask, causal & keys):
+        return False, mask
+    return True, (None if bool(keys.all()) else keys)
+
+
 def _self_mha_forward(self, query, attn_mask=None, return_attn=False, position_embeddings=None, cache_seqlens=None,
                       cache_slice=None, pos_ids_2d=None):
     """eole's ``SelfMHA.forward`` with the attention on :func:`relative_attention`."""
@@ -90,9 +103,13 @@ def _self_mha_forward(self, query, attn_mask=None, return_attn=False, position_e
         end = offset + q.shape[-2]
         k, v = k[..., :end, :], v[..., :end, :]
         mask = None if mask is None else mask[..., :end]
+    is_causal = False
+    if mask is not None and not eole_positions:
+        is_causal, mask = _causal_split(mask, q.shape[-2], offset)
     scale = self.dim_per_head ** -0.5 if self.scale is None else self.scale
     table = self.relative_positions_embeddings.weight
-    args = dict(max_relative_position=self.n_positions, attn_mask=mask, scale=scale, query_offset=offset,
+    args = dict(max_relative_position=self.n_positions, attn_mask=mask, is_causal=is_causal, scale=scale,
+                query_offset=offset,
                 enable_gqa=k.shape[-3] != q.shape[-3],
                 dropout_p=float(self.dropout.p) if self.dropout_p > 0 and self.dropout.training else 0.0)
     if return_attn:
