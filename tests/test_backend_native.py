@@ -391,17 +391,17 @@ def test_the_op_hands_native_grouped_kv_as_they_are():
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_forced_16_bit_gemms_run_in_the_backward_too(monkeypatch, dtype):
-    """GEMM16 forced on: the backward takes the 16-bit path as well. The same forward (the same saved output and
-    statistics) differentiated again with GEMM16 off takes the float32 path, and its gradients differ from the first
+def test_forced_16_bit_gemms_run_in_the_backward_too(dtype):
+    """16-bit GEMMs forced on: the backward takes the 16-bit path as well. The same forward (the same saved output and
+    statistics) differentiated again with them off takes the float32 path, and its gradients differ from the first
     ones: had the backward run float32 under GEMM16 on, the two would be equal."""
     lo = [t.to(dtype).requires_grad_() for t in random_inputs(1, 2, 40, 40, 16, 16, 4, tables="per_head", seed=3)]
     go = torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(4)).to(dtype)
-    monkeypatch.setattr(native, "GEMM16", True)
-    out = fn.relative_attention(*lo, max_relative_position=4, is_causal=True, backend="native")
-    sixteen = torch.autograd.grad(out, lo, go, retain_graph=True)
-    monkeypatch.setattr(native, "GEMM16", False)
-    float32 = torch.autograd.grad(out, lo, go)
+    with native.SETTINGS.override(gemm16=True):
+        out = fn.relative_attention(*lo, max_relative_position=4, is_causal=True, backend="native")
+        sixteen = torch.autograd.grad(out, lo, go, retain_graph=True)
+    with native.SETTINGS.override(gemm16=False):
+        float32 = torch.autograd.grad(out, lo, go)
     for name, a, b in zip(("dq", "dk", "dv"), sixteen, float32, strict=False):  # (the tables' are float32 in both)
         assert a.dtype == dtype and not torch.equal(a, b), name
 
