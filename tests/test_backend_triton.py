@@ -239,7 +239,7 @@ def test_opcheck_and_fake_kernels(device):
         out, lse = torch.ops.relattn.triton_fwd(fq, fk, fv, None, None, None, 2, False, 0.5, 0)
         grads = torch.ops.relattn.triton_bwd(out, fq, fk, fv, None, None, None, out, lse, 2, False, 0.5, 0)
     assert out.shape == (1, 2, 7, 4) and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, (0,), (0,), (0,)]
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, (0,), (0,), (0,), (0,)]  # tables, rel_q, q_pos
 
 
 def _call(device="cpu", dtype=torch.float32, **kw):
