@@ -30,6 +30,7 @@ def test_gpu_tiles_are_at_least_the_floor():
         assert (bn if kernel != "dkdv" else bm) // split >= 16, (kernel, arch, d)  # band tiles: tl.dot's minimum
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_a100_and_h100_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, os.path.join("benchmarks", "triton_compile.py"), "--ci"], cwd=ROOT, env=env,
