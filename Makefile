@@ -5,7 +5,9 @@ demo:
 	python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e '.[dev]' && .venv/bin/relattn demo
 
 test:
-	python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e '.[dev]' && .venv/bin/python -m pytest -q
+	python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e '.[dev]' \
+	  && .venv/bin/pip install -q -c constraints.txt --no-deps eole==0.6.4 \
+	  && RELATTN_REQUIRE_EOLE=1 .venv/bin/python -m pytest -q
 
 bench:
 	python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e '.[dev]' && .venv/bin/relattn bench

@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -20,7 +21,15 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get(
 
 
 @pytest.fixture
-def small_tiles(monkeypatch):
+def kernel_settings():
+    """Sets a backend's kernel settings for the test, through its ``SETTINGS.override`` (undone after it):
+    ``kernel_settings(native, gemm16=False)``; later calls stack on earlier ones."""
+    with contextlib.ExitStack() as stack:
+        yield lambda backend_module, **changes: stack.enter_context(backend_module.SETTINGS.override(**changes))
+
+
+@pytest.fixture
+def small_tiles(kernel_settings):
     """The kernels' tiles made small, so that rows cross several key blocks and tiles end mid-sequence: "native"
     gets 3 queries per tile and 5 keys per block. The fixture's value sets others: ``small_tiles(native=(8, 20),
     native_splits=2, triton=((16, 32), (32, 16)))`` ("triton": forward and backward (queries, keys) tiles)."""
@@ -28,13 +37,10 @@ def small_tiles(monkeypatch):
     from relattn.backends import triton as triton_backend
 
     def set_tiles(*, native=(3, 5), native_splits=None, triton=None):
-        monkeypatch.setattr(native_backend, "TILE_Q", native[0])
-        monkeypatch.setattr(native_backend, "TILE_K", native[1])
-        if native_splits is not None:
-            monkeypatch.setattr(native_backend, "KV_SPLITS", native_splits)
+        splits = {} if native_splits is None else {"kv_splits": native_splits}
+        kernel_settings(native_backend, tile_q=native[0], tile_k=native[1], **splits)
         if triton is not None:
-            monkeypatch.setattr(triton_backend, "FWD_TILES", triton[0])
-            monkeypatch.setattr(triton_backend, "BWD_TILES", triton[1])
+            kernel_settings(triton_backend, fwd_tiles=triton[0], bwd_tiles=triton[1])
 
     set_tiles()
     return set_tiles

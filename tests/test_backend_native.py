@@ -10,6 +10,7 @@ The kernel's tests are skipped, with the reason, only where it cannot be built a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -84,12 +85,26 @@ def test_backward_key_segments(small_tiles, splits, case):
         assert torch.equal(a, a2)
 
 
-def test_tile_q_by_length_for_causal_calls(monkeypatch):
-    monkeypatch.setattr(native, "TILE_Q", 0)
+def test_tile_q_by_length_for_causal_calls(kernel_settings):
+    kernel_settings(native, tile_q=0)
     assert [native.tile_q(n, True) for n in (1, 191, 192, 767, 768, 4096)] == [32, 32, 64, 64, 256, 256]
     assert {native.tile_q(n, False) for n in (1, 128, 512, 4096)} == {256}
-    monkeypatch.setattr(native, "TILE_Q", 7)
+    kernel_settings(native, tile_q=7)
     assert native.tile_q(100, True) == native.tile_q(100, False) == 7
+
+
+def test_settings_refuse_bad_values_and_restore_after_the_block():
+    before = native.SETTINGS.current
+    with pytest.raises(ValueError, match="tile_k must be an int >= 1; got 0"):
+        native.SETTINGS.override(tile_k=0).__enter__()
+    with pytest.raises(TypeError, match="unknown setting.*TILE_Q"):
+        native.SETTINGS.override(TILE_Q=3).__enter__()
+    with native.SETTINGS.override(tile_q=5) as inner:
+        assert inner.tile_q == 5 and native.tile_q(100, True) == 5
+        with native.SETTINGS.override(gemm16=False):
+            assert native.SETTINGS.current.tile_q == 5 and not native.uses_gemm16(torch.bfloat16)
+        assert native.SETTINGS.current.gemm16 is before.gemm16
+    assert native.SETTINGS.current == before
 
 
 @needs_native
@@ -169,12 +184,12 @@ def test_masks_match_reference_and_dense_grads(small_tiles, chunked, kind, shape
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16_bit_fallback_is_float32_inside(monkeypatch, dtype):
+def test_16_bit_fallback_is_float32_inside(kernel_settings, dtype):
     """The path of a CPU without 16-bit instructions (forced here): 16-bit inputs are computed in float32, so the
     output is the float32 computation on the same (rounded) inputs, rounded once. The backward is the float32 one,
     except that rowsum(dO * O) uses the saved 16-bit output (as PyTorch's own flash backward does), so gradients
     are within a few 16-bit roundings of the float32 ones."""
-    monkeypatch.setattr(native, "GEMM16", False)
+    kernel_settings(native, gemm16=False)
     lo = [t.to(dtype).requires_grad_() for t in random_inputs(1, 2, 30, 30, 8, 8, 3, tables="keys_per_head")]
     hi = [t.detach().float().requires_grad_() for t in lo]
     go = torch.randn(1, 2, 30, 8).to(dtype)
@@ -200,13 +215,13 @@ def test_16_bit_gemms_only_where_the_cpu_has_the_instructions(monkeypatch):
                              ({"avx512_fp16": True}, False, True), ({"amx_fp16": True, "amx_bf16": True}, True, True)]:
         monkeypatch.setattr(native, "_gemm16_here", {})
         monkeypatch.setattr(torch.cpu, "get_capabilities", lambda caps=caps: caps)
-        monkeypatch.setattr(native, "GEMM16", None)
-        assert (native.uses_gemm16(torch.bfloat16), native.uses_gemm16(torch.float16)) == (bf16, fp16), caps
-        assert not native.uses_gemm16(torch.float32) and not native.uses_gemm16(torch.float64)
+        with native.SETTINGS.override(gemm16=None):
+            assert (native.uses_gemm16(torch.bfloat16), native.uses_gemm16(torch.float16)) == (bf16, fp16), caps
+            assert not native.uses_gemm16(torch.float32) and not native.uses_gemm16(torch.float64)
         for forced in (True, False):
-            monkeypatch.setattr(native, "GEMM16", forced)
-            assert native.uses_gemm16(torch.bfloat16) is forced and native.uses_gemm16(torch.float16) is forced
-            assert not native.uses_gemm16(torch.float32)
+            with native.SETTINGS.override(gemm16=forced):
+                assert native.uses_gemm16(torch.bfloat16) is forced and native.uses_gemm16(torch.float16) is forced
+                assert not native.uses_gemm16(torch.float32)
 
 
 def _plain_error(got, plain, want):
@@ -233,7 +248,7 @@ _SAVED_OUTPUT_BOUND = {"decode-offset-keypad": {"dq", "drel_k"}}
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", list(_16_BIT_CASES))
-def test_16_bit_gemms_within_2x_of_plain_pytorch(monkeypatch, dtype, case):
+def test_16_bit_gemms_within_2x_of_plain_pytorch(dtype, case):
     """16-bit GEMMs (forced; on a CPU without 16-bit instructions MKL converts inside): the output and every
     gradient within twice the error of plain PyTorch at the same dtype ("dense" on the 16-bit inputs: 16-bit
     matmuls, float32 softmax) against float64 (see _SAVED_OUTPUT_BOUND for the exceptions), and not the
@@ -249,10 +264,10 @@ def test_16_bit_gemms_within_2x_of_plain_pytorch(monkeypatch, dtype, case):
     lo = [None if t is None else t.detach().to(dtype).requires_grad_() for t in inputs]
     kw16 = {**kw, "attn_mask": mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)}
     plain_out, plain = grads("dense", lo, go.to(dtype), **kw16)
-    monkeypatch.setattr(native, "GEMM16", True)
-    got_out, got = grads("native", lo, go.to(dtype), **kw16)
-    monkeypatch.setattr(native, "GEMM16", False)
-    f32_out, f32 = grads("native", lo, go.to(dtype), **kw16)
+    with native.SETTINGS.override(gemm16=True):
+        got_out, got = grads("native", lo, go.to(dtype), **kw16)
+    with native.SETTINGS.override(gemm16=False):
+        f32_out, f32 = grads("native", lo, go.to(dtype), **kw16)
     assert got_out.dtype == dtype and not torch.equal(got_out, f32_out)
     for name, a, p, w, f in zip(["out", "dq", "dk", "dv", "drel_k", "drel_v"], [got_out, *got], [plain_out, *plain],
                                 [want_out, *want], [f32_out, *f32], strict=True):
@@ -321,12 +336,12 @@ _GROUPED_CASES = {
 @needs_native
 @pytest.mark.parametrize("splits", [0, 3])
 @pytest.mark.parametrize("case", list(_GROUPED_CASES))
-def test_grouped_kv_matches_repeated_reference(monkeypatch, splits, case):
+def test_grouped_kv_matches_repeated_reference(kernel_settings, splits, case):
     """k, v with Hkv < H heads, read in place: the output and every gradient (dk, dv summed over each group's
     query heads) equal "dense" on k, v repeated to H heads, and the same bits from one call to the next (the
     group's query heads are summed in a fixed order); with the backward's key segments forced (3) too."""
     b, h, hkv, n, m, d, dv, kk, tables, mask_kind, causal, off = _GROUPED_CASES[case]
-    monkeypatch.setattr(native, "KV_SPLITS", splits)
+    kernel_settings(native, kv_splits=splits)
     inputs, mask, go = _grouped_inputs(b, h, hkv, n, m, d, dv, kk, tables, seed=31, mask_kind=mask_kind)
     want_out, want = _repeated_reference(inputs, go, kk, mask, causal, off)
     got_out, got = _grouped_run(inputs, go, kk, mask, causal, off)
@@ -341,10 +356,10 @@ def test_grouped_kv_matches_repeated_reference(monkeypatch, splits, case):
 
 @needs_native
 @pytest.mark.parametrize("gemm16", [True, False])
-def test_grouped_kv_16_bit_within_2x_of_plain_pytorch(monkeypatch, gemm16):
+def test_grouped_kv_16_bit_within_2x_of_plain_pytorch(kernel_settings, gemm16):
     """Grouped k, v in bfloat16, through 16-bit GEMMs and through float32 copies: within twice plain PyTorch's
     error (dense on the repeated 16-bit k, v) against float64."""
-    monkeypatch.setattr(native, "GEMM16", gemm16)
+    kernel_settings(native, gemm16=gemm16)
     inputs, mask, go = _grouped_inputs(1, 4, 2, 40, 40, 16, 16, 6, "per_head", seed=41)
     inputs = [(t * 0.5).detach().requires_grad_() for t in inputs]
     want_out, want = _repeated_reference(inputs, go, 6, None, True, 0)
@@ -376,17 +391,17 @@ def test_the_op_hands_native_grouped_kv_as_they_are():
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_forced_16_bit_gemms_run_in_the_backward_too(monkeypatch, dtype):
-    """GEMM16 forced on: the backward takes the 16-bit path as well. The same forward (the same saved output and
-    statistics) differentiated again with GEMM16 off takes the float32 path, and its gradients differ from the first
+def test_forced_16_bit_gemms_run_in_the_backward_too(dtype):
+    """16-bit GEMMs forced on: the backward takes the 16-bit path as well. The same forward (the same saved output and
+    statistics) differentiated again with them off takes the float32 path, and its gradients differ from the first
     ones: had the backward run float32 under GEMM16 on, the two would be equal."""
     lo = [t.to(dtype).requires_grad_() for t in random_inputs(1, 2, 40, 40, 16, 16, 4, tables="per_head", seed=3)]
     go = torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(4)).to(dtype)
-    monkeypatch.setattr(native, "GEMM16", True)
-    out = fn.relative_attention(*lo, max_relative_position=4, is_causal=True, backend="native")
-    sixteen = torch.autograd.grad(out, lo, go, retain_graph=True)
-    monkeypatch.setattr(native, "GEMM16", False)
-    float32 = torch.autograd.grad(out, lo, go)
+    with native.SETTINGS.override(gemm16=True):
+        out = fn.relative_attention(*lo, max_relative_position=4, is_causal=True, backend="native")
+        sixteen = torch.autograd.grad(out, lo, go, retain_graph=True)
+    with native.SETTINGS.override(gemm16=False):
+        float32 = torch.autograd.grad(out, lo, go)
     for name, a, b in zip(("dq", "dk", "dv"), sixteen, float32, strict=False):  # (the tables' are float32 in both)
         assert a.dtype == dtype and not torch.equal(a, b), name
 
@@ -533,7 +548,7 @@ def test_every_build_says_it_is_compiling(monkeypatch, tmp_path, caplog):
 
 
 @needs_native
-def test_eager_differentiated_calls_skip_the_custom_op_and_equal_it(small_tiles, monkeypatch):
+def test_eager_differentiated_calls_skip_the_custom_op_and_equal_it(small_tiles):
     """An eager call that autograd differentiates runs the kernels through a plain autograd Function, not through the
     custom op (whose wrappers cost more than a short sequence's kernels): the same output and gradients, bit for bit,
     as the op gives under a dispatch mode (which, like torch.compile and torch.export, gets the op)."""
@@ -546,15 +561,15 @@ def test_eager_differentiated_calls_skip_the_custom_op_and_equal_it(small_tiles,
     inputs = random_inputs(1, 2, 11, 13, 5, 5, 3, tables="keys_per_head", dtype=torch.float32, requires_grad=True)
     go = torch.randn(1, 2, 11, 5)
     kw = dict(max_relative_position=3, is_causal=True, query_offset=2)
-    with Passthrough():
-        op_out, op_grads = grads("native", inputs, go, **kw)
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("an eager call went through the custom op")
+    def ops_run(mode):
+        with mode, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            result = grads("native", inputs, go, **kw)
+        return result, {e.name for e in prof.events() if e.name.startswith("relattn::")}
 
-    monkeypatch.setattr(native, "native_fwd", refuse)
-    out, got = grads("native", inputs, go, **kw)
+    (op_out, op_grads), op_names = ops_run(Passthrough())
+    (out, got), names = ops_run(contextlib.nullcontext())
+    assert {"relattn::native_fwd", "relattn::native_bwd"} <= op_names
+    assert not names, f"an eager call went through the custom ops {names}"
     assert torch.equal(out, op_out)
     assert all(torch.equal(a, b) for a, b in zip(got, op_grads, strict=True))
-    with Passthrough(), pytest.raises(AssertionError, match="custom op"):
-        grads("native", inputs, go, **kw)

@@ -42,9 +42,9 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 
 @pytest.fixture(autouse=True)
-def triton_tiles(small_tiles, monkeypatch):
+def triton_tiles(small_tiles, kernel_settings):
     small_tiles(triton=((16, 32), (32, 16)))  # forward, backward (queries, keys)
-    monkeypatch.setattr(tb, "BAND_SPLIT", 2)  # band tiles 16 wide in the forward and dkdv, as on a GPU narrower
+    kernel_settings(tb, band_split=2)  # band tiles 16 wide in the forward and dkdv, as on a GPU narrower
 
 
 def run(backend, inputs, kk, go, *, dtype, device, **kw):
@@ -92,10 +92,10 @@ def test_output_and_gradients_match_reference(device, case):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n,m,off,kind", [(1, 77, 76, None), (20, 90, 20, "bool")])
-def test_keys_split_across_programs_match_reference(device, n, m, off, kind, monkeypatch):
+def test_keys_split_across_programs_match_reference(device, n, m, off, kind, kernel_settings):
     """Decoding's split of the keys: three splits merged by their log-sum-exp (a causal row sees one or two of
     them, the last split nothing at all for the early rows; row 3 of the mask sees no key anywhere)."""
-    monkeypatch.setattr(tb, "KV_SPLITS", 3)
+    kernel_settings(tb, kv_splits=3)
     inputs = random_inputs(1, 2, n, m, 8, 8, 5, tables="per_head", seed=19)
     mask = None if kind is None else _masks(1, 2, n, m)["bool"]
     kw = dict(is_causal=True, query_offset=off, attn_mask=mask)
@@ -260,11 +260,15 @@ def test_refusals_name_the_reason(monkeypatch):
     grad_mask = _call(mask=torch.zeros(9, 9, requires_grad=True))
     assert not_supported_reasons(backend, grad_mask) == [
         "attn_mask requires grad (only 'dense' differentiates the mask)"]
-    monkeypatch.setattr(tb, "_state", {})
-    monkeypatch.setattr(tb.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ValueError, match="backend 'triton' cannot serve.*triton is not installed"):
-        fn.relative_attention(*random_inputs(1, 1, 3, 3, 4, 4, 1, dtype=torch.float32), max_relative_position=1,
-                              backend="triton")
+    monkeypatch.setitem(sys.modules, "triton", None)  # importlib finds no triton
+    try:
+        assert tb.unavailable(recheck=True).startswith("triton is not installed")
+        with pytest.raises(ValueError, match="backend 'triton' cannot serve.*triton is not installed"):
+            fn.relative_attention(*random_inputs(1, 1, 3, 3, 4, 4, 1, dtype=torch.float32), max_relative_position=1,
+                                  backend="triton")
+    finally:
+        monkeypatch.undo()
+        assert tb.unavailable(recheck=True) is None
 
 
 @pytest.mark.slow
@@ -451,9 +455,9 @@ def test_rel_q_bfloat16_within_2x_of_dense(device, small_tiles):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_rel_q_keys_split_across_programs(device, monkeypatch):
+def test_rel_q_keys_split_across_programs(device, kernel_settings):
     """Decoding's split of the keys with rel_q: three splits merged by their log-sum-exp, against dense."""
-    monkeypatch.setattr(tb, "KV_SPLITS", 3)
+    kernel_settings(tb, kv_splits=3)
     inputs = _rel_q_inputs(1, 4, 2, 1, 77, 8, 5, False, seed=40)
     go = torch.randn(1, 4, 1, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(41))
     kw = dict(is_causal=True, query_offset=76)

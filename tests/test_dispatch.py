@@ -357,3 +357,35 @@ def test_choose_without_native_uses_the_other_backends(monkeypatch):
     assert why_not(calls[0]) == {"native": ["the native kernel could not be built (no compiler)"]}
     with pytest.raises(ValueError, match="no compiler"):
         fn.relative_attention(*random_inputs(1, 1, 3, 3, 2, 2, 1), max_relative_position=1, backend="native")
+
+
+@pytest.mark.parametrize(("capability", "dtype", "want"), [
+    ((7, 5), torch.float16, "blocked"),  # a T4: Triton emits no tensor-core instruction there
+    ((7, 0), torch.bfloat16, "blocked"),  # a V100: no bfloat16 tensor cores
+    ((8, 6), torch.bfloat16, "triton"),  # an RTX 3090 or A10
+    ((12, 0), torch.float16, "triton"),  # an RTX 5090
+])
+def test_auto_on_a_gpu_by_its_compute_capability(monkeypatch, capability, dtype, want):
+    """Per-arch serving is data (triton's ``Serves.cuda_archs``): on a simulated GPU (fake CUDA tensors, the compute
+    capability mocked) "auto" takes triton only on the GPUs it serves, else blocked, and why_not says why."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    with FakeTensorMode():
+        q = torch.empty(1, 8, 2048, 64, device="cuda", dtype=dtype)
+        table = torch.empty(129, 64, device="cuda", dtype=dtype)
+        call = fn.validate(q, q, q, table, table, max_relative_position=64, attn_mask=None, is_causal=True,
+                           dropout_p=0.0, scale=None, query_offset=0)
+        if want == "triton" and (reason := BACKENDS["triton"].unavailable()) is not None:
+            pytest.skip(reason)
+        assert choose(call).name == want
+    arch = f"sm_{10 * capability[0] + capability[1]}"
+    if want == "blocked":
+        assert why_not(call) == {"triton": [
+            f"GPU compute capability {arch} (serves sm_80, sm_86, sm_89, sm_90, sm_100, sm_120)"]}
+        with pytest.raises(ValueError, match=f"backend 'triton' cannot serve these inputs: GPU compute capability "
+                                             f"{arch}"):
+            dispatch.resolve("triton", call)
+    else:
+        assert why_not(call) == {}

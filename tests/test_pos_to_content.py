@@ -220,7 +220,7 @@ def test_native_bins_across_tiles_key_segments_and_grouped_heads(c, small_tiles)
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("gemm16", [True, False], ids=["gemm16", "float32-copies"])
-def test_native_16_bit_within_twice_plain_pytorch(dtype, gemm16, monkeypatch):
+def test_native_16_bit_within_twice_plain_pytorch(dtype, gemm16, kernel_settings):
     """16-bit inputs on both of the kernel's paths (16-bit GEMMs forced, and the float32 copies a CPU without 16-bit
     instructions takes): within 2x the error of the formula run in plain 16-bit PyTorch, outputs and gradients."""
     require_backend("native")
@@ -228,7 +228,7 @@ def test_native_16_bit_within_twice_plain_pytorch(dtype, gemm16, monkeypatch):
 
     if gemm16 and not torch.ops.relattn_native.has_gemm16(dtype):
         pytest.skip(f"this libtorch exports no {dtype} GEMM")
-    monkeypatch.setattr(native, "GEMM16", gemm16)
+    kernel_settings(native, gemm16=gemm16)
     inputs, kw, want = case(CASES[4])  # an asymmetric zero-beyond window, causal, a bool mask
     low = [t.detach().to(dtype).requires_grad_() for t in inputs]
     got = relative_attention(*low[:4], None, rel_q=low[4], backend="native", **kw)

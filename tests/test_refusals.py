@@ -3,7 +3,6 @@ model, and ``relattn train`` / ``compare`` (one line on stderr, exit status 2, n
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -31,10 +30,9 @@ def test_refusals_at_construction_are_the_refusals_at_the_call(name, device, dro
 
 
 def _cuda_only_triton(monkeypatch):
-    """triton as declared without TRITON_INTERPRET (which the test session sets): CUDA only."""
-    t = BACKENDS["triton"]
-    monkeypatch.setitem(BACKENDS, "triton", dataclasses.replace(
-        t, serves=dataclasses.replace(t.serves, devices=frozenset({"cuda"}))))
+    """triton as it declares itself without TRITON_INTERPRET (which the test session sets): CUDA only."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert BACKENDS["triton"].serves.devices == {"cuda"}
 
 
 def test_module_and_model_refuse_at_construction(monkeypatch):

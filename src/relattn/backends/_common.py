@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -36,6 +37,9 @@ class AttentionCall:
     ``rel_q`` (Hr,2K+1,D) or None: the position-to-content table, adding ``k_j . rel_q[idx_ij]`` to the scores at
     the key term's row ``idx_ij = clip(j - i - query_offset, -K, K) + K``; only backends declaring
     ``Serves(pos_to_content=True)`` ever see one.
+    ``q_pos`` (B,H,N,D) or None: the queries the key table ``rel_k`` reads, apart from the content queries ``q``
+    (Transformer-XL's biases: ``q = q + content_bias``, ``q_pos = q + position_bias``); None means ``q`` itself.
+    Only backends declaring ``Serves(position_query=True)`` ever see one; they return its gradient apart from q's.
     """
 
     q: Tensor
@@ -50,6 +54,7 @@ class AttentionCall:
     scale: float
     query_offset: int
     rel_q: Tensor | None = None
+    q_pos: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -65,36 +70,77 @@ class Serves:
     head_dims_differ: bool = True  # D != Dv
     grouped_kv: bool = False  # takes k, v with fewer heads than q (H % Hkv == 0) without repeating them
     pos_to_content: bool = False  # takes rel_q, the position-to-content table (DeBERTa's p2c, BERT's key_query)
+    position_query: bool = False  # takes q_pos, queries for the key table apart from q (Transformer-XL's biases)
+    chunk_pairs: bool = False  # computes one chunk pair of a larger softmax (its log-sum-exp, and its gradients
+    # given the merged output and log-sum-exp): what context parallelism's ring runs; such a backend has ``stats``
+    # CUDA: the GPUs served, as ((compute capability 10 * major + minor, the dtypes served there), ...); None: every
+    # GPU in every dtype of ``dtypes``
+    cuda_archs: tuple[tuple[int, frozenset[torch.dtype]], ...] | None = None
 
 
 @dataclass(frozen=True)
 class Backend:
-    """One backend: ``run(call)`` returns the (B,H,N,Dv) output; ``serves`` says for which calls;
-    ``unavailable()`` says why it cannot run on this machine at all (a missing compiler or package), else None."""
+    """One backend: ``run(call)`` returns the (B,H,N,Dv) output; ``declares`` says for which calls, as a
+    :class:`Serves` or a function returning one when asked (what "triton" serves depends on ``TRITON_INTERPRET``
+    at that moment); ``unavailable()`` says why it cannot run on this machine at all (a missing compiler or
+    package), else None."""
 
     name: str
     run: Callable[[AttentionCall], Tensor]
-    serves: Serves
+    declares: Serves | Callable[[], Serves]
     doc: str
     unavailable: Callable[[], str | None] = lambda: None
+    stats: StatsOps | None = None  # the ops of a kernel that saves its log-sum-exp (``serves.chunk_pairs``)
+
+    def __post_init__(self) -> None:
+        if self.serves.chunk_pairs != (self.stats is not None):
+            raise ValueError(f"backend {self.name!r}: Serves(chunk_pairs=True) goes with stats ops, and only with them")
+
+    @property
+    def serves(self) -> Serves:
+        """What the backend serves now."""
+        return self.declares if isinstance(self.declares, Serves) else self.declares()
+
+
+def compute_capability(device: torch.device) -> int | None:
+    """A CUDA device's compute capability as ``10 * major + minor`` (75 for a T4, 90 for an H100); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def _sm(arch: int) -> str:
+    return f"sm_{arch}"
 
 
 def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.dtype | None = None,
                      dropout: bool = False, mask: bool = False, mask_grad: bool = False, head_dim: int | None = None,
-                     v_head_dim: int | None = None, pos_to_content: bool = False) -> list[str]:
+                     v_head_dim: int | None = None, pos_to_content: bool = False,
+                     position_query: bool = False, chunk_pairs: bool = False,
+                     arch: int | None = None) -> list[str]:
     """Every reason a backend declaring ``serves`` refuses calls of this kind; empty when it serves them.
 
     ``device`` (a device type), ``dtype`` and the head dims ``D`` (``head_dim``) and ``Dv`` (``v_head_dim``, default
     ``D``) are left unchecked when None; ``dropout``, ``mask`` and ``mask_grad`` say whether the calls have
     ``dropout_p > 0``, an ``attn_mask``, a mask that requires grad; ``pos_to_content`` whether they carry a
-    ``rel_q`` table. :func:`not_supported_reasons` asks this about
-    one call; the module and ``relattn train`` ask it at construction, before there is any call.
+    ``rel_q`` table; ``position_query`` whether they carry a ``q_pos`` (content or position biases);
+    ``chunk_pairs`` whether they are a context-parallel ring's chunk pairs; ``arch`` the GPU's compute capability
+    on CUDA (None: unchecked). :func:`not_supported_reasons` asks this about one call; the module and ``relattn
+    train`` ask it at construction, before there is any call.
     """
     s, reasons = serves, []
     if device is not None and s.devices is not None and device not in s.devices:
         reasons.append(f"device {device} (serves {', '.join(sorted(s.devices))})")
     if dtype is not None and dtype not in s.dtypes:
         reasons.append(f"dtype {dtype} (serves {', '.join(sorted(str(d) for d in s.dtypes))})")
+    if device == "cuda" and arch is not None and s.cuda_archs is not None:
+        archs = dict(s.cuda_archs)
+        if arch not in archs:
+            reasons.append(f"GPU compute capability {_sm(arch)} (serves {', '.join(_sm(a) for a in sorted(archs))})")
+        elif dtype is not None and dtype in s.dtypes and dtype not in archs[arch]:
+            reasons.append(f"dtype {dtype} on {_sm(arch)} (serves {', '.join(sorted(str(d) for d in archs[arch]))}"
+                           " there)")
     if dropout and not s.dropout:
         reasons.append("dropout_p > 0 (no dropout; 'blocked' and 'dense' take it)")
     if mask and not s.mask:
@@ -110,16 +156,22 @@ def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.
     if pos_to_content and not s.pos_to_content:
         reasons.append("a position-to-content table rel_q (no k . a^Q term; 'native', 'triton', 'blocked' and "
                        "'dense' take it)")
+    if position_query and not s.position_query:
+        reasons.append("a separate position query q_pos (content/position biases; 'dense' and 'blocked' take it)")
+    if chunk_pairs and not s.chunk_pairs:
+        reasons.append("a context-parallel chunk pair (returns no log-sum-exp to merge by)")
     return reasons
 
 
-def not_supported_reasons(backend: Backend, call: AttentionCall) -> list[str]:
-    """Every reason ``backend`` cannot serve ``call``; empty when it can."""
+def not_supported_reasons(backend: Backend, call: AttentionCall, *, chunk_pairs: bool = False) -> list[str]:
+    """Every reason ``backend`` cannot serve ``call`` (as a context-parallel chunk pair with ``chunk_pairs``); empty
+    when it can."""
     q, mask = call.q, call.mask
     reasons = declared_reasons(backend.serves, device=q.device.type, dtype=q.dtype, dropout=call.dropout_p > 0.0,
                                mask=mask is not None, mask_grad=mask is not None and mask.requires_grad,
                                head_dim=q.shape[-1], v_head_dim=call.v.shape[-1],
-                               pos_to_content=call.rel_q is not None)
+                               pos_to_content=call.rel_q is not None, position_query=call.q_pos is not None,
+                               chunk_pairs=chunk_pairs, arch=compute_capability(q.device))
     if not reasons and (why := backend.unavailable()) is not None:
         reasons.append(why)
     return reasons
@@ -169,69 +221,192 @@ def grads_laid_out(inputs, grads) -> tuple[Tensor, ...]:
                  for g, t in zip(grads, inputs, strict=True))
 
 
-def register_stats_autograd(forward_op, backward_op, *, tensor_inputs: int, n_args: int) -> None:
-    """Autograd for ``forward_op(q, k, v, rel_k, rel_v, *more tensors, *args, rel_q) -> (out, lse, ...)``, whose
-    first ``tensor_inputs`` inputs are tensors (or None) to save, whose last input is the optional ``rel_q`` table,
-    and whose backward is ``backward_op(grad_out, *those tensors, *saved outputs, *args, rel_q)`` ->
-    ``(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q)``. Only ``out`` gets a gradient; none is materialised for the
-    statistics."""
-
-    def setup(ctx, inputs, output):
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*inputs[:tensor_inputs], inputs[-1], *output)
-        ctx.args = inputs[tensor_inputs:-1]
-        ctx.has_tables = (inputs[3] is not None, inputs[4] is not None, inputs[-1] is not None)
-
-    def backward(ctx, grad_out, *ignored):
-        if grad_out is None:  # grads are not materialised: no gradient reached the output
-            return (None,) * n_args
-        *saved, rel_q, out, lse = ctx.saved_tensors
-        dq, dk, dv, drk, drv, drq = backward_op(grad_out, *saved, out, lse, *ctx.args, rel_q)
-        has_k, has_v, has_q = ctx.has_tables
-        return (dq, dk, dv, drk if has_k else None, drv if has_v else None, *(None,) * (n_args - 6),
-                drq if has_q else None)
-
-    forward_op.register_autograd(backward, setup_context=setup)
+# The arguments every kernel with a saved log-sum-exp takes, in its ops' order: the leading tensors (q, k, v, rel_k?,
+# rel_v?, mask?), the scalars, then the optional tensors that came later, each with a gradient after the first five
+# (rel_q, the position-to-content table; q_pos, the queries of the key table).
+LEADING = ("q", "k", "v", "rel_k", "rel_v", "mask")
+SCALARS = (("max_relative_position", "int"), ("is_causal", "bool"), ("scale", "float"), ("query_offset", "int"))
+TABLES = ("rel_q", "q_pos")
 
 
-def define_stats_ops(name: str, forward: Callable, backward: Callable):
-    """The custom ops of a kernel that saves its log-sum-exp, with fake kernels and autograd:
+class StatsAutograd:
+    """The one autograd wiring of a kernel that saves its log-sum-exp, for its custom op, its eager Function and the
+    context-parallel ring alike.
 
-    * ``relattn::{name}_fwd(q, k, v, rel_k?, rel_v?, mask?, K, is_causal, scale, query_offset, rel_q?=None)`` ->
-      ``(out, lse)`` around ``forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position, is_causal, scale,
-      query_offset, rel_q)``;
-    * ``relattn::{name}_bwd(grad_out, q, k, v, rel_k?, rel_v?, mask?, out, lse, K, is_causal, scale, query_offset,
-      rel_q?=None)`` -> ``(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q)`` around ``backward`` (same keywords), which
-      returns the five gradients, and a sixth, ``d_rel_q``, when ``rel_q`` is given.
-
-    Returns the forward op. torch.compile and torch.export see each as one opaque, shape-correct op.
+    The forward takes ``(*leading, *scalars, *tables)`` (``leading`` tensors or None, the first five q, k, v, rel_k,
+    rel_v; ``scalars`` anything; ``tables`` optional tensors) and returns ``(out, lse)``; ``backward(grad_out,
+    *leading, out, lse, *scalars, *tables)`` returns ``(dq, dk, dv, d_rel_k, d_rel_v, *d_tables)`` (a table's
+    gradient ignored when the table is None). Only ``out`` gets a gradient; none is materialised for ``lse``.
     """
 
-    @torch.library.custom_op(f"relattn::{name}_fwd", mutates_args=())
-    def fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None, mask: Tensor | None,
-            max_relative_position: int, is_causal: bool, scale: float, query_offset: int,
-            rel_q: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        return forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position,
-                       is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q)
+    def __init__(self, backward: Callable, *, leading: int, scalars: int, tables: int = len(TABLES)):
+        self.backward, self.leading, self.scalars, self.tables = backward, leading, scalars, tables
 
-    @fwd.register_fake
-    def _(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset, rel_q=None):
-        return stats_fake(q, v)
+    def setup(self, ctx, inputs, output) -> None:
+        ctx.set_materialize_grads(False)
+        lead, s = self.leading, self.scalars
+        ctx.save_for_backward(*inputs[:lead], *inputs[lead + s:], *output[:2])
+        ctx.scalars = inputs[lead:lead + s]
 
-    @torch.library.custom_op(f"relattn::{name}_bwd", mutates_args=())
-    def bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
-            mask: Tensor | None, out: Tensor, lse: Tensor, max_relative_position: int, is_causal: bool,
-            scale: float, query_offset: int,
-            rel_q: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        grads = backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse,
-                         max_relative_position=max_relative_position, is_causal=is_causal, scale=scale,
-                         query_offset=query_offset, rel_q=rel_q)
-        return grads_laid_out((q, k, v, rel_k, rel_v, rel_q), (*grads, None)[:6])
+    def grads(self, ctx, grad_out, *ignored) -> tuple:
+        """The inputs' gradients, None for the mask, the scalars and the tables not given."""
+        lead, s, t = self.leading, self.scalars, self.tables
+        if grad_out is None:  # grads are not materialised: no gradient reached the output
+            return (None,) * (lead + s + t)
+        *inputs, out, lse = ctx.saved_tensors
+        leading, tables = inputs[:lead], inputs[lead:]
+        got = self.backward(grad_out, *leading, out, lse, *ctx.scalars, *tables)
+        return (*got[:3], *(g if x is not None else None for g, x in zip(got[3:5], leading[3:5], strict=True)),
+                *(None,) * (lead - 5 + s),
+                *(None if x is None else g for g, x in zip((*got[5:], *(None,) * t)[:t], tables, strict=True)))
 
-    @bwd.register_fake
-    def _(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position, is_causal, scale, query_offset,
-          rel_q=None):
-        return grads_fake(q, k, v, rel_k, rel_v, rel_q)
+    def function(self, forward: Callable) -> type[torch.autograd.Function]:
+        """A plain autograd Function around ``forward``: what the custom op's autograd does, without its dispatch."""
+        wiring = self
 
-    register_stats_autograd(fwd, bwd, tensor_inputs=6, n_args=11)
-    return fwd
+        class StatsFunction(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *inputs):
+                # forward(ctx, ...) rather than setup_context: Function.apply binds a setup_context Function's
+                # arguments through inspect.signature on every call (some 50 us)
+                out, lse = forward(*inputs)
+                wiring.setup(ctx, inputs, (out, lse))
+                return out
+
+            @staticmethod
+            @once_differentiable
+            def backward(ctx, grad_out):
+                return wiring.grads(ctx, grad_out)
+
+        return StatsFunction
+
+
+def _differentiated(call: AttentionCall) -> bool:
+    """Whether autograd will ask for a backward of this call."""
+    return torch.is_grad_enabled() and (call.q.requires_grad or call.k.requires_grad or call.v.requires_grad or any(
+        t is not None and t.requires_grad for t in (call.rel_k, call.rel_v, call.mask, call.rel_q, call.q_pos)))
+
+
+def traced() -> bool:
+    """Whether something traces or transforms the call: torch.compile and torch.export, a dispatch mode (make_fx's,
+    FakeTensorMode), a torch function mode, a torch.func transform. Those see the custom op (fake kernels,
+    registered autograd); plain eager calls skip its dispatch and wrappers."""
+    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active())
+
+
+class StatsOps:
+    """The ops of a kernel that saves its log-sum-exp: ``forward(*leading, **scalars, rel_q) -> (out, lse)`` and
+    ``backward(grad_out, *leading, out, lse, **scalars, rel_q) -> (dq, dk, dv, d_rel_k, d_rel_v[, d_rel_q])``.
+
+    * ``relattn::{name}_fwd(q, k, v, rel_k?, rel_v?, mask?, [seed,] K, is_causal, [dropout_p,] scale, query_offset,
+      rel_q?=None) -> (out, lse)`` and ``relattn::{name}_bwd(grad_out, <the same leading tensors>, out, lse, <the
+      same scalars>, rel_q?=None) -> (dq, dk, dv, d_rel_k, d_rel_v, d_rel_q)`` (a table's gradient an empty tensor
+      when the table is None): custom ops with fake kernels and autograd, which torch.compile and torch.export see
+      as one opaque, shape-correct op each. ``dropout=True`` adds the seed tensor and ``dropout_p``.
+    * :meth:`run` gives a call's output: through the op when something traces the call, else through a plain
+      autograd Function with the same wiring (:class:`StatsAutograd`) when autograd will ask for a backward (the
+      op's dispatch and Python wrappers cost about 0.15 ms of a forward+backward, most of a short sequence's
+      overhead), else by calling the kernel.
+    * :meth:`pair_forward` and :meth:`pair_backward`: one call's ``(out, lse)`` and its gradients given the merged
+      ``out`` and ``lse`` of a larger softmax, what a context-parallel chunk pair needs (no dropout).
+    """
+
+    def __init__(self, name: str, forward: Callable, backward: Callable, *, dropout: bool = False):
+        self.name, self.kernel_forward, self.kernel_backward = name, forward, backward
+        leading = LEADING + (("seed",) if dropout else ())
+        scalars = SCALARS[:2] + ((("dropout_p", "float"),) if dropout else ()) + SCALARS[2:]
+        self.dropout, self.scalar_names = dropout, tuple(n for n, _ in scalars)
+        lead, ns, nt = len(leading), len(scalars), len(TABLES)
+        self.wiring = StatsAutograd(self._backward, leading=lead, scalars=ns)
+
+        def tensor(n: str) -> str:
+            return f"Tensor{'?' if n in ('rel_k', 'rel_v', 'mask') else ''} {n}"
+
+        args = ", ".join([*(tensor(n) for n in leading)])
+        scalars_schema = ", ".join(f"{t} {n}" for n, t in scalars)
+        tables_schema = ", ".join(f"Tensor? {n}=None" for n in TABLES)
+        fwd_schema = f"({args}, {scalars_schema}, {tables_schema}) -> (Tensor, Tensor)"
+        bwd_schema = (f"(Tensor grad_out, {args}, Tensor out, Tensor lse, {scalars_schema}, {tables_schema}) -> "
+                      f"({', '.join(['Tensor'] * (5 + nt))})")
+
+        def whole(inputs: tuple, named: dict, count: int) -> tuple:
+            """The inputs with the tables the dispatcher left at their defaults (or passed by name) filled in."""
+            given = len(inputs) - (count - nt)
+            return (*inputs, *(named.get(n) for n in TABLES[given:]))
+
+        def fwd(*inputs, **named):
+            inputs = whole(inputs, named, lead + ns + nt)
+            return tuple(t.contiguous() for t in self._forward(*inputs))  # the fake kernels promise contiguous
+
+        def bwd(grad_out, *inputs, **named):
+            inputs = whole(inputs, named, lead + 2 + ns + nt)
+            grads = self._backward(grad_out, *inputs)
+            tensors = (*inputs[:5], *inputs[lead + 2 + ns:])  # q, k, v, rel_k, rel_v, then the tables
+            return grads_laid_out(tensors, grads)
+
+        self.fwd = torch.library.custom_op(f"relattn::{name}_fwd", fwd, mutates_args=(), schema=fwd_schema)
+        self.fwd.register_fake(lambda *inputs, **named: stats_fake(inputs[0], inputs[2]))
+        self.bwd = torch.library.custom_op(f"relattn::{name}_bwd", bwd, mutates_args=(), schema=bwd_schema)
+        self.bwd.register_fake(lambda grad_out, *inputs, **named: grads_fake(
+            *inputs[:5], *whole(inputs, named, lead + 2 + ns + nt)[lead + 2 + ns:]))
+        op_wiring = StatsAutograd(self.bwd, leading=lead, scalars=ns)
+        self.fwd.register_autograd(op_wiring.grads, setup_context=op_wiring.setup)
+        self.eager = self.wiring.function(self._forward)
+        self._leading, self._scalars = lead, ns
+
+    def _keywords(self, scalars, tables) -> dict:
+        """The kernel's keywords: the scalars, and the optional tensors given (a kernel that does not take one is
+        never handed it: its declaration refuses the calls that carry it)."""
+        kw = dict(zip(self.scalar_names, scalars, strict=True))
+        kw.update((n, t) for n, t in zip(TABLES, tables, strict=True) if t is not None)
+        return kw
+
+    def _forward(self, *inputs):
+        lead, ns = self._leading, self._scalars
+        return self.kernel_forward(*inputs[:lead], **self._keywords(inputs[lead:lead + ns], inputs[lead + ns:]))
+
+    def _backward(self, grad_out, *inputs):
+        """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos) from ``(*leading, out, lse, *scalars, *tables)``."""
+        lead, ns = self._leading, self._scalars
+        grads = self.kernel_backward(grad_out, *inputs[:lead + 2],
+                                     **self._keywords(inputs[lead + 2:lead + 2 + ns], inputs[lead + 2 + ns:]))
+        return (*grads, *(None,) * len(TABLES))[:5 + len(TABLES)]
+
+    def _inputs(self, call: AttentionCall, seed: Tensor | None) -> tuple:
+        lead = (call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask)
+        if not self.dropout:
+            return (*lead, call.max_relative_position, call.is_causal, call.scale, call.query_offset, call.rel_q,
+                    call.q_pos)
+        return (*lead, seed, call.max_relative_position, call.is_causal, call.dropout_p, call.scale,
+                call.query_offset, call.rel_q, call.q_pos)
+
+    def run(self, call: AttentionCall, *, seed: Tensor | None = None) -> Tensor:
+        """The output (B, H, N, Dv) of ``call`` (``seed``: the dropout seed, for a kernel with dropout)."""
+        inputs = self._inputs(call, seed)
+        if traced():
+            return self.fwd(*inputs)[0]
+        if _differentiated(call):
+            return self.eager.apply(*inputs)
+        return self._forward(*inputs)[0]
+
+    def _pair(self, q, mask_lead, tables, scalars: dict):
+        lead = (q, *mask_lead)
+        if self.dropout:
+            lead, scalars = (*lead, torch.zeros((), dtype=torch.int64, device=q.device)), {**scalars, "dropout_p": 0.0}
+        return lead, self._keywords([scalars[n] for n in self.scalar_names], tables)
+
+    def pair_forward(self, q, k, v, rel_k, rel_v, mask, tables, *, max_relative_position: int, is_causal: bool,
+                     scale: float, query_offset: int) -> tuple[Tensor, Tensor]:
+        """(out, lse) of one call, no dropout; ``tables``: the optional tensors of :data:`TABLES` (or None)."""
+        lead, kw = self._pair(q, (k, v, rel_k, rel_v, mask), tables, dict(
+            max_relative_position=max_relative_position, is_causal=is_causal, scale=scale, query_offset=query_offset))
+        return self.kernel_forward(*lead, **kw)
+
+    def pair_backward(self, grad_out, q, k, v, rel_k, rel_v, mask, tables, out, lse, *, max_relative_position: int,
+                      is_causal: bool, scale: float, query_offset: int) -> tuple:
+        """(dq, dk, dv, d_rel_k, d_rel_v, *d tables) of one call given the merged ``out`` and ``lse`` of its rows."""
+        lead, kw = self._pair(q, (k, v, rel_k, rel_v, mask), tables, dict(
+            max_relative_position=max_relative_position, is_causal=is_causal, scale=scale, query_offset=query_offset))
+        grads = self.kernel_backward(grad_out, *lead, out, lse, **kw)
+        return (*grads, *(None,) * len(TABLES))[:5 + len(TABLES)]

@@ -21,7 +21,7 @@ backward task that owns the key); k and v may have fewer heads than q
 query heads in a fixed order (one task per batch entry and key/value head runs its group's query heads in turn),
 so the gradients are the same bits from one run to the next.
 
-16-bit inputs (bfloat16, float16) go one of two ways (:data:`GEMM16`, :func:`uses_gemm16`):
+16-bit inputs (bfloat16, float16) go one of two ways (``SETTINGS.current.gemm16``, :func:`uses_gemm16`):
 
 * **16-bit GEMMs** where the CPU has instructions for them (``avx512_bf16`` or AMX for bfloat16; ``avx512_fp16``
   or AMX-FP16 for float16) and libtorch exports MKL's 16-bit GEMMs: q, k, v, dO stay 16-bit, the GEMMs over keys
@@ -43,28 +43,44 @@ import shutil
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import torch
-from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .._io import atomic_path
 from ._common import (
     LOW_PRECISION,
-    AttentionCall,
     Backend,
     Serves,
-    define_stats_ops,
+    StatsOps,
 )
+from ._settings import Settings
 
 log = logging.getLogger("relattn")
 
-TILE_Q = 0  # queries per tile (0: by the number of queries, see tile_q)
-TILE_K = 512  # keys per block (benchmarks/fast_vs_sdpa.py: 128 and 1024 within a few percent at N = 2048)
-KV_SPLITS = 0  # backward: key segments per head (0: more than 1 only when batch * heads leaves threads idle)
-GEMM16: bool | None = None  # 16-bit inputs: True 16-bit GEMMs, False float32 copies, None the CPU decides
+
+
+@dataclass(frozen=True)
+class NativeSettings:
+    """The kernel's settings (:data:`SETTINGS`; the tests set small tiles with ``SETTINGS.override(...)``)."""
+
+    tile_q: int = 0  # queries per tile (0: by the number of queries, see tile_q)
+    tile_k: int = 512  # keys per block (benchmarks/fast_vs_sdpa.py: 128 and 1024 within a few percent at N = 2048)
+    kv_splits: int = 0  # backward: key segments per head (0: more than 1 only when batch * heads leaves threads idle)
+    gemm16: bool | None = None  # 16-bit inputs: True 16-bit GEMMs, False float32 copies, None the CPU decides
+
+    def __post_init__(self):
+        for name, low in (("tile_q", 0), ("tile_k", 1), ("kv_splits", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"native setting {name} must be an int >= {low}; got {value!r}")
+        if self.gemm16 not in (None, True, False):
+            raise ValueError(f"native setting gemm16 must be None, True or False; got {self.gemm16!r}")
+
+
+SETTINGS = Settings(NativeSettings())
 
 _SOURCE = "shaw_cpu.cpp"
 _lock = threading.Lock()
@@ -205,19 +221,20 @@ def gemm16_here(dtype: torch.dtype) -> bool:
 
 
 def uses_gemm16(dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` inputs run 16-bit GEMMs: :data:`GEMM16` when set, else :func:`gemm16_here`."""
+    """Whether ``dtype`` inputs run 16-bit GEMMs: the ``gemm16`` setting when set, else :func:`gemm16_here`."""
     if dtype not in LOW_PRECISION:
         return False
-    return gemm16_here(dtype) if GEMM16 is None else GEMM16
+    forced = SETTINGS.current.gemm16
+    return gemm16_here(dtype) if forced is None else forced
 
 
 def tile_q(n: int, causal: bool) -> int:
-    """Queries per tile for ``n`` queries: :data:`TILE_Q` when set; else 256, and for causal calls 32 below 192
+    """Queries per tile for ``n`` queries: the ``tile_q`` setting when set; else 256, and for causal calls 32 below 192
     queries and 64 below 768 (the split of PyTorch's own CPU flash attention): a tile's rows meet the keys up to its
     last row only, so smaller tiles skip more of the masked half (at N = 512, 1 thread: forward 15 ms at 64 against
     22 ms at 256, backward 55 against 65; without causal, 64 and 256 within noise)."""
-    if TILE_Q > 0:
-        return TILE_Q
+    if (fixed := SETTINGS.current.tile_q) > 0:
+        return fixed
     if not causal:
         return 256
     return 32 if n < 192 else 64 if n < 768 else 256
@@ -250,7 +267,7 @@ def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causa
     k, v may have Hkv heads, H % Hkv == 0."""
     _require()
     gemm16 = uses_gemm16(q.dtype)
-    tiles = tile_q(q.shape[-2], is_causal), TILE_K
+    tiles = tile_q(q.shape[-2], is_causal), SETTINGS.current.tile_k
     out, lse = torch.ops.relattn_native.fwd(*_data(gemm16, q, k, v), *_tables_and_mask(rel_k, rel_v, mask, rel_q),
                                             max_relative_position, is_causal, scale, query_offset, *tiles)
     return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
@@ -263,77 +280,22 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     _require()
     gemm16 = uses_gemm16(q.dtype)
     go, q_, k_, v_, out_ = _data(gemm16, grad_out, q, k, v, out)
-    tiles = tile_q(q.shape[-2], is_causal), TILE_K
+    settings = SETTINGS.current
+    tiles = tile_q(q.shape[-2], is_causal), settings.tile_k
     grads = torch.ops.relattn_native.bwd(go, q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), out_, lse,
-                                         max_relative_position, is_causal, scale, query_offset, *tiles, KV_SPLITS)
+                                         max_relative_position, is_causal, scale, query_offset, *tiles,
+                                         settings.kv_splits)
     return tuple(g if t is None or g.dtype == t.dtype else g.to(t.dtype)
                  for g, t in zip(grads, (q, k, v, rel_k, rel_v, rel_q), strict=True))
 
 
-# relattn::native_fwd / relattn::native_bwd: see _common.define_stats_ops.
-native_fwd = define_stats_ops("native", forward, backward)
+# relattn::native_fwd / relattn::native_bwd, the eager path and the ring's pair calls: see _common.StatsOps.
+OPS = StatsOps("native", forward, backward)
 
 
-def _differentiated(call: AttentionCall) -> bool:
-    """Whether autograd will ask for a backward of this call."""
-    return torch.is_grad_enabled() and (call.q.requires_grad or call.k.requires_grad or call.v.requires_grad or any(
-        t is not None and t.requires_grad for t in (call.rel_k, call.rel_v, call.mask, call.rel_q)))
-
-
-def _traced() -> bool:
-    """Whether something traces or transforms the call: torch.compile and torch.export, a dispatch mode (make_fx's,
-    FakeTensorMode), a torch function mode, a torch.func transform. Those see the custom op (fake kernels,
-    registered autograd); plain eager calls skip its dispatch and wrappers."""
-    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-            or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active())
-
-
-class _EagerAttention(torch.autograd.Function):
-    """The custom op's forward and backward (the same kernels, the same saved tensors) as a plain autograd Function,
-    for eager differentiated calls: the op's dispatch and Python wrappers cost about 0.15 ms of a forward+backward,
-    which is most of a short sequence's overhead (N = 128: about 2 ms in all)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset, rel_q):
-        # forward(ctx, ...) rather than setup_context: Function.apply binds a setup_context Function's arguments
-        # through inspect.signature on every call (some 50 us)
-        out, lse = forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position,
-                           is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, rel_k, rel_v, mask, rel_q, out, lse)
-        ctx.args = (max_relative_position, is_causal, scale, query_offset)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        if grad_out is None:  # no gradient reached the output
-            return (None,) * 11
-        q, k, v, rel_k, rel_v, mask, rel_q, out, lse = ctx.saved_tensors
-        kk, is_causal, scale, query_offset = ctx.args
-        dq, dk, dv, drk, drv, drq = backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse,
-                                             max_relative_position=kk, is_causal=is_causal, scale=scale,
-                                             query_offset=query_offset, rel_q=rel_q)
-        return (dq, dk, dv, None if rel_k is None else drk, None if rel_v is None else drv, *(None,) * 5,
-                None if rel_q is None else drq)
-
-
-def native_attention(call: AttentionCall) -> Tensor:
-    """The output (B, H, N, Dv), in q's dtype. Traced calls go through the custom op; eager ones call the kernel
-    directly (inference, decoding) or through :class:`_EagerAttention` (when autograd will ask for a backward)."""
-    args = (call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, call.max_relative_position, call.is_causal,
-            call.scale, call.query_offset, call.rel_q)
-    if _traced():
-        return native_fwd(*args)[0]
-    if _differentiated(call):
-        return _EagerAttention.apply(*args)
-    return forward(*args[:6], max_relative_position=call.max_relative_position, is_causal=call.is_causal,
-                   scale=call.scale, query_offset=call.query_offset, rel_q=call.rel_q)[0]
-
-
-BACKEND = Backend("native", native_attention,
-                  Serves(devices=frozenset({"cpu"}), grouped_kv=True, pos_to_content=True),
+BACKEND = Backend("native", OPS.run,
+                  Serves(devices=frozenset({"cpu"}), grouped_kv=True, pos_to_content=True, chunk_pairs=True),
                   "C++ kernel, one flash pass: the key term added per row in three runs (left, band, right), "
                   "the value term as 2K+1 weights per row; CPU, masks, grouped k/v, rel_q, no dropout (16-bit GEMMs "
                   "where the CPU has 16-bit instructions, else float32)",
-                  unavailable=unavailable)
+                  unavailable=unavailable, stats=OPS)

@@ -13,9 +13,10 @@ a fixed order: no atomics, two backward passes are bitwise equal. k and v may ha
 (grouped-query attention): query head ``h`` reads key/value head ``h // (H // Hkv)``, and dk, dv of a key/value
 head are summed over its group by one program, in order.
 
-Serves CUDA tensors when ``triton`` is importable; with ``TRITON_INTERPRET=1`` in the environment when
-relattn is imported, also CPU tensors (the same kernels, interpreted: how CI tests them; slow, so "auto"
-never picks it on the CPU). float16 and bfloat16 (float32 statistics, 16-bit matmul inputs as in flash
+Serves CUDA tensors on the GPUs of ``CUDA_ARCHS`` (sm_80 and newer) when ``triton`` is importable; while
+``TRITON_INTERPRET=1`` is in the environment (read when a call or a construction asks; Triton itself reads it when
+the kernels are first imported), also CPU tensors (the same kernels, interpreted: how CI tests them; slow, so
+"auto" never picks it on the CPU). float16 and bfloat16 (float32 statistics, 16-bit matmul inputs as in flash
 attention: the weights rounded to 16 bits on their way into a matmul), float32 (IEEE float32 matmuls, no
 TF32) and float64 (gradcheck); head dims up to 128 (D != Dv allowed); any K; the tables a^K, a^V, a^Q (rel_q),
 each optional, shared or per head; any mask that needs no gradient; no dropout.
@@ -27,24 +28,26 @@ and reports registers and spills.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ._common import (
     LOW_PRECISION,
-    AttentionCall,
     Backend,
     Serves,
-    define_stats_ops,
+    StatsOps,
+    compute_capability,
     stats_dtype,
 )
+from ._settings import Settings
 
 MAX_HEAD_DIM = 128
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 LOG2E = 1.4426950408889634
 # (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages, BAND_SPLIT) per kernel, by (arch, padded head dim up to 64
 # or 128) for 16-bit inputs. BAND_SPLIT: the band's tiles are that many times narrower (keys for the forward and dq,
@@ -65,19 +68,59 @@ RQ_CONFIGS = {
     ("fwd", 80, 64): (128, 64, 8, 2, 4), ("dkdv", 80, 64): (64, 32, 8, 2, 2),
     ("fwd", 80, 128): (64, 64, 8, 2, 2),
 }
+# Which table each served arch uses. The A100's (at most 64 KB of shared memory per launch) fits the 99 KB of
+# sm_86, sm_89 and sm_120. sm_100 (B200) has the H100's 227 KB, but the H100's forward at D = 128 spills there
+# (144 bytes, Triton 3.9): it takes the A100's too. Each pairing compiles without spills and on tensor cores
+# (benchmarks/triton_compile.py); none is timed on its GPU yet.
+TABLE_OF_ARCH = {80: 80, 86: 80, 89: 80, 90: 90, 100: 80, 120: 80}
+# The GPUs the kernels serve, as data: (compute capability, the dtypes served there). Each is compiled by
+# benchmarks/triton_compile.py (docs/backends-triton.md, its table); elsewhere "auto" takes the next backend
+# ("blocked": cuBLAS's tensor cores). Not sm_75 (T4) nor older: Triton emits no tensor-core instruction there, even in
+# float16, and the forward spills 14-22 KB per thread; nor do they have bfloat16 tensor cores.
+_EVERY_DTYPE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+CUDA_ARCHS = tuple((arch, _EVERY_DTYPE) for arch in (80, 86, 89, 90, 100, 120))
 FP32_CONFIGS = {"fwd": (32, 32, 8, 1, 2), "dkdv": (16, 16, 8, 1, 1), "dq": (32, 16, 4, 2, 1)}  # float32, float64
 # The interpreter pays per tile operation (about 0.2 ms, little more for a larger tile): large tiles there.
 INTERPRETED_TILES = (128, 128)
-FWD_TILES: tuple[int, int] | None = None  # (BLOCK_M, BLOCK_N) instead of the table (the tests set small ones)
-BWD_TILES: tuple[int, int] | None = None
-BAND_SPLIT: int | None = None  # instead of the table's
-KV_SPLITS = 0  # forward: splits of the keys (0: chosen by kv_splits)
+
+
+def _tiles_ok(tiles) -> bool:
+    return tiles is None or (isinstance(tiles, tuple) and len(tiles) == 2 and all(
+        isinstance(t, int) and t >= 16 and t & (t - 1) == 0 for t in tiles))
+
+
+@dataclass(frozen=True)
+class TritonSettings:
+    """Overrides of the launcher's choices (:data:`SETTINGS`; the tests set small tiles with
+    ``SETTINGS.override(...)``)."""
+
+    fwd_tiles: tuple[int, int] | None = None  # (BLOCK_M, BLOCK_N) of the forward instead of the table's
+    bwd_tiles: tuple[int, int] | None = None  # the same for dkdv and dq
+    band_split: int | None = None  # instead of the table's
+    kv_splits: int = 0  # forward: splits of the keys (0: chosen by kv_splits)
+
+    def __post_init__(self):
+        for name in ("fwd_tiles", "bwd_tiles"):
+            if not _tiles_ok(getattr(self, name)):
+                raise ValueError(f"triton setting {name} must be None or two powers of two >= 16 (tl.dot's minimum);"
+                                 f" got {getattr(self, name)!r}")
+        split = self.band_split
+        if split is not None and not (isinstance(split, int) and split >= 1 and split & (split - 1) == 0):
+            raise ValueError(f"triton setting band_split must be None or a power of two >= 1; got {split!r}")
+        if not isinstance(self.kv_splits, int) or self.kv_splits < 0:
+            raise ValueError(f"triton setting kv_splits must be an int >= 0; got {self.kv_splits!r}")
+
+
+SETTINGS = Settings(TritonSettings())
 _state: dict = {}  # "kernels": the imported module; "error": None once imported, else why not
 
 
 @torch.compiler.assume_constant_result  # traced first (torch.compile as the first call): run eagerly, a constant
-def unavailable() -> str | None:
-    """None once the kernels are imported (on the first call), else why they cannot be."""
+def unavailable(recheck: bool = False) -> str | None:
+    """None once the kernels are imported (on the first call), else why they cannot be; ``recheck`` forgets the
+    answer given before (triton installed since, or removed)."""
+    if recheck:
+        _state.pop("error", None)
     if "error" not in _state:
         if importlib.util.find_spec("triton") is None:
             _state["error"] = "triton is not installed (pip install 'relattn[gpu]', Linux)"
@@ -115,10 +158,7 @@ def _pow2(x: int) -> int:
 
 def _arch(device: torch.device) -> int | None:
     """The GPU's compute capability as 80, 90, ...; None when interpreted."""
-    if device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return 10 * major + minor
+    return compute_capability(device)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -133,7 +173,7 @@ def config(kernel: str, dtype: torch.dtype, head_dim: int, arch: int | None,
         return (*INTERPRETED_TILES, 4, 1, 1)
     if dtype not in LOW_PRECISION:
         return FP32_CONFIGS[kernel]
-    key = (kernel, 90 if arch == 90 else 80, 64 if head_dim <= 64 else 128)
+    key = (kernel, TABLE_OF_ARCH.get(arch, 80), 64 if head_dim <= 64 else 128)
     return RQ_CONFIGS.get(key, CONFIGS[key]) if rel_q else CONFIGS[key]
 
 
@@ -142,11 +182,12 @@ def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None):
     n, m = q.shape[2], k.shape[2]
     dp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
     bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device), rel_q is not None)
-    override = FWD_TILES if kernel == "fwd" else BWD_TILES
+    settings = SETTINGS.current
+    override = settings.fwd_tiles if kernel == "fwd" else settings.bwd_tiles
     if override is not None:
         bm, bn = override
     bm, bn = min(bm, _pow2(n)), min(bn, _pow2(m))  # no tile longer than needed
-    split = BAND_SPLIT or split
+    split = settings.band_split or split
     split = max(1, min(split, (bm if kernel == "dkdv" else bn) // 16))  # band tiles of at least 16 (tl.dot's minimum)
     kern = _kernels()
     return dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=dp, HEAD_DIM_V=dvp,
@@ -191,7 +232,7 @@ def table_scores(x: Tensor, table: Tensor, dtype: torch.dtype, heads: int | None
     h = hx if heads is None else heads
     r = table.shape[1]
     out = x.new_empty(b, h, n, r, dtype=dtype)
-    block_n, block_r = (128, 128) if INTERPRET else (64, 64) if x.element_size() == 2 else (32, 32)
+    block_n, block_r = (128, 128) if x.device.type == "cpu" else (64, 64) if x.element_size() == 2 else (32, 32)
     block_n, block_r = min(block_n, _pow2(n)), min(block_r, _pow2(r))
     _launch(_kernels()._table_scores_kernel, (_cdiv(n, block_n), b * h, _cdiv(r, block_r)),
             X=x, T=table, S=out, **_strides("x", x, "bhnd"), **_table_strides("t", table),
@@ -204,8 +245,8 @@ def table_scores(x: Tensor, table: Tensor, dtype: torch.dtype, heads: int | None
 def kv_splits(q_tiles: int, heads: int, m: int, bn: int, device: torch.device) -> int:
     """Splits of the keys for the forward: more than one only when the (query tile, batch * head) programs
     leave most of a GPU idle (decoding: one query against a long cache), each split at least 4 key tiles."""
-    if KV_SPLITS:
-        return KV_SPLITS
+    if (fixed := SETTINGS.current.kv_splits) > 0:
+        return fixed
     if device.type != "cuda":
         return 1
     target = 2 * _sm_count(device)
@@ -346,21 +387,29 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     return dq, (dk + dk_q).to(k.dtype), dv, d_rel_k, d_rel_v, d_rel_q
 
 
-# relattn::triton_fwd / relattn::triton_bwd: see _common.define_stats_ops.
-triton_fwd = define_stats_ops("triton", forward, backward)
+# relattn::triton_fwd / relattn::triton_bwd, the eager path and the ring's pair calls: see _common.StatsOps.
+OPS = StatsOps("triton", forward, backward)
 
 
-def triton_attention(call: AttentionCall) -> Tensor:
-    """The output (B, H, N, Dv), in q's dtype."""
-    out, _ = triton_fwd(call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, call.max_relative_position,
-                        call.is_causal, call.scale, call.query_offset, call.rel_q)
-    return out
+def interpreted() -> bool:
+    """Whether ``TRITON_INTERPRET`` is set now (Triton then interprets the kernels, on CPU tensors too)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-BACKEND = Backend("triton", triton_attention,
-                  Serves(devices=frozenset({"cuda", "cpu"} if INTERPRET else {"cuda"}),
-                         max_head_dim=MAX_HEAD_DIM, grouped_kv=True, pos_to_content=True),
+@functools.cache
+def _declaration(interpret: bool) -> Serves:
+    return Serves(devices=frozenset({"cuda", "cpu"} if interpret else {"cuda"}), cuda_archs=CUDA_ARCHS,
+                  max_head_dim=MAX_HEAD_DIM, grouped_kv=True, pos_to_content=True, chunk_pairs=True)
+
+
+def serves() -> Serves:
+    """What the backend serves, asked when a call or a construction asks: CUDA on the GPUs of :data:`CUDA_ARCHS`;
+    CPU tensors too while ``TRITON_INTERPRET`` is set."""
+    return _declaration(interpreted())
+
+
+BACKEND = Backend("triton", OPS.run, serves,
                   "Triton flash kernels, forward and backward: key loops in three stages (left of the band, band, "
                   "right), the key term gathered from q a^K^T, the position-to-content term (rel_q) from k a^Q^T, "
                   "the value term as per-row bins times a^V; CUDA (CPU under TRITON_INTERPRET=1), no dropout",
-                  unavailable=unavailable)
+                  unavailable=unavailable, stats=OPS)

@@ -141,9 +141,11 @@ def _attention_reason(module) -> str | None:
     return None
 
 
-def _encoder_reason(module) -> str | None:
+def _encoder_reason(module, attention_reason=None) -> str | None:
+    """Why an encoder is not patched: one of its layers' attention is not (``attention_reason``: v2's, or v1's)."""
+    attention_reason = attention_reason or _attention_reason
     layers = [layer.attention.self for layer in module.layer]
-    if not all(type(a).__name__ == "DisentangledSelfAttention" and _attention_reason(a) is None for a in layers):
+    if not all(type(a).__name__ == "DisentangledSelfAttention" and attention_reason(a) is None for a in layers):
         return "an encoder whose layers are not all patched keeps transformers' (N, N) masks and positions"
     return None
 
@@ -215,10 +217,7 @@ def _v1_attention_reason(module) -> str | None:
 
 
 def _v1_encoder_reason(module) -> str | None:
-    layers = [layer.attention.self for layer in module.layer]
-    if not all(type(a).__name__ == "DisentangledSelfAttention" and _v1_attention_reason(a) is None for a in layers):
-        return "an encoder whose layers are not all patched keeps transformers' (N, N) masks and positions"
-    return None
+    return _encoder_reason(module, _v1_attention_reason)
 
 
 HANDLERS = {
