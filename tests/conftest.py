@@ -16,7 +16,8 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("default")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Two intra-op threads at most, fewer when pytest-xdist runs a worker per core: the workers share the cores.
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
 @pytest.fixture

@@ -317,7 +317,9 @@ def require_backend(name: str) -> None:
 
 
 def backend_params(names) -> list:
-    """``names`` as pytest params, each unavailable one marked skip with its reason (checked at collection)."""
-    return [pytest.param(n, marks=pytest.mark.skipif(why is not None, reason=str(why)))
+    """``names`` as pytest params, each unavailable one marked skip with its reason (checked at collection), and
+    "triton" under Triton's interpreter (no CUDA: about a second a call) marked slow."""
+    return [pytest.param(n, marks=[pytest.mark.skipif(why is not None, reason=str(why)),
+                                   *([pytest.mark.slow] if n == "triton" and not torch.cuda.is_available() else [])])
             for n in names for why in [unavailable_here(n)]]
 

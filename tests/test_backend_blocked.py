@@ -71,6 +71,7 @@ def test_dropout_reproducible_from_torch_manual_seed():
     assert not torch.allclose(run(7), run(8))
 
 
+@pytest.mark.slow
 def test_dropout_is_unbiased_over_seeds():
     """E[out] over seeds equals the no-dropout output: weights are dropped before both sums and rescaled."""
     inputs = random_inputs(1, 2, 6, 6, 4, 4, 2, tables="keys_per_head")

@@ -496,6 +496,7 @@ def test_build_loads_the_cached_library_wherever_the_source_is_and_whatever_path
     assert loaded == [library, library]
 
 
+@pytest.mark.slow
 @needs_native
 def test_a_second_process_loads_the_cached_library(tmp_path):
     """A fresh interpreter, started another way (PATH without the interpreter's bin directory, another working

@@ -33,8 +33,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 NO_TRITON = tb.unavailable()
 pytestmark = pytest.mark.skipif(NO_TRITON is not None, reason=f"triton backend: {NO_TRITON}")
 DEVICES = [
-    pytest.param("cpu", id="interpreted", marks=pytest.mark.skipif(
-        not INTERPRETED, reason="interpreted only where TRITON_INTERPRET=1 (tests/conftest.py: without CUDA)")),
+    pytest.param("cpu", id="interpreted", marks=[pytest.mark.skipif(
+        not INTERPRETED, reason="interpreted only where TRITON_INTERPRET=1 (tests/conftest.py: without CUDA)"),
+        pytest.mark.slow]),  # (the interpreter: seconds a test)
     pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not CUDA, reason="needs CUDA")),
 ]
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -270,6 +271,7 @@ def test_refusals_name_the_reason(monkeypatch):
         assert tb.unavailable(recheck=True) is None
 
 
+@pytest.mark.slow
 def test_relattn_imports_and_falls_back_without_a_working_triton(tmp_path):
     """A triton that fails to import: relattn imports, "auto" works, backend="triton" names the failure."""
     (tmp_path / "triton").mkdir()

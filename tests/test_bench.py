@@ -139,6 +139,7 @@ ROW_FIELDS = {"n", "implementation", "kind", "status", "reason", "note", "detail
               "max_abs_diff", "diff_vs", "forward_all_ms", "fwdbwd_all_ms"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])
 def test_cli_bench_writes_json_and_png(tmp_path, capsys, causal):
     args = ["bench", "--lengths", "32", "64", "--repeats", "2", "--heads", "2", "--head-dim", "16",
@@ -191,6 +192,7 @@ def _broken(*args, **kwargs):
     raise RuntimeError("boom\nsecond line")
 
 
+@pytest.mark.slow
 def test_refused_inputs_and_memory_limit_are_skipped_with_reasons(monkeypatch, tmp_path):
     monkeypatch.setitem(BACKENDS, "refuser", Backend("refuser", dense_attention, Serves(), "t",
                                                                   unavailable=lambda: "refuses all"))
@@ -304,6 +306,7 @@ def test_options_have_no_defaults_of_their_own_and_help_shows_the_presets():
     assert " ".join(map(str, quick.lengths)) in by_dest["lengths"].help
 
 
+@pytest.mark.slow
 def test_measure_interleaves_rounds_and_drops_a_runner_that_fails():
     inp = make_inputs(Problem(heads=1, head_dim=2, max_relative_position=1), 3)
     log = []

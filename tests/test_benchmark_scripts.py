@@ -40,6 +40,7 @@ def _printed(stdout: str, first: str) -> list[list[str]]:
     return [line.split() for line in stdout.splitlines() if line.split()[:1] == [first]]
 
 
+@pytest.mark.slow
 def test_fast_vs_sdpa(tmp_path):
     out = _run("fast_vs_sdpa.py", *TINY, *K4, "--backends", "auto", "blocked", "--json", str(tmp_path / "r.json"))
     runs = json.loads((tmp_path / "r.json").read_text())["runs"]
@@ -56,6 +57,7 @@ def test_fast_vs_sdpa(tmp_path):
                 assert float(cells[5]) == pytest.approx(row["fwdbwd_ratio"], abs=0.006)
 
 
+@pytest.mark.slow
 def test_masked(tmp_path):
     out = _run("masked.py", *TINY, *K4, "--json", str(tmp_path / "r.json"))
     result = json.loads((tmp_path / "r.json").read_text())
@@ -72,6 +74,7 @@ def test_masked(tmp_path):
             assert " ".join(cells[2:]) == f"{row['status']}: {row['reason']}"
 
 
+@pytest.mark.slow
 def test_crossover(tmp_path):
     out = _run("crossover.py", *TINY, "--ks", "2", "4", "--json", str(tmp_path / "r.json"))
     runs = json.loads((tmp_path / "r.json").read_text())["runs"]
@@ -86,6 +89,7 @@ def test_crossover(tmp_path):
             assert [cells[-1] for cells in _printed(out, str(kk)) if cells[1] == str(n)] == [best]
 
 
+@pytest.mark.slow
 def test_variants(tmp_path):
     out = _run("variants.py", "--n", "24", "--heads", "2", "--reps", "1", "--threads", "1",
                "--json", str(tmp_path / "v.json"))
@@ -97,6 +101,7 @@ def test_variants(tmp_path):
         assert f"{name:>20}: {ms:9.1f} ms  {ms / medians['K=36 (73 rows)']:5.2f}x K=36" in out
 
 
+@pytest.mark.slow
 def test_log_buckets(tmp_path):
     out = _run("log_buckets.py", "--n", "40", "--heads", "2", "--reps", "1", "--threads", "1",
                "--json", str(tmp_path / "lb.json"))

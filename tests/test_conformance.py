@@ -149,6 +149,7 @@ def test_gradients_match_oracle(backend, case):
     assert_matches_oracle(backend, inputs, output_grad(case[0], case[1], case[2], case[5]), **kw)
 
 
+@pytest.mark.slow
 def test_awkward_length_1025():
     """N = M = 1025 in float32, every backend: output and gradients against the float64 oracle."""
     inputs = random_inputs(1, 1, 1025, 1025, 8, 8, 16, tables="shared", dtype=torch.float32, requires_grad=True)

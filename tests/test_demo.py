@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from relattn.cli.demo import run_demo
 from test_reference import SPEC_WEIGHTS
 
@@ -25,6 +27,7 @@ def test_demo_prints_spec_and_saves_pngs(tmp_path, capsys):
     assert not list((tmp_path / "out").glob(".*"))  # no temporary files left behind
 
 
+@pytest.mark.slow
 def test_cli_demo(tmp_path):
     r = subprocess.run([sys.executable, "-m", "relattn", "demo", "--out", str(tmp_path)], capture_output=True,
                        text=True, timeout=120)
@@ -33,6 +36,7 @@ def test_cli_demo(tmp_path):
     assert len(list(tmp_path.glob("*.png"))) == 3
 
 
+@pytest.mark.slow
 def test_cli_unknown_command_exits_2():
     r = subprocess.run([sys.executable, "-m", "relattn", "nope"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "invalid choice" in r.stderr

@@ -26,6 +26,7 @@ EXPECTED = {  # (model, scope, length) -> variants; each in both modes
 }
 
 
+@pytest.mark.slow
 def test_hf_models_quick_writes_every_case(tmp_path):
     out = tmp_path / "hf.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}

@@ -34,7 +34,7 @@ def test_is_patched_is_true_for_the_model_and_false_after_unpatch():
     assert not is_patched(model)
 
 
-@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("impl", ["eager", pytest.param("sdpa", marks=pytest.mark.slow)])
 def test_output_attentions_of_a_patched_wav2vec2_bert_are_the_unpatched_weights(impl):
     plain = _w2v_bert("eager")
     patched = copy.deepcopy(plain)

@@ -131,8 +131,8 @@ def _run(model, name, inputs, cotangent=None):
     return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("dtype", [torch.float64, pytest.param(torch.float32, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("train", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eval", "train"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_patched_model_matches_unpatched(name, train, dtype):
     plain, patched = _pair(name, dtype)
@@ -196,6 +196,7 @@ def test_dropout_still_trains(name):
     assert_close(_run(patched, name, inputs)[0], _run(plain, name, inputs)[0], torch.float32, "eval out")
 
 
+@pytest.mark.slow
 def test_seamless_patched_masks_as_sdpa_whatever_the_implementation():
     """SeamlessM4T-v2's speech encoder gives its attention a bool chunk-and-padding mask; HF's eager path adds it
     as 0/1, SDPA masks. Patched, the eager-configured model equals the unpatched SDPA one."""

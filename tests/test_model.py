@@ -228,6 +228,7 @@ def test_generate_samples_the_tempered_top_k_distribution(temperature, top_k):
         assert set(draws.tolist()) == top  # nothing outside the top k, and every one of the top k drawn
 
 
+@pytest.mark.slow
 def test_generate_temperature_limits():
     """T -> 0 approaches greedy; a higher T spreads the draws (more entropy, more distinct ids)."""
     model = _fixed_logits_model()

@@ -43,3 +43,13 @@ def test_console_script_and_module_entry():
 def test_py_typed_shipped():
     assert (Path(relattn.__file__).parent / "py.typed").is_file()
     assert relattn.__version__ == md.version("relattn")
+
+
+def test_the_suite_runs_a_worker_per_core_from_the_dev_extra():
+    """pyproject's pytest options use pytest-xdist (``-n``), which the dev extra installs."""
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")
+    conf = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
+    assert "-n auto" in conf["tool"]["pytest"]["ini_options"]["addopts"]
+    assert any(r.replace(" ", "").startswith("pytest-xdist>=") for r in conf["project"]["optional-dependencies"]["dev"])

@@ -36,7 +36,11 @@ def test_documentation_has_python_blocks():
     assert DOCS, "no ```python block found in README.md or docs/*.md"
 
 
-@pytest.mark.parametrize("path", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
+SLOW_DOCS = {"training.md"}  # (trains a model: over ten seconds)
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.slow] if p.name in SLOW_DOCS else [])
+                                  for p in DOCS], ids=[str(p.relative_to(ROOT)) for p in DOCS])
 def test_markdown_code_blocks_run(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": f"docs_{path.stem}"}

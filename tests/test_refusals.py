@@ -62,6 +62,7 @@ def test_train_and_compare_refuse_before_any_work(tmp_path, capsys, monkeypatch,
     assert captured.out == "" and not out.exists()
 
 
+@pytest.mark.slow
 def test_relattn_train_triton_on_a_cpu_is_one_line_and_exit_2(tmp_path):
     """The command as a user runs it (no TRITON_INTERPRET): one line, exit status 2, no folder."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

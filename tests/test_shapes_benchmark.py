@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from relattn.training.model import TransformerConfig, TransformerLM
@@ -19,6 +20,7 @@ CASES = {"train", "encoder", "bf16", "fp16", "autocast", "decode_16", "decode_48
          *(f"short_{n}_k{kk}{fwd}" for n in (8, 12) for kk in (2, 4) for fwd in ("", "_fwd"))}
 
 
+@pytest.mark.slow
 def test_quick_run_writes_every_case(tmp_path):
     out = tmp_path / "shapes.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}

@@ -29,6 +29,9 @@ from relattn.backends import not_supported_reasons
 from relattn.functional import validate
 
 NAMES = ["auto", *relattn.BACKENDS]
+# The backends as test parameters: "auto" (what a model gets) in the fast part, each named backend among the slow
+# tests (a toolchain run per backend is seconds, interpreted Triton's tens of seconds).
+BACKEND_PARAMS = [pytest.param(n, marks=[] if n == "auto" else [pytest.mark.slow]) for n in NAMES]
 BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2**-7; unit roundoff is half of it
 VOCAB = 37
 
@@ -147,8 +150,9 @@ def compiled_vs_eager():
     return refused, eager, compiled, failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_compile_fullgraph_matches_eager(compiled_vs_eager, name, is_causal):
     refused, eager, compiled, failures = compiled_vs_eager
     if name in refused:
@@ -178,7 +182,7 @@ def _export(mod: RelativeMultiheadAttention, *, is_causal: bool, trace_len: int 
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_export_dynamic_length_matches_eager(name, is_causal):
     torch.manual_seed(2)
     mod = RelativeMultiheadAttention(E, HEADS, K, backend=name).eval()
@@ -242,7 +246,7 @@ def _autocast_results(fn, mod, x, g, causal):
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_autocast_bf16_error_within_twice_plain_pytorch(name, is_causal):
     torch.manual_seed(4)
     mod = RelativeMultiheadAttention(64, 4, 4, share_heads=False, backend=name)
@@ -274,7 +278,7 @@ def _grid(shape, gen, *, levels=(-1.0, -0.5, 0.0, 0.5, 1.0)):
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_softmax_statistics_kept_in_float32(name, is_causal):
     """bf16 inputs whose scores are exact in bf16, so the only bf16 error left is in the softmax and the sums.
 
@@ -318,7 +322,7 @@ def deterministic_algorithms():
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_backward_is_bitwise_deterministic(deterministic_algorithms, name):
     torch.manual_seed(6)
     mod = RelativeMultiheadAttention(32, 4, 5, share_heads=False, backend=name)
@@ -386,6 +390,7 @@ class _Step(nn.Module):
         return torch.stack([lm.loss(tokens, targets) for lm in self.lms])
 
 
+@pytest.mark.slow
 def test_compiled_training_step_matches_eager():
     tokens, targets = _tokens(2, 17, 1), _tokens(2, 17, 2)
     probe = _lm("auto")
@@ -419,7 +424,8 @@ def test_compiled_training_step_matches_eager():
 # torch.export of the forward with a dynamic sequence length
 # ----------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_export_lm_dynamic_length_matches_eager(name):
     lm = _lm(name).eval()
     for n in (9, 6, 45):
@@ -465,7 +471,7 @@ def _lm_results(lm, tokens, targets):
     return got, want
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_autocast_lm_within_twice_plain_pytorch(name):
     lm = _lm(name, seed=4, d_model=64, n_heads=4, max_relative_position=4)
     tokens, targets = _tokens(2, 97, 5), _tokens(2, 97, 6)
@@ -485,7 +491,7 @@ def test_autocast_lm_within_twice_plain_pytorch(name):
 # Determinism: two backward passes of the LM give bitwise identical gradients
 # ----------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_lm_backward_is_bitwise_deterministic(name):
     lm = _lm(name, seed=7)
     tokens, targets = _tokens(3, 120, 8), _tokens(3, 120, 9)

@@ -165,6 +165,7 @@ def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path, one_thread, c
     assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 4
 
 
+@pytest.mark.slow
 def test_sigkill_after_the_first_checkpoint_then_resume(tmp_path, one_thread):
     out = tmp_path / "run"
     cmd = [PY, "-m", "relattn", "train", "--steps", "60", "--checkpoint-every", "10", "--out", str(out), *TINY_ARGS]
@@ -208,6 +209,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str, result_dir: str) -> 
     Path(f"{result_dir}/rank{rank}.json").write_text(json.dumps(result.metrics["train_loss"]))
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_match_a_single_process_run(tmp_path, one_thread):
     from safetensors.torch import load_file
 
@@ -232,6 +234,7 @@ def test_ddp_two_processes_match_a_single_process_run(tmp_path, one_thread):
     assert json.loads((tmp_path / "ddp" / "metrics.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes(tmp_path, one_thread):
     out = tmp_path / "tr"
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "relattn", "train",
@@ -288,6 +291,7 @@ def test_under_torchrun_a_bad_input_is_said_by_rank_0_alone(tmp_path, monkeypatc
         assert len(capsys.readouterr().err.strip().splitlines()) == lines, rank
 
 
+@pytest.mark.slow
 def test_bad_input_from_the_shell_has_no_traceback(tmp_path):
     res = subprocess.run([PY, "-m", "relattn", "train", "--data", str(tmp_path / "nope.txt")], env=env1(),
                          capture_output=True, text=True, timeout=60)

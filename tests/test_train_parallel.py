@@ -62,12 +62,14 @@ def assert_same_run(metrics: dict, single) -> None:
     torch.testing.assert_close(metrics["val_loss_by_context"], single.metrics["val_loss_by_context"], **CLOSE)
 
 
+@pytest.mark.slow
 def test_context_parallel_two_processes_match_a_single_process_run(tmp_path, single):
     metrics = torchrun(tmp_path / "cp", "--context-parallel", "2")
     assert metrics["options"]["context_parallel"] == 2
     assert_same_run(metrics, single)
 
 
+@pytest.mark.slow
 def test_fsdp_two_processes_match_a_single_process_run(tmp_path, single):
     metrics = torchrun(tmp_path / "fsdp", "--fsdp")
     assert metrics["options"]["fsdp"] is True

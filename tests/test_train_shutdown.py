@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROUNDS = 20
 HERE = Path(__file__).resolve().parent
 
@@ -29,6 +31,7 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+@pytest.mark.slow
 def test_ddp_training_shuts_down_every_time(tmp_path):
     ports = ",".join(map(str, _free_ports(ROUNDS)))
     env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src"), "OMP_NUM_THREADS": "1"}

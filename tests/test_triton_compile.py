@@ -50,6 +50,7 @@ def test_stage_calls_pass_grouped_arguments():
             assert not call.args and call.keywords, (call.func.id, call.lineno)
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_a100_and_h100_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, os.path.join("benchmarks", "triton_compile.py"), "--ci"], cwd=ROOT, env=env,

@@ -42,6 +42,7 @@ print("library calls ok")
 """
 
 
+@pytest.mark.slow
 def test_library_calls_with_the_cli_extra_absent():
     code = f"BLOCKED = {set(CLI_EXTRA)!r}\n" + LIBRARY_CALLS
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
