@@ -189,7 +189,7 @@ def backend_refusals(backend: str, **kinds) -> list[str]:
     return refusals(check_name(backend), **kinds)
 
 
-def _served(backend: Backend, call: AttentionCall) -> AttentionCall:
+def as_served(backend: Backend, call: AttentionCall) -> AttentionCall:
     """``call`` as ``backend`` takes it: k and v repeated to H heads unless it serves grouped key/value heads."""
     groups = call.q.shape[1] // max(call.k.shape[1], 1)
     if groups == 1 or backend.serves.grouped_kv:
@@ -263,14 +263,14 @@ def relative_attention(
                     is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset, beyond=beyond,
                     enable_gqa=enable_gqa, rel_q=rel_q)
     chosen = resolve(backend, call)
-    return _shaped_like(chosen.run(_served(chosen, call)), q)
+    return _shaped_like(chosen.run(as_served(chosen, call)), q)
 
 
 def _dense_with_weights(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
     from .backends.dense import BACKEND as DENSE
     from .backends.dense import dense_attention
 
-    return dense_attention(_served(DENSE, call), need_weights=True)
+    return dense_attention(as_served(DENSE, call), need_weights=True)
 
 
 def relative_attention_with_weights(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, rel_q=None,
