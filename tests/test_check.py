@@ -56,3 +56,9 @@ def test_the_oracle_is_the_specification_and_sees_a_small_error(case):
     q = torch.randn(1, 1, 3, 4, dtype=torch.float64)
     assert torch.allclose(formula(q, q, q, None, None, None, max_relative_position=1),
                           torch.softmax(q @ q.transpose(-1, -2) / 2, -1) @ q)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU machine's answer")
+def test_check_asked_for_cuda_without_a_gpu_says_so(capsys):
+    assert cli.main(["check", "--device", "cuda"]) == 2
+    assert "sees no CUDA GPU" in capsys.readouterr().err

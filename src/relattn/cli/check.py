@@ -4,6 +4,9 @@ formula, one timed call per backend against SDPA (:func:`relattn.bench.check.run
 from __future__ import annotations
 
 import argparse
+import sys
+
+import torch
 
 from ..bench.check import run_check
 from ..bench.measure import DTYPES
@@ -22,5 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"relattn check: error: --device {args.device}, but this torch sees no CUDA GPU "
+              f"(torch {torch.__version__})", file=sys.stderr)
+        return 2
     dtypes = None if args.dtypes is None else [DTYPES[d] for d in args.dtypes]
     return run_check(device=args.device, dtypes=dtypes, time_n=args.time_n)
