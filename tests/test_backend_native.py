@@ -203,17 +203,23 @@ def test_16_bit_fallback_is_float32_inside(kernel_settings, dtype):
         assert err <= bound, (err, bound)
 
 
+@needs_native
 def test_16_bit_gemms_only_where_the_cpu_has_the_instructions(monkeypatch):
-    """GEMM16 None: 16-bit GEMMs for bfloat16 where the CPU reports avx512_bf16 or amx_bf16, for float16 where it
-    reports avx512_fp16 or amx_fp16 (and libtorch exports the GEMM); float32 copies on any other CPU. GEMM16
+    """gemm16 None: 16-bit GEMMs for bfloat16 where the CPU reports avx512_bf16 or amx_bf16, for float16 where it
+    reports avx512_fp16 or amx_fp16 (and libtorch exports the GEMM); float32 copies on any other CPU. gemm16
     True / False forces one path; float32 and float64 never take it."""
-    if UNAVAILABLE is None:
-        monkeypatch.setattr(torch.ops.relattn_native, "has_gemm16", lambda dtype: True, raising=False)
-    monkeypatch.setattr(native, "_require", lambda: None)
+    monkeypatch.setattr(torch.ops.relattn_native, "has_gemm16", lambda dtype: True, raising=False)
+    try:
+        _check_gemm16_choices(monkeypatch)
+    finally:
+        native.gemm16_here.cache_clear()  # this CPU's own answer again
+
+
+def _check_gemm16_choices(monkeypatch):
     for caps, bf16, fp16 in [({}, False, False), ({"avx512_bf16": True}, True, False),
                              ({"amx_bf16": True, "avx512_fp16": False}, True, False),
                              ({"avx512_fp16": True}, False, True), ({"amx_fp16": True, "amx_bf16": True}, True, True)]:
-        monkeypatch.setattr(native, "_gemm16_here", {})
+        native.gemm16_here.cache_clear()
         monkeypatch.setattr(torch.cpu, "get_capabilities", lambda caps=caps: caps)
         with native.SETTINGS.override(gemm16=None):
             assert (native.uses_gemm16(torch.bfloat16), native.uses_gemm16(torch.float16)) == (bf16, fp16), caps
@@ -462,7 +468,7 @@ def test_build_key_depends_on_source_flags_torch_and_compiler_only(monkeypatch):
     assert native.build_key(SOURCE, FLAGS) == key
     assert native.build_key(SOURCE + b"\n// edited", FLAGS) != key
     assert native.build_key(SOURCE, [*FLAGS, "-DEXTRA"]) != key
-    monkeypatch.setattr(native, "_compiler_identity", lambda: b"c++\0another compiler 1.0\n")
+    monkeypatch.setenv("CXX", sys.executable)  # another program answering --version: another compiler identity
     assert native.build_key(SOURCE, FLAGS) != key
     monkeypatch.undo()
     monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")

@@ -35,6 +35,7 @@ so the gradients are the same bits from one run to the next.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -207,17 +208,13 @@ def _require() -> None:
 
 # The CPU features (torch.cpu.get_capabilities()) that make 16-bit GEMMs faster than float32 ones, per dtype.
 _GEMM16_FEATURES = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
-_gemm16_here: dict[torch.dtype, bool] = {}
-
-
+@functools.cache
 def gemm16_here(dtype: torch.dtype) -> bool:
-    """Whether this CPU has instructions for ``dtype`` GEMMs and libtorch exports MKL's GEMM for it (cached)."""
-    if dtype not in _gemm16_here:
-        _require()
-        caps = torch.cpu.get_capabilities()
-        _gemm16_here[dtype] = (any(caps.get(f, False) for f in _GEMM16_FEATURES[dtype])
-                               and torch.ops.relattn_native.has_gemm16(dtype))
-    return _gemm16_here[dtype]
+    """Whether this CPU has instructions for ``dtype`` GEMMs and libtorch exports MKL's GEMM for it (cached:
+    ``gemm16_here.cache_clear()`` asks again)."""
+    _require()
+    caps = torch.cpu.get_capabilities()
+    return any(caps.get(f, False) for f in _GEMM16_FEATURES[dtype]) and torch.ops.relattn_native.has_gemm16(dtype)
 
 
 def uses_gemm16(dtype: torch.dtype) -> bool:

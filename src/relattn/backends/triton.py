@@ -22,13 +22,12 @@ TF32) and float64 (gradcheck); head dims up to 128 (D != Dv allowed); any K; the
 each optional, shared or per head; any mask that needs no gradient; no dropout.
 
 Tiles, warps and pipeline stages per kernel come from ``config`` (by GPU architecture, element size and head
-dim); ``benchmarks/triton_compile.py`` compiles every launch of this module for sm_80 and sm_90a without a GPU
-and reports registers and spills.
+dim; ``TABLE_OF_ARCH``); ``benchmarks/triton_compile.py`` compiles every launch of this module for every served
+arch without a GPU and reports registers, spills, shared memory and tensor-core instructions.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import math
 import os
@@ -396,16 +395,15 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.cache
-def _declaration(interpret: bool) -> Serves:
-    return Serves(devices=frozenset({"cuda", "cpu"} if interpret else {"cuda"}), cuda_archs=CUDA_ARCHS,
-                  max_head_dim=MAX_HEAD_DIM, grouped_kv=True, pos_to_content=True, chunk_pairs=True)
+_DECLARATIONS = {interpret: Serves(devices=frozenset({"cuda", "cpu"} if interpret else {"cuda"}),
+                                   cuda_archs=CUDA_ARCHS, max_head_dim=MAX_HEAD_DIM, grouped_kv=True,
+                                   pos_to_content=True, chunk_pairs=True) for interpret in (False, True)}
 
 
 def serves() -> Serves:
     """What the backend serves, asked when a call or a construction asks: CUDA on the GPUs of :data:`CUDA_ARCHS`;
     CPU tensors too while ``TRITON_INTERPRET`` is set."""
-    return _declaration(interpreted())
+    return _DECLARATIONS[interpreted()]
 
 
 BACKEND = Backend("triton", OPS.run, serves,
