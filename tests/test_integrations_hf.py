@@ -213,9 +213,9 @@ MODELS = {
     "speecht5": (_speecht5, _speecht5_inputs, _speecht5_out, 3),  # 2 encoder layers + embed_positions
     "vits": (_vits, _vits_inputs, _vits_text, 2),
     # Transformer-XL relative attention (integrations/conformer.py). Parakeet runs SDPA: its eager softmax is float32
+    # (tested apart below); SeamlessM4T v1 runs SDPA's bool masks, Wav2Vec2-Conformer and w2v-BERT eager's additive
     "parakeet": (lambda d=0.0: _parakeet("sdpa", d), _parakeet_inputs, _last_hidden, 2),
     "w2v-conformer-eager": (lambda d=0.0: _w2v_conformer("eager", d), _wav_inputs, _last_hidden, 2),
-    "w2v-conformer-sdpa": (lambda d=0.0: _w2v_conformer("sdpa", d), _wav_inputs, _last_hidden, 2),
     "seamless-m4t-v1": (lambda d=0.0: _seamless_v1("sdpa", d), _w2v_inputs, _last_hidden, 2),
     "w2v-bert-relative": (lambda d=0.0: _with_biases(_w2v_bert("eager", d, "relative")), _w2v_inputs, _last_hidden, 2),
     "fastspeech2": (_fastspeech2, _fastspeech2_inputs, _fastspeech2_stack, 3),
