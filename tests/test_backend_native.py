@@ -26,6 +26,7 @@ import torch.utils.cpp_extension
 from helpers import CASES, IDS, assert_close, grads, oracle_grads, random_inputs, reference_output, unavailable_here
 from relattn import functional as fn
 from relattn.backends import AttentionCall, native
+from relattn.positions import relative_position_index
 
 UNAVAILABLE = unavailable_here("native")
 needs_native = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
@@ -528,3 +529,171 @@ def test_eager_differentiated_calls_skip_the_custom_op_and_equal_it(small_tiles,
     assert all(torch.equal(a, b) for a, b in zip(got, op_grads, strict=True))
     with Passthrough(), pytest.raises(AssertionError, match="custom op"):
         grads("native", inputs, go, **kw)
+
+
+# ------------------------------------------------------------------------------- position queries, wide windows
+
+
+def _position_formula(q, q_pos, k, v, rel_k, rel_v, rel_q, kk, *, scale, mask, causal, off):
+    """Float64 torch, written out independently of the kernels: ``softmax(scale * (q . k_j + q_pos . a^K[t] + k_j .
+    a^Q[t]) + mask) @ v + sum_j P_ij a^V[t]`` with t = clip(j - i - off, -K, K) + K; k, v with fewer heads are read
+    by groups of query heads; tables (Hr, 2K+1, d) or None; a row with no key gives zeros."""
+    b, h, n, _ = q.shape
+    m = k.shape[2]
+    k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
+    t = relative_position_index(n, m, kk, query_offset=off)
+    s = q @ k.transpose(-1, -2)
+    if rel_k is not None:
+        s = s + torch.einsum("bhid,hijd->bhij", q_pos, rel_k.expand(h, -1, -1)[:, t])
+    if rel_q is not None:
+        s = s + torch.einsum("bhjd,hijd->bhij", k, rel_q.expand(h, -1, -1)[:, t])
+    s = s * scale
+    if mask is not None:
+        s = s + mask
+    if causal:
+        s = s.masked_fill(torch.arange(m)[None, :] > torch.arange(n)[:, None] + off, float("-inf"))
+    empty = (s == float("-inf")).all(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+    out = p @ v
+    if rel_v is not None:
+        out = out + torch.einsum("bhij,hijd->bhid", p, rel_v.expand(h, -1, -1)[:, t])
+    return out
+
+
+# (B, H, Hkv, N, M, D, Dv, K, tables of (rel_k, rel_v, rel_q): "h" per head, "1" shared, "-" none, mask, causal, off)
+_POSITION_CASES = {
+    "xl-self-K=N-1-gqa-keypad": (2, 4, 2, 13, 13, 5, 4, 12, "h--", "keypad", False, 0),
+    "xl-all-tables-causal": (1, 2, 2, 11, 11, 4, 4, 10, "h1h", None, True, 0),
+    "K>>N-decode-offset": (1, 3, 1, 5, 19, 4, 3, 60, "11h", "per_head", True, 14),
+    "K>N-negative-offset": (1, 2, 2, 12, 7, 4, 4, 30, "hh1", None, False, -3),
+    "narrow-K-gqa": (1, 4, 2, 16, 16, 4, 4, 2, "hhh", "per_head", True, 0),
+    "K>=N-no-table-term": (1, 2, 2, 9, 9, 3, 3, 20, "-h-", None, False, 0),
+}
+
+
+def _position_inputs(case, dtype=torch.float64, seed=51):
+    """A _POSITION_CASES entry's inputs (q, q_pos, k, v, rel_k, rel_v, rel_q), all requiring grad (q_pos None
+    without rel_k), its float mask and op keywords, and an output gradient."""
+    b, h, hkv, n, m, d, dv, kk, tables, mask_kind, causal, off = case
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+
+    q, q_pos, k, v = rnd(b, h, n, d), rnd(b, h, n, d), rnd(b, hkv, m, d), rnd(b, hkv, m, dv)
+    rows = 2 * kk + 1
+    rk, rv, rq = (None if c == "-" else rnd(1 if c == "1" else h, rows, width)
+                  for c, width in zip(tables, (d, dv, d), strict=True))
+    if rk is None:  # no key table to read them (the op never passes q_pos without one)
+        q_pos = None
+    mask = None
+    if mask_kind is not None:
+        keep = _masks(b, h, n, m, torch.Generator().manual_seed(seed + 1))[mask_kind]
+        mask = (keep if keep.dtype != torch.bool else torch.zeros(keep.shape, dtype=torch.float64).masked_fill(
+            ~keep, float("-inf"))).to(dtype)
+    go = torch.randn(b, h, n, dv, generator=torch.Generator().manual_seed(seed + 2), dtype=torch.float64).to(dtype)
+    return (q, q_pos, k, v, rk, rv, rq), mask, dict(kk=kk, causal=causal, off=off, scale=d ** -0.5), go
+
+
+def _position_run(inputs, mask, kw, go):
+    """native through the backend's run on an AttentionCall with q_pos: the output and every input's gradient."""
+    q, q_pos, k, v, rk, rv, rq = inputs
+    call = AttentionCall(q, k, v, rk, rv, kw["kk"], mask, kw["causal"], 0.0, kw["scale"], kw["off"], rel_q=rq,
+                         q_pos=q_pos)
+    out = native.BACKEND.run(call)
+    present = [t for t in inputs if t is not None]
+    return out, torch.autograd.grad(out, present, go)
+
+
+def _position_want(inputs, mask, kw, go):
+    x = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
+    q, q_pos, k, v, rk, rv, rq = x
+    out = _position_formula(q, q_pos, k, v, rk, rv, rq, kw["kk"], scale=kw["scale"],
+                            mask=None if mask is None else mask.double(), causal=kw["causal"], off=kw["off"])
+    return out, torch.autograd.grad(out, [t for t in x if t is not None], go.double())
+
+
+_NAMES = ("q", "q_pos", "k", "v", "rel_k", "rel_v", "rel_q")
+
+
+@needs_native
+@pytest.mark.parametrize(("tiles", "splits"), [((3, 5), 0), ((2, 3), 2), ((1, 1), 0), ((0, 512), 0)],
+                         ids=["tiles-3x5", "tiles-2x3-segments", "tiles-1x1", "default-tiles"])
+@pytest.mark.parametrize("case", list(_POSITION_CASES))
+def test_position_queries_and_wide_windows_match_the_formula(small_tiles, tiles, splits, case):
+    """q_pos (the queries the key table reads, apart from q) with windows as wide as the sequence (K = N - 1) and far
+    wider (K >> N), where each tile computes only the table rows it meets: the output and the gradients of q (the
+    content term's), q_pos (the key table's), k, v and every table against the float64 formula, with grouped k/v,
+    rel_q, masks, causal and query offsets; at small tiles and with the backward's key segments; the same bits from
+    one backward to the next."""
+    small_tiles(native=tiles, native_splits=splits)
+    inputs, mask, kw, go = _position_inputs(_POSITION_CASES[case])
+    want_out, want = _position_want(inputs, mask, kw, go)
+    got_out, got = _position_run(inputs, mask, kw, go)
+    assert_close(got_out, want_out, torch.float64, "out")
+    names = [name for name, t in zip(_NAMES, inputs, strict=True) if t is not None]
+    for name, a, w in zip(names, got, want, strict=True):
+        assert_close(a, w, torch.float64, f"d{name}")
+    again = _position_run(inputs, mask, kw, go)[1]
+    assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True)), "the backward is not deterministic"
+
+
+@needs_native
+@pytest.mark.parametrize("case", ["xl-self-K=N-1-gqa-keypad", "K>>N-decode-offset"])
+def test_position_queries_float32_within_the_dtype_tolerance(small_tiles, case):
+    small_tiles(native=(4, 7))
+    inputs, mask, kw, go = _position_inputs(_POSITION_CASES[case], dtype=torch.float32)
+    want_out, want = _position_want(inputs, mask, kw, go)
+    got_out, got = _position_run(inputs, mask, kw, go)
+    assert got_out.dtype == torch.float32
+    assert_close(got_out, want_out, torch.float32, "out")
+    names = [name for name, t in zip(_NAMES, inputs, strict=True) if t is not None]
+    for name, a, w in zip(names, got, want, strict=True):
+        assert a.dtype == torch.float32, name
+        assert_close(a, w, torch.float32, f"d{name}")
+
+
+@needs_native
+@pytest.mark.parametrize(("kk", "off"), [(200, 0), (210, -100), (75, 0)], ids=["padded", "window-moved-back", "whole"])
+def test_long_windows_of_a_long_table(small_tiles, kk, off):
+    """Windows of more than 256 table rows (their GEMMs compute a multiple of 16 columns) at the default tiles: from
+    tables padded with zero rows, from an unpadded table longer than a tile reaches (the window moves back to stay
+    inside it: queries at negative positions put it at the table's end), and a table read whole; rel_q's KA too."""
+    small_tiles(native=(0, 512))
+    n = 150
+    case = (1, 2, 2, n, n, 8, 8, kk, "h1h", None, False, off)
+    inputs, mask, kw, go = _position_inputs(case, dtype=torch.float32, seed=61)
+    want_out, want = _position_want(inputs, mask, kw, go)
+    got_out, got = _position_run(inputs, mask, kw, go)
+    assert_close(got_out, want_out, torch.float32, "out")
+    for name, a, w in zip(("q", "q_pos", "k", "v", "rel_k", "rel_v", "rel_q"), got, want, strict=True):
+        assert_close(a, w, torch.float32, f"d{name}")
+
+
+@needs_native
+def test_without_position_queries_q_reads_the_key_table():
+    """q_pos None is q: the same output, and dq then carries both shares (the content's and the key table's)."""
+    inputs, mask, kw, go = _position_inputs(_POSITION_CASES["xl-all-tables-causal"])
+    q, q_pos, k, v, rk, rv, rq = inputs
+    same = (q, q.detach().clone().requires_grad_(), k, v, rk, rv, rq)
+    out, (dq, dqp, *rest) = _position_run(same, mask, kw, go)
+    call = AttentionCall(q, k, v, rk, rv, kw["kk"], mask, kw["causal"], 0.0, kw["scale"], kw["off"], rel_q=rq)
+    plain = native.BACKEND.run(call)
+    plain_grads = torch.autograd.grad(plain, [t for t in (q, k, v, rk, rv, rq)], go)
+    assert_close(plain, out, torch.float64, "out")
+    assert_close(plain_grads[0], dq + dqp, torch.float64, "dq")
+    for a, w in zip(plain_grads[1:], rest, strict=True):
+        assert_close(a, w, torch.float64, "grad")
+
+
+@needs_native
+def test_position_queries_are_checked():
+    inputs, mask, kw, go = _position_inputs(_POSITION_CASES["narrow-K-gqa"])
+    q, q_pos, k, v, rk, rv, rq = (None if t is None else t.detach() for t in inputs)
+    with pytest.raises(RuntimeError, match="q_pos must have q's shape and dtype"):
+        native.forward(q, k, v, rk, rv, mask, max_relative_position=kw["kk"], is_causal=True, scale=1.0,
+                       query_offset=0, q_pos=q_pos[:, :, :-1])
+    with pytest.raises(RuntimeError, match="q_pos must have q's shape and dtype"):
+        native.forward(q, k, v, rk, rv, mask, max_relative_position=kw["kk"], is_causal=True, scale=1.0,
+                       query_offset=0, q_pos=q_pos.float())
+    assert native.BACKEND.serves.position_query

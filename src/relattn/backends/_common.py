@@ -36,6 +36,9 @@ class AttentionCall:
     ``rel_q`` (Hr,2K+1,D) or None: the position-to-content table, adding ``k_j . rel_q[idx_ij]`` to the scores at
     the key term's row ``idx_ij = clip(j - i - query_offset, -K, K) + K``; only backends declaring
     ``Serves(pos_to_content=True)`` ever see one.
+    ``q_pos`` (B,H,N,D) or None: the queries the key table ``rel_k`` reads, apart from the content queries ``q``
+    (Transformer-XL's biases: ``q = q + content_bias``, ``q_pos = q + position_bias``); None means ``q`` itself.
+    Only backends declaring ``Serves(position_query=True)`` ever see one; they return its gradient apart from q's.
     """
 
     q: Tensor
@@ -50,6 +53,7 @@ class AttentionCall:
     scale: float
     query_offset: int
     rel_q: Tensor | None = None
+    q_pos: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class Serves:
     head_dims_differ: bool = True  # D != Dv
     grouped_kv: bool = False  # takes k, v with fewer heads than q (H % Hkv == 0) without repeating them
     pos_to_content: bool = False  # takes rel_q, the position-to-content table (DeBERTa's p2c, BERT's key_query)
+    position_query: bool = False  # takes q_pos, queries for the key table apart from q (Transformer-XL's biases)
 
 
 @dataclass(frozen=True)
@@ -148,8 +153,8 @@ def stats_fake(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
 
 def grads_fake(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
                *rel_q: Tensor | None) -> tuple[Tensor, ...]:
-    """The fake backward: (dq, dk, dv, d_rel_k, d_rel_v[, d_rel_q]), a table's an empty tensor when the table is
-    None."""
+    """The fake backward: (dq, dk, dv, d_rel_k, d_rel_v[, d_rel_q[, d_q_pos]]), each of the optional inputs' an
+    empty tensor when the input is None."""
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             *(q.new_empty(0) if t is None else torch.empty_like(t) for t in (rel_k, rel_v, *rel_q)))
 
@@ -169,27 +174,28 @@ def grads_laid_out(inputs, grads) -> tuple[Tensor, ...]:
                  for g, t in zip(grads, inputs, strict=True))
 
 
-def register_stats_autograd(forward_op, backward_op, *, tensor_inputs: int, n_args: int) -> None:
-    """Autograd for ``forward_op(q, k, v, rel_k, rel_v, *more tensors, *args, rel_q) -> (out, lse, ...)``, whose
-    first ``tensor_inputs`` inputs are tensors (or None) to save, whose last input is the optional ``rel_q`` table,
-    and whose backward is ``backward_op(grad_out, *those tensors, *saved outputs, *args, rel_q)`` ->
-    ``(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q)``. Only ``out`` gets a gradient; none is materialised for the
-    statistics."""
+def register_stats_autograd(forward_op, backward_op, *, tensor_inputs: int, n_args: int, tail: int = 1) -> None:
+    """Autograd for ``forward_op(q, k, v, rel_k, rel_v, *more tensors, *args, rel_q[, q_pos]) -> (out, lse, ...)``,
+    whose first ``tensor_inputs`` inputs are tensors (or None) to save, whose last ``tail`` inputs are the optional
+    ``rel_q`` table (and, with ``tail=2``, the position queries ``q_pos``), and whose backward is
+    ``backward_op(grad_out, *those tensors, *saved outputs, *args, *tail)`` -> ``(dq, dk, dv, d_rel_k, d_rel_v,
+    d_rel_q[, d_q_pos])``. Only ``out`` gets a gradient; none is materialised for the statistics."""
 
     def setup(ctx, inputs, output):
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*inputs[:tensor_inputs], inputs[-1], *output)
-        ctx.args = inputs[tensor_inputs:-1]
-        ctx.has_tables = (inputs[3] is not None, inputs[4] is not None, inputs[-1] is not None)
+        ctx.save_for_backward(*inputs[:tensor_inputs], *inputs[-tail:], *output)
+        ctx.args = inputs[tensor_inputs:-tail]
+        ctx.present = (inputs[3] is not None, inputs[4] is not None, *(t is not None for t in inputs[-tail:]))
 
     def backward(ctx, grad_out, *ignored):
         if grad_out is None:  # grads are not materialised: no gradient reached the output
             return (None,) * n_args
-        *saved, rel_q, out, lse = ctx.saved_tensors
-        dq, dk, dv, drk, drv, drq = backward_op(grad_out, *saved, out, lse, *ctx.args, rel_q)
-        has_k, has_v, has_q = ctx.has_tables
-        return (dq, dk, dv, drk if has_k else None, drv if has_v else None, *(None,) * (n_args - 6),
-                drq if has_q else None)
+        *saved, out, lse = ctx.saved_tensors
+        saved, optional = saved[:-tail], saved[-tail:]
+        dq, dk, dv, drk, drv, *more = backward_op(grad_out, *saved, out, lse, *ctx.args, *optional)
+        has_k, has_v, *has_more = ctx.present
+        return (dq, dk, dv, drk if has_k else None, drv if has_v else None, *(None,) * (n_args - 5 - tail),
+                *(g if has else None for g, has in zip(more, has_more, strict=True)))
 
     forward_op.register_autograd(backward, setup_context=setup)
 
@@ -197,41 +203,47 @@ def register_stats_autograd(forward_op, backward_op, *, tensor_inputs: int, n_ar
 def define_stats_ops(name: str, forward: Callable, backward: Callable):
     """The custom ops of a kernel that saves its log-sum-exp, with fake kernels and autograd:
 
-    * ``relattn::{name}_fwd(q, k, v, rel_k?, rel_v?, mask?, K, is_causal, scale, query_offset, rel_q?=None)`` ->
-      ``(out, lse)`` around ``forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position, is_causal, scale,
-      query_offset, rel_q)``;
+    * ``relattn::{name}_fwd(q, k, v, rel_k?, rel_v?, mask?, K, is_causal, scale, query_offset, rel_q?=None,
+      q_pos?=None)`` -> ``(out, lse)`` around ``forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position,
+      is_causal, scale, query_offset, rel_q[, q_pos])`` (``q_pos`` passed only when given);
     * ``relattn::{name}_bwd(grad_out, q, k, v, rel_k?, rel_v?, mask?, out, lse, K, is_causal, scale, query_offset,
-      rel_q?=None)`` -> ``(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q)`` around ``backward`` (same keywords), which
-      returns the five gradients, and a sixth, ``d_rel_q``, when ``rel_q`` is given.
+      rel_q?=None, q_pos?=None)`` -> ``(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos)`` around ``backward`` (same
+      keywords), which returns the five gradients, a sixth, ``d_rel_q``, when ``rel_q`` is given, and a seventh,
+      ``d_q_pos`` (the key table's share of the position queries' gradient, apart from dq), when ``q_pos`` is.
 
     Returns the forward op. torch.compile and torch.export see each as one opaque, shape-correct op.
     """
 
+    def position_query(q_pos):  # q_pos as a keyword, only when given (a kernel without one never sees it)
+        return {} if q_pos is None else {"q_pos": q_pos}
+
     @torch.library.custom_op(f"relattn::{name}_fwd", mutates_args=())
     def fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None, mask: Tensor | None,
             max_relative_position: int, is_causal: bool, scale: float, query_offset: int,
-            rel_q: Tensor | None = None) -> tuple[Tensor, Tensor]:
+            rel_q: Tensor | None = None, q_pos: Tensor | None = None) -> tuple[Tensor, Tensor]:
         return forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position,
-                       is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q)
+                       is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q,
+                       **position_query(q_pos))
 
     @fwd.register_fake
-    def _(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset, rel_q=None):
+    def _(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset, rel_q=None,
+          q_pos=None):
         return stats_fake(q, v)
 
     @torch.library.custom_op(f"relattn::{name}_bwd", mutates_args=())
     def bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
             mask: Tensor | None, out: Tensor, lse: Tensor, max_relative_position: int, is_causal: bool,
-            scale: float, query_offset: int,
-            rel_q: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+            scale: float, query_offset: int, rel_q: Tensor | None = None,
+            q_pos: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         grads = backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse,
                          max_relative_position=max_relative_position, is_causal=is_causal, scale=scale,
-                         query_offset=query_offset, rel_q=rel_q)
-        return grads_laid_out((q, k, v, rel_k, rel_v, rel_q), (*grads, None)[:6])
+                         query_offset=query_offset, rel_q=rel_q, **position_query(q_pos))
+        return grads_laid_out((q, k, v, rel_k, rel_v, rel_q, q_pos), (*grads, None, None)[:7])
 
     @bwd.register_fake
     def _(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position, is_causal, scale, query_offset,
-          rel_q=None):
-        return grads_fake(q, k, v, rel_k, rel_v, rel_q)
+          rel_q=None, q_pos=None):
+        return grads_fake(q, k, v, rel_k, rel_v, rel_q, q_pos)
 
-    register_stats_autograd(fwd, bwd, tensor_inputs=6, n_args=11)
+    register_stats_autograd(fwd, bwd, tensor_inputs=6, n_args=12, tail=2)
     return fwd

@@ -244,29 +244,31 @@ def _tables_and_mask(rel_k, rel_v, mask, rel_q):
 
 
 def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
-            query_offset: int, rel_q=None):
+            query_offset: int, rel_q=None, q_pos=None):
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros, lse -inf.
-    k, v may have Hkv heads, H % Hkv == 0."""
+    k, v may have Hkv heads, H % Hkv == 0; q_pos (q's shape and dtype), when given, the queries rel_k reads."""
     _require()
     gemm16 = uses_gemm16(q.dtype)
     tiles = tile_q(q.shape[-2], is_causal), TILE_K
-    out, lse = torch.ops.relattn_native.fwd(*_data(gemm16, q, k, v), *_tables_and_mask(rel_k, rel_v, mask, rel_q),
+    q_, k_, v_, qp = _data(gemm16, q, k, v, q_pos)
+    out, lse = torch.ops.relattn_native.fwd(q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), qp,
                                             max_relative_position, is_causal, scale, query_offset, *tiles)
     return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
 
 
 def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
-             scale: float, query_offset: int, rel_q=None):
-    """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q) in their inputs' dtypes (dk, dv with k's Hkv heads); a table gradient
-    is an empty tensor when the table is None."""
+             scale: float, query_offset: int, rel_q=None, q_pos=None):
+    """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos) in their inputs' dtypes (dk, dv with k's Hkv heads); a table
+    gradient, and d_q_pos, is an empty tensor when its input is None. With q_pos, dq is the content term's share
+    only and d_q_pos the key table's."""
     _require()
     gemm16 = uses_gemm16(q.dtype)
-    go, q_, k_, v_, out_ = _data(gemm16, grad_out, q, k, v, out)
+    go, q_, k_, v_, out_, qp = _data(gemm16, grad_out, q, k, v, out, q_pos)
     tiles = tile_q(q.shape[-2], is_causal), TILE_K
-    grads = torch.ops.relattn_native.bwd(go, q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), out_, lse,
-                                         max_relative_position, is_causal, scale, query_offset, *tiles, KV_SPLITS)
+    grads = torch.ops.relattn_native.bwd(go, q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), qp, out_,
+                                         lse, max_relative_position, is_causal, scale, query_offset, *tiles, KV_SPLITS)
     return tuple(g if t is None or g.dtype == t.dtype else g.to(t.dtype)
-                 for g, t in zip(grads, (q, k, v, rel_k, rel_v, rel_q), strict=True))
+                 for g, t in zip(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos), strict=True))
 
 
 # relattn::native_fwd / relattn::native_bwd: see _common.define_stats_ops.
@@ -276,7 +278,7 @@ native_fwd = define_stats_ops("native", forward, backward)
 def _differentiated(call: AttentionCall) -> bool:
     """Whether autograd will ask for a backward of this call."""
     return torch.is_grad_enabled() and (call.q.requires_grad or call.k.requires_grad or call.v.requires_grad or any(
-        t is not None and t.requires_grad for t in (call.rel_k, call.rel_v, call.mask, call.rel_q)))
+        t is not None and t.requires_grad for t in (call.rel_k, call.rel_v, call.mask, call.rel_q, call.q_pos)))
 
 
 def _traced() -> bool:
@@ -293,13 +295,14 @@ class _EagerAttention(torch.autograd.Function):
     which is most of a short sequence's overhead (N = 128: about 2 ms in all)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset, rel_q):
+    def forward(ctx, q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset, rel_q,
+                q_pos):
         # forward(ctx, ...) rather than setup_context: Function.apply binds a setup_context Function's arguments
         # through inspect.signature on every call (some 50 us)
         out, lse = forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position,
-                           is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q)
+                           is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, rel_k, rel_v, mask, rel_q, out, lse)
+        ctx.save_for_backward(q, k, v, rel_k, rel_v, mask, rel_q, q_pos, out, lse)
         ctx.args = (max_relative_position, is_causal, scale, query_offset)
         return out
 
@@ -307,31 +310,31 @@ class _EagerAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         if grad_out is None:  # no gradient reached the output
-            return (None,) * 11
-        q, k, v, rel_k, rel_v, mask, rel_q, out, lse = ctx.saved_tensors
+            return (None,) * 12
+        q, k, v, rel_k, rel_v, mask, rel_q, q_pos, out, lse = ctx.saved_tensors
         kk, is_causal, scale, query_offset = ctx.args
-        dq, dk, dv, drk, drv, drq = backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse,
-                                             max_relative_position=kk, is_causal=is_causal, scale=scale,
-                                             query_offset=query_offset, rel_q=rel_q)
+        dq, dk, dv, drk, drv, drq, dqp = backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse,
+                                                  max_relative_position=kk, is_causal=is_causal, scale=scale,
+                                                  query_offset=query_offset, rel_q=rel_q, q_pos=q_pos)
         return (dq, dk, dv, None if rel_k is None else drk, None if rel_v is None else drv, *(None,) * 5,
-                None if rel_q is None else drq)
+                None if rel_q is None else drq, None if q_pos is None else dqp)
 
 
 def native_attention(call: AttentionCall) -> Tensor:
     """The output (B, H, N, Dv), in q's dtype. Traced calls go through the custom op; eager ones call the kernel
     directly (inference, decoding) or through :class:`_EagerAttention` (when autograd will ask for a backward)."""
     args = (call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, call.max_relative_position, call.is_causal,
-            call.scale, call.query_offset, call.rel_q)
+            call.scale, call.query_offset, call.rel_q, call.q_pos)
     if _traced():
         return native_fwd(*args)[0]
     if _differentiated(call):
         return _EagerAttention.apply(*args)
     return forward(*args[:6], max_relative_position=call.max_relative_position, is_causal=call.is_causal,
-                   scale=call.scale, query_offset=call.query_offset, rel_q=call.rel_q)[0]
+                   scale=call.scale, query_offset=call.query_offset, rel_q=call.rel_q, q_pos=call.q_pos)[0]
 
 
 BACKEND = Backend("native", native_attention,
-                  Serves(devices=frozenset({"cpu"}), grouped_kv=True, pos_to_content=True),
+                  Serves(devices=frozenset({"cpu"}), grouped_kv=True, pos_to_content=True, position_query=True),
                   "C++ kernel, one flash pass: the key term added per row in three runs (left, band, right), "
                   "the value term as 2K+1 weights per row; CPU, masks, grouped k/v, rel_q, no dropout (16-bit GEMMs "
                   "where the CPU has 16-bit instructions, else float32)",
