@@ -59,59 +59,91 @@ def read(out_dir, world: int) -> list:
 
 # ------------------------------------------------------------------------------------------------- the op's cases
 
-# name -> (K or (left, right), tables, is_causal, layout, beyond, mask, backend); 6 positions per rank.
-N_LOCAL = 6
+N_LOCAL = 6  # positions per rank
+
+
+def _case(window, tables="shared", *, causal=False, layout="contiguous", beyond="clip", mask=None, backend="auto",
+          rel_q=None, heads=(3, 3), offset=0, scale=None):
+    """One conformance case of the ring: ``tables`` as helpers.TABLES names them, ``rel_q`` None / "shared" /
+    "per_head", ``heads`` (H, Hkv), ``mask`` None / "padding" / "full" (random, one row fully masked) / "float"."""
+    return dict(window=window, tables=tables, causal=causal, layout=layout, beyond=beyond, mask=mask,
+                backend=backend, rel_q=rel_q, heads=heads, offset=offset, scale=scale)
+
+
+# The ring's conformance cases: the op's features combined pairwise (tables shared / per head / one side / none,
+# rel_q, grouped heads, windows: K below and above the chunk, K > N, K = 0, asymmetric, zero beyond, LogBuckets;
+# masks, causal, query offsets, both layouts, both CPU backends that serve chunk pairs).
 OP_CASES = {
-    "K<chunk shared": (2, "shared", False, "contiguous", "clip", None, "auto"),
-    "K<chunk shared causal": (2, "shared", True, "contiguous", "clip", None, "auto"),
-    "K>chunk per-head": (9, "per_head", False, "contiguous", "clip", None, "auto"),
-    "K>chunk per-head causal": (9, "per_head", True, "contiguous", "clip", None, "auto"),
-    "K>N shared causal": (40, "shared", True, "contiguous", "clip", None, "auto"),
-    "K=0 per-head": (0, "per_head", False, "contiguous", "clip", None, "auto"),
-    "asymmetric causal": ((1, 8), "per_head", True, "contiguous", "clip", None, "auto"),
-    "beyond zero": (3, "shared", False, "contiguous", "zero", None, "auto"),
-    "keys only": (4, "keys_only_per_head", True, "contiguous", "clip", None, "auto"),
-    "values only": (4, "values_only", False, "contiguous", "clip", None, "auto"),
-    "no tables causal": (4, "none", True, "contiguous", "clip", None, "auto"),
-    "zigzag causal K<chunk": (2, "per_head", True, "zigzag", "clip", None, "auto"),
-    "zigzag causal K>chunk": (9, "shared", True, "zigzag", "clip", None, "auto"),
-    "zigzag": (5, "shared", False, "zigzag", "clip", None, "auto"),
-    "key padding mask": (3, "shared", False, "contiguous", "clip", "padding", "auto"),
-    "full mask causal zigzag": (7, "per_head", True, "zigzag", "clip", "full", "auto"),
-    "blocked backend": (9, "per_head", False, "contiguous", "clip", None, "blocked"),
-    "blocked backend causal zigzag mask": (3, "shared", True, "zigzag", "clip", "full", "blocked"),
+    "K<chunk shared": _case(2),
+    "K<chunk shared causal": _case(2, causal=True),
+    "K>chunk per-head causal rel_q": _case(9, "per_head", causal=True, rel_q="per_head"),
+    "K>N shared causal gqa": _case(40, causal=True, heads=(4, 2)),
+    "K=0 per-head rel_q shared mqa": _case(0, "per_head", rel_q="shared", heads=(3, 1)),
+    "asymmetric causal rel_q": _case((1, 8), "keys_per_head", causal=True, rel_q="shared"),
+    "beyond zero gqa mask": _case(3, "values_per_head", beyond="zero", heads=(4, 2), mask="full"),
+    "keys only offset causal": _case(4, "keys_only_per_head", causal=True, offset=3),
+    "values only offset": _case(4, "values_only", offset=-2, mask="float"),
+    "no tables causal scale": _case(4, "none", causal=True, scale=0.3),
+    "log buckets": _case(("log", 4, 6, 20), "per_head", rel_q="per_head"),
+    "log buckets causal gqa zigzag": _case(("log", 3, 4, 12), causal=True, layout="zigzag", heads=(4, 2),
+                                           rel_q="shared"),
+    "zigzag causal K<chunk": _case(2, "per_head", causal=True, layout="zigzag"),
+    "zigzag rel_q mask": _case(5, layout="zigzag", rel_q="shared", mask="full"),
+    "key padding mask gqa rel_q": _case(3, "keys_per_head", mask="padding", heads=(4, 2), rel_q="per_head"),
+    "full mask causal zigzag offset": _case(7, "per_head", causal=True, layout="zigzag", mask="full", offset=2),
+    "blocked gqa rel_q": _case(9, "per_head", backend="blocked", heads=(4, 2), rel_q="shared"),
+    "blocked causal zigzag mask log": _case(("log", 3, 4, 12), causal=True, layout="zigzag", mask="full",
+                                            backend="blocked"),
 }
 
-
-# The cases 3 ranks also run (a third process costs more than the cases): both tables, shared and per head, causal
-# and not, K smaller and larger than the chunk, both layouts, a mask.
-OP_CASES_3 = ("K<chunk shared", "K<chunk shared causal", "K>chunk per-head", "K>chunk per-head causal",
-              "K>N shared causal", "asymmetric causal", "zigzag causal K>chunk", "full mask causal zigzag",
-              "blocked backend causal zigzag mask")
+# The cases 3 ranks also run (a third process costs more than the cases).
+OP_CASES_3 = ("K<chunk shared causal", "K>chunk per-head causal rel_q", "K>N shared causal gqa",
+              "asymmetric causal rel_q", "log buckets causal gqa zigzag", "full mask causal zigzag offset",
+              "blocked causal zigzag mask log")
 
 
 def cases_for(world: int) -> tuple[str, ...]:
     return tuple(OP_CASES) if world == 2 else OP_CASES_3
 
 
-def _case_inputs(name: str, world: int):
-    from helpers import random_inputs
+def _window(spec):
+    from relattn.positions import LogBuckets
 
-    window, tables, causal, layout, beyond, mask_kind, backend = OP_CASES[name]
-    n = N_LOCAL * world
-    q, k, v, rel_k, rel_v = random_inputs(2, 3, n, n, 4, 5, window, tables=tables, seed=len(name))
-    g = torch.Generator().manual_seed(len(name) + 1)
-    grad_out = torch.randn(2, 3, n, 5, generator=g, dtype=torch.float64)
+    return LogBuckets(*spec[1:]) if isinstance(spec, tuple) and spec[0] == "log" else spec
+
+
+def _case_inputs(name: str, world: int):
+    from helpers import TABLES
+    from relattn.positions import table_rows
+
+    c = OP_CASES[name]
+    window = _window(c["window"])
+    n, (h, hkv), d, dv = N_LOCAL * world, c["heads"], 4, 5
+    g = torch.Generator().manual_seed(len(name))
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    rows = table_rows(window)
+    (has_k, k_heads), (has_v, v_heads) = TABLES[c["tables"]]
+    q, k, v = rnd(2, h, n, d), rnd(2, hkv, n, d), rnd(2, hkv, n, dv)
+    rel_k = rnd(*((h,) if k_heads else ()), rows, d) if has_k else None
+    rel_v = rnd(*((h,) if v_heads else ()), rows, dv) if has_v else None
+    rel_q = None if c["rel_q"] is None else rnd(*((h,) if c["rel_q"] == "per_head" else ()), rows, d)
+    grad_out = rnd(2, h, n, dv)
     mask = None
-    if mask_kind == "padding":
+    if c["mask"] == "padding":
         mask = torch.ones(2, 1, 1, n, dtype=torch.bool)
         mask[0, ..., -4:] = False
         mask[1, ..., :3] = False
-    elif mask_kind == "full":
+    elif c["mask"] == "full":
         mask = torch.rand(2, 1, n, n, generator=g) > 0.3
-        mask[1, 0, 2] = False  # one row that sees no key: zeros, zero gradients
-    return (q, k, v, rel_k, rel_v, grad_out, mask), dict(max_relative_position=window, beyond=beyond,
-                                                         is_causal=causal), layout, backend
+        mask[1, 0, 2] = False  # a row that sees no key (in every chunk): zeros, zero gradients
+    elif c["mask"] == "float":
+        mask = rnd(2, h, n, n)
+    kw = dict(max_relative_position=window, beyond=c["beyond"], is_causal=c["causal"], query_offset=c["offset"],
+              scale=c["scale"], enable_gqa=hkv != h)
+    return (q, k, v, rel_k, rel_v, rel_q, grad_out, mask), kw, c["layout"], c["backend"]
 
 
 def _err(got, want) -> float:
@@ -120,39 +152,145 @@ def _err(got, want) -> float:
     return (got - want).abs().max().item() if got.numel() else 0.0
 
 
+def _refusal(fn) -> str | None:
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return None
+
+
+# Every keyword of the op, with a value that is not its default, and what the ring does with it: "served" (it must
+# then equal the single-process op) or "refused" (a ValueError naming it). A keyword of the op missing here fails the
+# test that walks them: a new argument is either served or refused by the ring, never dropped.
+WALK = {
+    "rel_k": ("table", "served"), "rel_v": ("table", "served"), "rel_q": ("table", "served"),
+    "max_relative_position": (("log", 3, 4, 12), "served"), "beyond": ("zero", "served"),
+    "attn_mask": ("mask", "served"), "is_causal": (True, "served"), "dropout_p": (0.1, "refused"),
+    "scale": (0.3, "served"), "query_offset": (3, "served"), "enable_gqa": (True, "served"),
+    "backend": ("dense", "refused"),
+}
+
+
+def _walk(rank: int, world: int) -> dict:
+    """For each keyword of the op: "served" with the error against the op, "refused" with the message, or
+    "unknown" (a keyword :data:`WALK` does not list)."""
+    import inspect
+
+    from relattn import relative_attention
+    from relattn.distributed import context_parallel_attention, shard
+
+    n = N_LOCAL * world
+    g = torch.Generator().manual_seed(99)
+    results = {}
+    for name in list(inspect.signature(relative_attention).parameters)[3:]:
+        if name not in WALK:
+            results[name] = ("unknown", None)
+            continue
+        value, kind = WALK[name]
+        hkv = 1 if name == "enable_gqa" else 2
+        q, k, v = (torch.randn(1, 2, n, 4, generator=g, dtype=torch.float64) for _ in range(3))
+        k, v = k[:, :hkv], v[:, :hkv]
+        kw = dict(max_relative_position=2)
+        tables = {}
+        if name in ("rel_k", "rel_v", "rel_q"):
+            tables[name] = torch.randn(5, 4, generator=g, dtype=torch.float64)
+        elif name == "max_relative_position":
+            kw[name] = _window(value)
+            tables["rel_k"] = torch.randn(2 * value[1], 4, generator=g, dtype=torch.float64)
+        elif name == "attn_mask":
+            kw[name] = torch.rand(1, 1, n, n, generator=g) > 0.4
+        else:
+            kw[name] = value
+        if name in ("beyond", "is_causal", "query_offset", "scale", "enable_gqa"):
+            tables["rel_k"] = torch.randn(5, 4, generator=g, dtype=torch.float64)
+        want = None if kind == "refused" else relative_attention(q, k, v, **tables, **kw)
+
+        def local(t):
+            return shard(t, rank, world, dim=2)
+
+        local_kw = {**kw, **({"attn_mask": local(kw["attn_mask"])} if name == "attn_mask" else {})}
+        try:
+            got = context_parallel_attention(local(q), local(k), local(v), **tables, **local_kw)
+            results[name] = ("served", _err(got, local(want)) if want is not None else float("inf"))
+        except (ValueError, TypeError) as e:
+            results[name] = ("refused", str(e))
+    return results
+
+
+def _module_cases(rank: int, world: int) -> dict:
+    """The module's own forward under context parallelism (``context_parallel=cp``) against its single-process
+    forward: outputs and every parameter's gradient (the ranks' shares summed)."""
+    from relattn import RelativeMultiheadAttention
+    from relattn.distributed import ContextParallel
+    from relattn.positions import LogBuckets
+
+    cp = ContextParallel(layout="zigzag")
+    n = N_LOCAL * world
+    results = {}
+    configs = {
+        "rel_q gqa": dict(max_relative_position=3, position_to_content=True, num_kv_heads=2),
+        "log buckets per-head": dict(max_relative_position=LogBuckets(3, 4, 12), share_heads=False,
+                                     position_to_content=True),
+        "window tied": dict(max_relative_position=(2, 5), tie_tables=True),
+    }
+    for name, config in configs.items():
+        torch.manual_seed(len(name))
+        module = RelativeMultiheadAttention(16, 4, dtype=torch.float64, **config)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.normal_(0, 0.3)
+        x = torch.randn(2, n, 16, dtype=torch.float64)
+        padding = torch.zeros(2, n, dtype=torch.bool)
+        padding[1, -3:] = True
+        want = module(x, key_padding_mask=padding, is_causal=True)[0]
+        want.square().sum().backward()
+        full = {k: p.grad.clone() for k, p in module.named_parameters()}
+        module.zero_grad()
+        got = module(cp.shard(x, dim=1), key_padding_mask=padding, is_causal=True, context_parallel=cp)[0]
+        got.square().sum().backward()
+        errors = {"out": _err(got, cp.shard(want, dim=1))}
+        for k, p in module.named_parameters():
+            share = p.grad.clone()
+            dist.all_reduce(share)
+            errors[k] = _err(share, full[k])
+        results[name] = errors
+    return results
+
+
 def op_worker(rank: int, world: int, out_dir: str) -> None:
     """For every case of :data:`OP_CASES`: the largest difference from the single-process op, per output and
-    gradient (tables: the sum of the ranks' shares); plus one forward+backward's timeline and the error messages
-    of bad calls."""
+    gradient (tables: the sum of the ranks' shares); the keyword walk; the module under context parallelism; one
+    forward+backward's timeline; the error messages of bad calls."""
     from relattn import relative_attention
     from relattn.distributed import context_parallel_attention, record_timeline, shard
 
     results = {}
     for name in cases_for(world):
-        (q, k, v, rel_k, rel_v, grad_out, mask), kw, layout, backend = _case_inputs(name, world)
-        full = [t.clone().requires_grad_() if t is not None else None for t in (q, k, v, rel_k, rel_v)]
-        want = relative_attention(*full, attn_mask=mask, backend="dense", **kw)
+        (q, k, v, rel_k, rel_v, rel_q, grad_out, mask), kw, layout, backend = _case_inputs(name, world)
+        full = [t.clone().requires_grad_() if t is not None else None for t in (q, k, v, rel_k, rel_v, rel_q)]
+        want = relative_attention(*full[:5], rel_q=full[5], attn_mask=mask, backend="dense", **kw)
         want.backward(grad_out)
 
         def local(t, layout=layout):
             return shard(t, rank, world, dim=2, layout=layout)
 
         mine = [local(t).clone().requires_grad_() for t in (q, k, v)]
-        mine += [t.clone().requires_grad_() if t is not None else None for t in (rel_k, rel_v)]
+        mine += [t.clone().requires_grad_() if t is not None else None for t in (rel_k, rel_v, rel_q)]
         local_mask = None if mask is None or mask.shape[2] == 1 else local(mask)
-        got = context_parallel_attention(*mine, attn_mask=mask if local_mask is None else local_mask,
+        got = context_parallel_attention(*mine[:5], rel_q=mine[5], attn_mask=mask if local_mask is None else local_mask,
                                          layout=layout, backend=backend, **kw)
         got.backward(local(grad_out))
         errors = {"out": _err(got, local(want)), "dq": _err(mine[0].grad, local(full[0].grad)),
                   "dk": _err(mine[1].grad, local(full[1].grad)), "dv": _err(mine[2].grad, local(full[2].grad))}
-        for i, table in ((3, "d_rel_k"), (4, "d_rel_v")):
+        for i, table in ((3, "d_rel_k"), (4, "d_rel_v"), (5, "d_rel_q")):
             if mine[i] is not None:
                 share = mine[i].grad.clone()
                 dist.all_reduce(share)
                 errors[table] = _err(share, full[i].grad)
         results[name] = errors
 
-    (q, k, v, rel_k, rel_v, grad_out, _), kw, _, _ = _case_inputs("K<chunk shared causal", world)
+    (q, k, v, rel_k, rel_v, _, grad_out, _), kw, _, _ = _case_inputs("K<chunk shared causal", world)
     runs = []
     for _ in range(2):
         mine = [shard(t, rank, world, dim=2).requires_grad_() for t in (q, k, v)]
@@ -161,14 +299,20 @@ def op_worker(rank: int, world: int, out_dir: str) -> None:
             out.backward(shard(grad_out, rank, world, dim=2))
         runs.append([out.detach(), *(t.grad for t in mine)])
     deterministic = all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
-    errors = {}
-    bad = {"backend": dict(backend="dense"), "layout": dict(layout="spiral"),
-           "mask": dict(attn_mask=torch.ones(2, 3, N_LOCAL, N_LOCAL, dtype=torch.bool))}
-    for what, extra in bad.items():
-        try:
-            context_parallel_attention(mine[0], mine[1], mine[2], rel_k, rel_v, **{**kw, **extra})
-            errors[what] = None
-        except (ValueError, TypeError) as e:
-            errors[what] = str(e)
+    x = mine[0].detach()
+    bad = {"backend": lambda: context_parallel_attention(x, x, x, rel_k, None, **{**kw, "backend": "dense"}),
+           "layout": lambda: context_parallel_attention(x, x, x, rel_k, None, **kw, layout="spiral"),
+           "mask": lambda: context_parallel_attention(x, x, x, rel_k, None, **kw,
+                                                      attn_mask=torch.ones(2, 3, N_LOCAL, N_LOCAL, dtype=torch.bool)),
+           # unequal local lengths: rank 0 holds one position fewer; every rank gets the error
+           "lengths": lambda: context_parallel_attention(*(x[:, :, :-1] if rank == 0 else x,) * 3, rel_k, None, **kw),
+           # one rank's bad table: every rank gets an error (the others: which rank refused)
+           "one rank refuses": lambda: context_parallel_attention(x, x, x, rel_k[:-1] if rank == 1 else rel_k, None,
+                                                                  **kw),
+           "mask grad": lambda: context_parallel_attention(
+               x, x, x, rel_k, None, **kw, attn_mask=torch.zeros(1, 1, N_LOCAL, N_LOCAL * world,
+                                                                  dtype=torch.float64, requires_grad=True))}
+    errors = {what: _refusal(fn) for what, fn in bad.items()}
     write(out_dir, rank, {"cases": results, "timeline": [list(e) for e in events], "errors": errors,
-                          "deterministic": deterministic})
+                          "deterministic": deterministic, "walk": _walk(rank, world),
+                          "modules": _module_cases(rank, world)})

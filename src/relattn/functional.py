@@ -56,7 +56,7 @@ def _check_like(name, t, like) -> None:
         raise ValueError(f"{name} is on {t.device} but q is on {like.device}; all inputs must be on one device")
 
 
-def _check_mask(attn_mask, *, target, like) -> torch.Tensor | None:
+def check_mask(attn_mask, *, target, like) -> torch.Tensor | None:
     """``attn_mask`` checked against ``target`` = (*lead, N, M) and brought to (B or 1, H or 1, N, M), additive."""
     if attn_mask is None:
         return None
@@ -103,9 +103,14 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
 
 
 def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_causal, dropout_p, scale,
-             query_offset, beyond="clip", enable_gqa=False, rel_q=None) -> AttentionCall:
+             query_offset, beyond="clip", enable_gqa=False, rel_q=None, offsets=None) -> AttentionCall:
     """Check every argument and bring it to the canonical form backends receive (k and v keep their ``Hkv``
     heads; :func:`relative_attention` repeats them for the backends that need H).
+
+    ``offsets`` (lowest, highest): the offsets ``j - i - query_offset`` the tables must serve, by default those of
+    this call's N queries and M keys; a call that is one part of a longer sequence (context parallelism) passes
+    the whole sequence's, so that a :class:`~relattn.positions.LogBuckets` or zero-beyond table is expanded for
+    every offset of the sequence.
 
     Every call pays for this, a decoding step too: each check is a cheap comparison first, and an error's
     message is built only when it is raised."""
@@ -141,25 +146,20 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
         want = ", ".join(str(x) for x in (*ks[:-1], "Dv"))
         layout = "(B, H, M, Dv)" if dims == 4 else "(..., H, M, Dv)"
         raise ValueError(f"v must be {layout} = ({want}) to match k {_shape(k)}; got {_shape(v)}")
-    if type(max_relative_position) is int and max_relative_position >= 0 and beyond == "clip":
-        # a symmetric clipped window: the kernels' own form, the tables as they are
-        kk = max_relative_position
-        rows = 2 * kk + 1
-        rel_k = _check_table("rel_k", rel_k, heads=h, rows=rows, dim=d, like=q)
-        rel_v = _check_table("rel_v", rel_v, heads=h, rows=rows, dim=vs[-1], like=q)
-        rel_q = _check_table("rel_q", rel_q, heads=h, rows=rows, dim=d, like=q)
+    symmetric = type(max_relative_position) is int and max_relative_position >= 0 and beyond == "clip"
+    if symmetric:  # a symmetric clipped window: the kernels' own form, the tables as they are
+        kk, rows = max_relative_position, 2 * max_relative_position + 1
     else:
-        window = check_positions(max_relative_position)
-        beyond = check_beyond(beyond)
+        window, beyond = check_positions(max_relative_position), check_beyond(beyond)
         rows = table_rows(window)
-        offsets = (-(n - 1) - query_offset, m - 1 - query_offset) if isinstance(query_offset, int) else (0, 0)
-        rel_k = _check_table("rel_k", rel_k, heads=h, rows=rows, dim=d, like=q)
-        rel_v = _check_table("rel_v", rel_v, heads=h, rows=rows, dim=vs[-1], like=q)
-        rel_q = _check_table("rel_q", rel_q, heads=h, rows=rows, dim=d, like=q)
-        rel_k, kk = symmetric_table(rel_k, window, beyond, offsets=offsets)
-        rel_v, _ = symmetric_table(rel_v, window, beyond, offsets=offsets)
-        rel_q, _ = symmetric_table(rel_q, window, beyond, offsets=offsets)
-    mask = None if attn_mask is None else _check_mask(attn_mask, target=(*qs[:-2], n, m), like=q)
+    rel_k, rel_v, rel_q = (_check_table(name, t, heads=h, rows=rows, dim=dim, like=q) for name, t, dim in
+                           (("rel_k", rel_k, d), ("rel_v", rel_v, vs[-1]), ("rel_q", rel_q, d)))
+    if not symmetric:
+        if offsets is None:
+            offsets = (-(n - 1) - query_offset, m - 1 - query_offset) if isinstance(query_offset, int) else (0, 0)
+        (rel_k, kk), (rel_v, _), (rel_q, _) = (symmetric_table(t, window, beyond, offsets=offsets)
+                                               for t in (rel_k, rel_v, rel_q))
+    mask = None if attn_mask is None else check_mask(attn_mask, target=(*qs[:-2], n, m), like=q)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if isinstance(query_offset, bool) or not isinstance(query_offset, int):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .cache import KVCache
-from .functional import backend_refusals, relative_attention, relative_attention_with_weights
+from .functional import additive_mask, backend_refusals, relative_attention, relative_attention_with_weights
 from .positions import LogBuckets, check_beyond, check_positions, table_rows
 
 _MASKS = {  # argument -> what its bool and float forms mean, as nn.MultiheadAttention takes them
@@ -51,12 +51,7 @@ def _combine(a: torch.Tensor | None, b: torch.Tensor | None, dtype) -> torch.Ten
         return a if b is None else b
     if a.dtype == torch.bool and b.dtype == torch.bool:
         return a & b
-
-    def added(t):
-        return t.to(dtype) if t.dtype != torch.bool else \
-            torch.zeros(t.shape, dtype=dtype, device=t.device).masked_fill(~t, float("-inf"))
-
-    return added(a) + added(b)
+    return additive_mask(a, dtype) + additive_mask(b, dtype)
 
 
 def _positive(name: str, value) -> int:
@@ -350,6 +345,15 @@ class RelativeMultiheadAttention(nn.Module):
             kv_cache.position
 
     @staticmethod
+    def _check_context_parallel(self_attention: bool, value_is_key: bool, kv_cache, need_weights: bool) -> None:
+        if not (self_attention and value_is_key):
+            raise ValueError("context_parallel serves self-attention only (key and value None or query itself)")
+        if kv_cache is not None:
+            raise ValueError("context_parallel takes no kv_cache (a cache holds one process's keys)")
+        if need_weights:
+            raise ValueError("context_parallel returns no attention weights: pass need_weights=False")
+
+    @staticmethod
     def _cache_update(kv_cache, self_attention: bool, key, value, k, v, n: int, bf: bool):
         """Write this call's keys and values (or memory) into ``kv_cache``; returns the keys and values to use."""
         if kv_cache is None:
@@ -374,6 +378,7 @@ class RelativeMultiheadAttention(nn.Module):
         is_causal: bool = False,
         *,
         kv_cache: KVCache | None = None,
+        context_parallel=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend ``query`` to ``key`` / ``value``; self-attention if they are None.
 
@@ -393,10 +398,18 @@ class RelativeMultiheadAttention(nn.Module):
         In cross-attention (``key`` not ``query``) a ``kv_cache`` holds the memory's keys and values once: the
         first call projects them, later calls (with the same ``key`` and ``value``) reuse them, and each call's
         queries continue after the previous calls' queries. See :class:`KVCache`.
+
+        ``context_parallel``: a :class:`relattn.distributed.ContextParallel`: ``query`` is this rank's part of a
+        sequence split over its process group (self-attention only, no cache, no weights), and so is the output;
+        the module's own forward then runs with the context-parallel ring in place of the op, so every option
+        (tables, ``rel_q``, grouped heads, windows) is the same. Masks then cover the local queries' rows and
+        every key of the whole sequence (``M = P n``, in global position order): ``key_padding_mask`` (B, P n).
         """
         key = query if key is None else key
         value = key if value is None else value
         self_attention = key is query
+        if context_parallel is not None:
+            self._check_context_parallel(self_attention, value is key, kv_cache, need_weights)
         batched = self._check_inputs(query, key, value)
         if not batched:
             query, key, value = query[None], key[None], value[None]
@@ -405,6 +418,8 @@ class RelativeMultiheadAttention(nn.Module):
         k, v, offset = self._keys_values(query, key, value, kv_cache, bf)
         b, n = q.shape[0], q.shape[2]
         m = k.shape[2] + (offset if self_attention and kv_cache is not None else 0)
+        if context_parallel is not None:
+            m = context_parallel.key_length(m)
         mask = self._masks(key_padding_mask, attn_mask, batched=batched, b=b, n=n, m=m, dtype=q.dtype)
         # after the checks: a refused call leaves the cache as it was
         k, v = self._cache_update(kv_cache, self_attention, key, value, k, v, n, bf)
@@ -420,7 +435,8 @@ class RelativeMultiheadAttention(nn.Module):
             weights = weights.mean(1) if average_attn_weights else weights
             weights = weights if batched else weights[0]
         else:
-            out = relative_attention(q, k, v, rel_k, rel_v, backend=self.backend, **args)
+            attend = relative_attention if context_parallel is None else context_parallel.attention
+            out = attend(q, k, v, rel_k, rel_v, backend=self.backend, **args)
         out = out.transpose(1, 2) if bf else out.permute(2, 0, 1, 3)
         out = self.out_proj(out.flatten(2))
         return (out if batched else out[0]), weights

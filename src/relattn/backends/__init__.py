@@ -11,7 +11,17 @@ from __future__ import annotations
 import torch
 
 from . import blocked, dense, native, triton
-from ._common import FLOATS, AttentionCall, Backend, Serves, declared_reasons, not_supported_reasons
+from ._common import (
+    FLOATS,
+    AttentionCall,
+    Backend,
+    Serves,
+    StatsAutograd,
+    StatsOps,
+    declared_reasons,
+    not_supported_reasons,
+    stats_dtype,
+)
 
 _REGISTERED = (dense.BACKEND, blocked.BACKEND, native.BACKEND, triton.BACKEND)
 
@@ -67,7 +77,7 @@ def check_name(name: object, *, what: str = "backend") -> str:
 
 def refusals(name: str, *, device: str | None = None, dtype: torch.dtype | None = None, dropout: bool = False,
              mask: bool = False, head_dim: int | None = None, v_head_dim: int | None = None,
-             pos_to_content: bool = False) -> list[str]:
+             pos_to_content: bool = False, chunk_pairs: bool = False) -> list[str]:
     """Every reason backend ``name`` will refuse the calls a module, model or run of this kind makes, known at
     construction (before any call): its ``Serves`` declaration (:func:`declared_reasons`; None leaves a property
     unchecked), then, if that allows them, ``unavailable()`` (a missing package or compiler). ``"auto"`` refuses
@@ -76,7 +86,8 @@ def refusals(name: str, *, device: str | None = None, dtype: torch.dtype | None 
         return []
     backend = BACKENDS[name]
     reasons = declared_reasons(backend.serves, device=device, dtype=dtype, dropout=dropout, mask=mask,
-                               head_dim=head_dim, v_head_dim=v_head_dim, pos_to_content=pos_to_content)
+                               head_dim=head_dim, v_head_dim=v_head_dim, pos_to_content=pos_to_content,
+                               chunk_pairs=chunk_pairs)
     if not reasons and (why := backend.unavailable()) is not None:
         reasons.append(why)
     return reasons
@@ -92,33 +103,41 @@ def priority(call: AttentionCall) -> tuple[str, ...]:
     return tuple(name for name in order if name in BACKENDS)
 
 
-def choose(call: AttentionCall) -> Backend:
-    """The backend "auto" uses for ``call``: the first of :func:`priority` that serves it ("dense" serves all)."""
+def choose(call: AttentionCall, *, chunk_pairs: bool = False) -> Backend:
+    """The backend "auto" uses for ``call``: the first of :func:`priority` that serves it ("dense" serves all).
+    ``chunk_pairs``: for the chunk pairs of a context-parallel ring (a ValueError with every reason when none
+    serves them)."""
     for name in priority(call):
-        if not not_supported_reasons(BACKENDS[name], call):
+        if not not_supported_reasons(BACKENDS[name], call, chunk_pairs=chunk_pairs):
             return BACKENDS[name]
+    if chunk_pairs:
+        reasons = {n: not_supported_reasons(b, call, chunk_pairs=True) for n, b in BACKENDS.items()}
+        raise ValueError("no backend serves these inputs as context-parallel chunk pairs: "
+                         + "; ".join(f"{n}: {', '.join(r)}" for n, r in reasons.items()))
     return BACKENDS["dense"]
 
 
-def why_not(call: AttentionCall) -> dict[str, list[str]]:
+def why_not(call: AttentionCall, *, chunk_pairs: bool = False) -> dict[str, list[str]]:
     """For each backend "auto" would have preferred to the one it chose, why it could not serve ``call``."""
     reasons = {}
     for name in priority(call):
-        if not (why := not_supported_reasons(BACKENDS[name], call)):
+        if not (why := not_supported_reasons(BACKENDS[name], call, chunk_pairs=chunk_pairs)):
             break
         reasons[name] = why
     return reasons
 
 
-def resolve(name: str, call: AttentionCall) -> Backend:
-    """The backend ``name`` names (``"auto"``: :func:`choose`), or a ValueError with every reason it refuses."""
+def resolve(name: str, call: AttentionCall, *, chunk_pairs: bool = False) -> Backend:
+    """The backend ``name`` names (``"auto"``: :func:`choose`), or a ValueError with every reason it refuses.
+    ``chunk_pairs``: for the chunk pairs of a context-parallel ring."""
     if check_name(name) == "auto":
-        return choose(call)
+        return choose(call, chunk_pairs=chunk_pairs)
     backend = BACKENDS[name]
-    if reasons := not_supported_reasons(backend, call):
+    if reasons := not_supported_reasons(backend, call, chunk_pairs=chunk_pairs):
         raise ValueError(f"backend {name!r} cannot serve these inputs: {'; '.join(reasons)}")
     return backend
 
 
-__all__ = ["BACKENDS", "AttentionCall", "Backend", "Registry", "Serves", "check_name", "choose", "declared_reasons",
-           "not_supported_reasons", "priority", "refusals", "resolve", "why_not"]
+__all__ = ["BACKENDS", "AttentionCall", "Backend", "Registry", "Serves", "StatsAutograd", "StatsOps", "check_name",
+           "choose", "declared_reasons", "not_supported_reasons", "priority", "refusals", "resolve", "stats_dtype",
+           "why_not"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -70,6 +71,8 @@ class Serves:
     grouped_kv: bool = False  # takes k, v with fewer heads than q (H % Hkv == 0) without repeating them
     pos_to_content: bool = False  # takes rel_q, the position-to-content table (DeBERTa's p2c, BERT's key_query)
     position_query: bool = False  # takes q_pos, queries for the key table apart from q (Transformer-XL's biases)
+    chunk_pairs: bool = False  # computes one chunk pair of a larger softmax (its log-sum-exp, and its gradients
+    # given the merged output and log-sum-exp): what context parallelism's ring runs; such a backend has ``stats``
 
 
 @dataclass(frozen=True)
@@ -82,17 +85,24 @@ class Backend:
     serves: Serves
     doc: str
     unavailable: Callable[[], str | None] = lambda: None
+    stats: StatsOps | None = None  # the ops of a kernel that saves its log-sum-exp (``serves.chunk_pairs``)
+
+    def __post_init__(self) -> None:
+        if self.serves.chunk_pairs != (self.stats is not None):
+            raise ValueError(f"backend {self.name!r}: Serves(chunk_pairs=True) goes with stats ops, and only with them")
 
 
 def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.dtype | None = None,
                      dropout: bool = False, mask: bool = False, mask_grad: bool = False, head_dim: int | None = None,
-                     v_head_dim: int | None = None, pos_to_content: bool = False) -> list[str]:
+                     v_head_dim: int | None = None, pos_to_content: bool = False,
+                     chunk_pairs: bool = False) -> list[str]:
     """Every reason a backend declaring ``serves`` refuses calls of this kind; empty when it serves them.
 
     ``device`` (a device type), ``dtype`` and the head dims ``D`` (``head_dim``) and ``Dv`` (``v_head_dim``, default
     ``D``) are left unchecked when None; ``dropout``, ``mask`` and ``mask_grad`` say whether the calls have
     ``dropout_p > 0``, an ``attn_mask``, a mask that requires grad; ``pos_to_content`` whether they carry a
-    ``rel_q`` table. :func:`not_supported_reasons` asks this about
+    ``rel_q`` table; ``chunk_pairs`` whether they are a context-parallel ring's chunk pairs.
+    :func:`not_supported_reasons` asks this about
     one call; the module and ``relattn train`` ask it at construction, before there is any call.
     """
     s, reasons = serves, []
@@ -115,16 +125,19 @@ def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.
     if pos_to_content and not s.pos_to_content:
         reasons.append("a position-to-content table rel_q (no k . a^Q term; 'native', 'triton', 'blocked' and "
                        "'dense' take it)")
+    if chunk_pairs and not s.chunk_pairs:
+        reasons.append("a context-parallel chunk pair (returns no log-sum-exp to merge by)")
     return reasons
 
 
-def not_supported_reasons(backend: Backend, call: AttentionCall) -> list[str]:
-    """Every reason ``backend`` cannot serve ``call``; empty when it can."""
+def not_supported_reasons(backend: Backend, call: AttentionCall, *, chunk_pairs: bool = False) -> list[str]:
+    """Every reason ``backend`` cannot serve ``call`` (as a context-parallel chunk pair with ``chunk_pairs``); empty
+    when it can."""
     q, mask = call.q, call.mask
     reasons = declared_reasons(backend.serves, device=q.device.type, dtype=q.dtype, dropout=call.dropout_p > 0.0,
                                mask=mask is not None, mask_grad=mask is not None and mask.requires_grad,
                                head_dim=q.shape[-1], v_head_dim=call.v.shape[-1],
-                               pos_to_content=call.rel_q is not None)
+                               pos_to_content=call.rel_q is not None, chunk_pairs=chunk_pairs)
     if not reasons and (why := backend.unavailable()) is not None:
         reasons.append(why)
     return reasons
@@ -174,76 +187,194 @@ def grads_laid_out(inputs, grads) -> tuple[Tensor, ...]:
                  for g, t in zip(grads, inputs, strict=True))
 
 
-def register_stats_autograd(forward_op, backward_op, *, tensor_inputs: int, n_args: int, tail: int = 1) -> None:
-    """Autograd for ``forward_op(q, k, v, rel_k, rel_v, *more tensors, *args, rel_q[, q_pos]) -> (out, lse, ...)``,
-    whose first ``tensor_inputs`` inputs are tensors (or None) to save, whose last ``tail`` inputs are the optional
-    ``rel_q`` table (and, with ``tail=2``, the position queries ``q_pos``), and whose backward is
-    ``backward_op(grad_out, *those tensors, *saved outputs, *args, *tail)`` -> ``(dq, dk, dv, d_rel_k, d_rel_v,
-    d_rel_q[, d_q_pos])``. Only ``out`` gets a gradient; none is materialised for the statistics."""
-
-    def setup(ctx, inputs, output):
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*inputs[:tensor_inputs], *inputs[-tail:], *output)
-        ctx.args = inputs[tensor_inputs:-tail]
-        ctx.present = (inputs[3] is not None, inputs[4] is not None, *(t is not None for t in inputs[-tail:]))
-
-    def backward(ctx, grad_out, *ignored):
-        if grad_out is None:  # grads are not materialised: no gradient reached the output
-            return (None,) * n_args
-        *saved, out, lse = ctx.saved_tensors
-        saved, optional = saved[:-tail], saved[-tail:]
-        dq, dk, dv, drk, drv, *more = backward_op(grad_out, *saved, out, lse, *ctx.args, *optional)
-        has_k, has_v, *has_more = ctx.present
-        return (dq, dk, dv, drk if has_k else None, drv if has_v else None, *(None,) * (n_args - 5 - tail),
-                *(g if has else None for g, has in zip(more, has_more, strict=True)))
-
-    forward_op.register_autograd(backward, setup_context=setup)
+# The arguments every kernel with a saved log-sum-exp takes, in its ops' order: the leading tensors (q, k, v, rel_k?,
+# rel_v?, mask?), the scalars, then the optional tensors that came later (each with a gradient after the first five):
+# the position-to-content table rel_q, and, for a kernel that takes them (Serves.position_query), the position
+# queries q_pos (their gradient is the seventh, apart from dq).
+LEADING = ("q", "k", "v", "rel_k", "rel_v", "mask")
+SCALARS = (("max_relative_position", "int"), ("is_causal", "bool"), ("scale", "float"), ("query_offset", "int"))
+TABLES = ("rel_q",)
+POSITION_TABLES = ("rel_q", "q_pos")
 
 
-def define_stats_ops(name: str, forward: Callable, backward: Callable):
-    """The custom ops of a kernel that saves its log-sum-exp, with fake kernels and autograd:
+class StatsAutograd:
+    """The one autograd wiring of a kernel that saves its log-sum-exp, for its custom op, its eager Function and the
+    context-parallel ring alike.
 
-    * ``relattn::{name}_fwd(q, k, v, rel_k?, rel_v?, mask?, K, is_causal, scale, query_offset, rel_q?=None,
-      q_pos?=None)`` -> ``(out, lse)`` around ``forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position,
-      is_causal, scale, query_offset, rel_q[, q_pos])`` (``q_pos`` passed only when given);
-    * ``relattn::{name}_bwd(grad_out, q, k, v, rel_k?, rel_v?, mask?, out, lse, K, is_causal, scale, query_offset,
-      rel_q?=None, q_pos?=None)`` -> ``(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos)`` around ``backward`` (same
-      keywords), which returns the five gradients, a sixth, ``d_rel_q``, when ``rel_q`` is given, and a seventh,
-      ``d_q_pos`` (the key table's share of the position queries' gradient, apart from dq), when ``q_pos`` is.
-
-    Returns the forward op. torch.compile and torch.export see each as one opaque, shape-correct op.
+    The forward takes ``(*leading, *scalars, *tables)`` (``leading`` tensors or None, the first five q, k, v, rel_k,
+    rel_v; ``scalars`` anything; ``tables`` optional tensors) and returns ``(out, lse)``; ``backward(grad_out,
+    *leading, out, lse, *scalars, *tables)`` returns ``(dq, dk, dv, d_rel_k, d_rel_v, *d_tables)`` (a table's
+    gradient ignored when the table is None). Only ``out`` gets a gradient; none is materialised for ``lse``.
     """
 
-    def position_query(q_pos):  # q_pos as a keyword, only when given (a kernel without one never sees it)
-        return {} if q_pos is None else {"q_pos": q_pos}
+    def __init__(self, backward: Callable, *, leading: int, scalars: int, tables: int = len(TABLES)):
+        self.backward, self.leading, self.scalars, self.tables = backward, leading, scalars, tables
 
-    @torch.library.custom_op(f"relattn::{name}_fwd", mutates_args=())
-    def fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None, mask: Tensor | None,
-            max_relative_position: int, is_causal: bool, scale: float, query_offset: int,
-            rel_q: Tensor | None = None, q_pos: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        return forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position,
-                       is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q,
-                       **position_query(q_pos))
+    def setup(self, ctx, inputs, output) -> None:
+        ctx.set_materialize_grads(False)
+        lead, s = self.leading, self.scalars
+        ctx.save_for_backward(*inputs[:lead], *inputs[lead + s:], *output[:2])
+        ctx.scalars = inputs[lead:lead + s]
 
-    @fwd.register_fake
-    def _(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset, rel_q=None,
-          q_pos=None):
-        return stats_fake(q, v)
+    def grads(self, ctx, grad_out, *ignored) -> tuple:
+        """The inputs' gradients, None for the mask, the scalars and the tables not given."""
+        lead, s, t = self.leading, self.scalars, self.tables
+        if grad_out is None:  # grads are not materialised: no gradient reached the output
+            return (None,) * (lead + s + t)
+        *inputs, out, lse = ctx.saved_tensors
+        leading, tables = inputs[:lead], inputs[lead:]
+        got = self.backward(grad_out, *leading, out, lse, *ctx.scalars, *tables)
+        return (*got[:3], *(g if x is not None else None for g, x in zip(got[3:5], leading[3:5], strict=True)),
+                *(None,) * (lead - 5 + s),
+                *(None if x is None else g for g, x in zip((*got[5:], *(None,) * t)[:t], tables, strict=True)))
 
-    @torch.library.custom_op(f"relattn::{name}_bwd", mutates_args=())
-    def bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
-            mask: Tensor | None, out: Tensor, lse: Tensor, max_relative_position: int, is_causal: bool,
-            scale: float, query_offset: int, rel_q: Tensor | None = None,
-            q_pos: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        grads = backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse,
-                         max_relative_position=max_relative_position, is_causal=is_causal, scale=scale,
-                         query_offset=query_offset, rel_q=rel_q, **position_query(q_pos))
-        return grads_laid_out((q, k, v, rel_k, rel_v, rel_q, q_pos), (*grads, None, None)[:7])
+    def function(self, forward: Callable) -> type[torch.autograd.Function]:
+        """A plain autograd Function around ``forward``: what the custom op's autograd does, without its dispatch."""
+        wiring = self
 
-    @bwd.register_fake
-    def _(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position, is_causal, scale, query_offset,
-          rel_q=None, q_pos=None):
-        return grads_fake(q, k, v, rel_k, rel_v, rel_q, q_pos)
+        class StatsFunction(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *inputs):
+                # forward(ctx, ...) rather than setup_context: Function.apply binds a setup_context Function's
+                # arguments through inspect.signature on every call (some 50 us)
+                out, lse = forward(*inputs)
+                wiring.setup(ctx, inputs, (out, lse))
+                return out
 
-    register_stats_autograd(fwd, bwd, tensor_inputs=6, n_args=12, tail=2)
-    return fwd
+            @staticmethod
+            @once_differentiable
+            def backward(ctx, grad_out):
+                return wiring.grads(ctx, grad_out)
+
+        return StatsFunction
+
+
+def _differentiated(call: AttentionCall) -> bool:
+    """Whether autograd will ask for a backward of this call."""
+    return torch.is_grad_enabled() and (call.q.requires_grad or call.k.requires_grad or call.v.requires_grad or any(
+        t is not None and t.requires_grad for t in (call.rel_k, call.rel_v, call.mask, call.rel_q, call.q_pos)))
+
+
+def traced() -> bool:
+    """Whether something traces or transforms the call: torch.compile and torch.export, a dispatch mode (make_fx's,
+    FakeTensorMode), a torch function mode, a torch.func transform. Those see the custom op (fake kernels,
+    registered autograd); plain eager calls skip its dispatch and wrappers."""
+    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active())
+
+
+class StatsOps:
+    """The ops of a kernel that saves its log-sum-exp: ``forward(*leading, **scalars, rel_q) -> (out, lse)`` and
+    ``backward(grad_out, *leading, out, lse, **scalars, rel_q) -> (dq, dk, dv, d_rel_k, d_rel_v[, d_rel_q])``;
+    with ``tables=POSITION_TABLES`` both take ``q_pos`` too (after rel_q; the backward's seventh result d_q_pos).
+
+    * ``relattn::{name}_fwd(q, k, v, rel_k?, rel_v?, mask?, [seed,] K, is_causal, [dropout_p,] scale, query_offset,
+      rel_q?=None) -> (out, lse)`` and ``relattn::{name}_bwd(grad_out, <the same leading tensors>, out, lse, <the
+      same scalars>, rel_q?=None) -> (dq, dk, dv, d_rel_k, d_rel_v, d_rel_q)`` (a table's gradient an empty tensor
+      when the table is None): custom ops with fake kernels and autograd, which torch.compile and torch.export see
+      as one opaque, shape-correct op each. ``dropout=True`` adds the seed tensor and ``dropout_p``.
+    * :meth:`run` gives a call's output: through the op when something traces the call, else through a plain
+      autograd Function with the same wiring (:class:`StatsAutograd`) when autograd will ask for a backward (the
+      op's dispatch and Python wrappers cost about 0.15 ms of a forward+backward, most of a short sequence's
+      overhead), else by calling the kernel.
+    * :meth:`pair_forward` and :meth:`pair_backward`: one call's ``(out, lse)`` and its gradients given the merged
+      ``out`` and ``lse`` of a larger softmax, what a context-parallel chunk pair needs (no dropout).
+    """
+
+    def __init__(self, name: str, forward: Callable, backward: Callable, *, dropout: bool = False,
+                 tables: tuple[str, ...] = TABLES):
+        self.name, self.kernel_forward, self.kernel_backward = name, forward, backward
+        leading = LEADING + (("seed",) if dropout else ())
+        scalars = SCALARS[:2] + ((("dropout_p", "float"),) if dropout else ()) + SCALARS[2:]
+        self.dropout, self.scalar_names, self.tables = dropout, tuple(n for n, _ in scalars), tables
+        lead, ns, nt = len(leading), len(scalars), len(tables)
+        self.wiring = StatsAutograd(self._backward, leading=lead, scalars=ns, tables=nt)
+
+        def tensor(n: str) -> str:
+            return f"Tensor{'?' if n in ('rel_k', 'rel_v', 'mask') else ''} {n}"
+
+        args = ", ".join([*(tensor(n) for n in leading)])
+        scalars_schema = ", ".join(f"{t} {n}" for n, t in scalars)
+        tables_schema = ", ".join(f"Tensor? {n}=None" for n in tables)
+        fwd_schema = f"({args}, {scalars_schema}, {tables_schema}) -> (Tensor, Tensor)"
+        bwd_schema = (f"(Tensor grad_out, {args}, Tensor out, Tensor lse, {scalars_schema}, {tables_schema}) -> "
+                      f"({', '.join(['Tensor'] * (5 + nt))})")
+
+        def whole(inputs: tuple, named: dict, count: int) -> tuple:
+            """The inputs with the tables the dispatcher left at their defaults (or passed by name) filled in."""
+            given = len(inputs) - (count - nt)
+            return (*inputs, *(named.get(n) for n in tables[given:]))
+
+        def fwd(*inputs, **named):
+            inputs = whole(inputs, named, lead + ns + nt)
+            return tuple(t.contiguous() for t in self._forward(*inputs))  # the fake kernels promise contiguous
+
+        def bwd(grad_out, *inputs, **named):
+            inputs = whole(inputs, named, lead + 2 + ns + nt)
+            grads = self._backward(grad_out, *inputs)
+            tensors = (*inputs[:5], *inputs[lead + 2 + ns:])  # q, k, v, rel_k, rel_v, then the tables
+            return grads_laid_out(tensors, grads)
+
+        self.fwd = torch.library.custom_op(f"relattn::{name}_fwd", fwd, mutates_args=(), schema=fwd_schema)
+        self.fwd.register_fake(lambda *inputs, **named: stats_fake(inputs[0], inputs[2]))
+        self.bwd = torch.library.custom_op(f"relattn::{name}_bwd", bwd, mutates_args=(), schema=bwd_schema)
+        self.bwd.register_fake(lambda grad_out, *inputs, **named: grads_fake(
+            *inputs[:5], *whole(inputs, named, lead + 2 + ns + nt)[lead + 2 + ns:]))
+        op_wiring = StatsAutograd(self.bwd, leading=lead, scalars=ns, tables=nt)
+        self.fwd.register_autograd(op_wiring.grads, setup_context=op_wiring.setup)
+        self.eager = self.wiring.function(self._forward)
+        self._leading, self._scalars = lead, ns
+
+    def _forward(self, *inputs):
+        lead, ns = self._leading, self._scalars
+        return self.kernel_forward(*inputs[:lead], **dict(zip(self.scalar_names, inputs[lead:lead + ns], strict=True)),
+                                   **dict(zip(self.tables, inputs[lead + ns:], strict=True)))
+
+    def _backward(self, grad_out, *inputs):
+        """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q[, d_q_pos]) from ``(*leading, out, lse, *scalars, *tables)``."""
+        lead, ns = self._leading, self._scalars
+        grads = self.kernel_backward(grad_out, *inputs[:lead + 2],
+                                     **dict(zip(self.scalar_names, inputs[lead + 2:lead + 2 + ns], strict=True)),
+                                     **dict(zip(self.tables, inputs[lead + 2 + ns:], strict=True)))
+        return (*grads, *(None,) * len(self.tables))[:5 + len(self.tables)]
+
+    def _inputs(self, call: AttentionCall, seed: Tensor | None) -> tuple:
+        lead = (call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask)
+        tables = tuple(getattr(call, n) for n in self.tables)
+        if not self.dropout:
+            return (*lead, call.max_relative_position, call.is_causal, call.scale, call.query_offset, *tables)
+        return (*lead, seed, call.max_relative_position, call.is_causal, call.dropout_p, call.scale,
+                call.query_offset, *tables)
+
+    def run(self, call: AttentionCall, *, seed: Tensor | None = None) -> Tensor:
+        """The output (B, H, N, Dv) of ``call`` (``seed``: the dropout seed, for a kernel with dropout)."""
+        inputs = self._inputs(call, seed)
+        if traced():
+            return self.fwd(*inputs)[0]
+        if _differentiated(call):
+            return self.eager.apply(*inputs)
+        return self._forward(*inputs)[0]
+
+    def _pair(self, q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset, rel_q):
+        lead = (q, k, v, rel_k, rel_v, mask)
+        if self.dropout:
+            return (*lead, torch.zeros((), dtype=torch.int64, device=q.device)), dict(
+                max_relative_position=max_relative_position, is_causal=is_causal, dropout_p=0.0, scale=scale,
+                query_offset=query_offset, rel_q=rel_q)
+        return lead, dict(max_relative_position=max_relative_position, is_causal=is_causal, scale=scale,
+                          query_offset=query_offset, rel_q=rel_q)
+
+    def pair_forward(self, q, k, v, rel_k, rel_v, mask, rel_q, *, max_relative_position: int, is_causal: bool,
+                     scale: float, query_offset: int) -> tuple[Tensor, Tensor]:
+        """(out, lse) of one call, no dropout."""
+        lead, kw = self._pair(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset,
+                              rel_q)
+        return self.kernel_forward(*lead, **kw)
+
+    def pair_backward(self, grad_out, q, k, v, rel_k, rel_v, mask, rel_q, out, lse, *, max_relative_position: int,
+                      is_causal: bool, scale: float, query_offset: int) -> tuple:
+        """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q) of one call given the merged ``out`` and ``lse`` of its rows (a
+        chunk pair has no position queries q_pos)."""
+        lead, kw = self._pair(q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset,
+                              rel_q)
+        return (*self.kernel_backward(grad_out, *lead, out, lse, **kw), None)[:5 + len(TABLES)]

@@ -34,11 +34,9 @@ from ._common import (
     AttentionCall,
     Backend,
     Serves,
-    grads_fake,
-    grads_laid_out,
+    StatsOps,
     no_autocast,
     stats_dtype,
-    stats_fake,
 )
 
 DEFAULT_BLOCK = 128
@@ -213,64 +211,9 @@ def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, m
     return tuple(t.to(dtype) if t is not None else None for t in grads)
 
 
-# ------------------------------------------------------------------------------------ the custom ops
 # relattn::blocked_fwd(q, k, v, rel_k?, rel_v?, mask?, seed, K, is_causal, dropout_p, scale, query_offset, rel_q?)
-#   -> (out (B,H,N,Dv), lse (B,H,N)); relattn::blocked_bwd -> (dq, dk, dv, d_rel_k, d_rel_v, d_rel_q).
-# torch.compile and torch.export see each as one opaque, shape-correct op.
-
-
-@torch.library.custom_op("relattn::blocked_fwd", mutates_args=())
-def blocked_fwd(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None, mask: Tensor | None,
-                seed: Tensor, max_relative_position: int, is_causal: bool, dropout_p: float, scale: float,
-                query_offset: int, rel_q: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    out = no_autocast(blocked_forward)(q, k, v, rel_k, rel_v, mask, seed, max_relative_position=max_relative_position,
-                                       is_causal=is_causal, dropout_p=dropout_p, scale=scale,
-                                       query_offset=query_offset, rel_q=rel_q)
-    return tuple(t.contiguous() for t in out)  # the fake kernels promise contiguous outputs
-
-
-@blocked_fwd.register_fake
-def _(q, k, v, rel_k, rel_v, mask, seed, max_relative_position, is_causal, dropout_p, scale, query_offset,
-      rel_q=None):
-    return stats_fake(q, v)
-
-
-@torch.library.custom_op("relattn::blocked_bwd", mutates_args=())
-def blocked_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
-                mask: Tensor | None, seed: Tensor, out: Tensor, lse: Tensor, max_relative_position: int,
-                is_causal: bool, dropout_p: float, scale: float, query_offset: int,
-                rel_q: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    grads = no_autocast(blocked_backward)(
-        grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, max_relative_position=max_relative_position,
-        is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset, rel_q=rel_q)
-    return grads_laid_out((q, k, v, rel_k, rel_v, rel_q), grads + (None,) * (6 - len(grads)))
-
-
-@blocked_bwd.register_fake
-def _(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, max_relative_position, is_causal, dropout_p, scale,
-      query_offset, rel_q=None):
-    return grads_fake(q, k, v, rel_k, rel_v, rel_q)
-
-
-def _setup(ctx, inputs, output):
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(*inputs[:7], inputs[12], *output)
-    ctx.args = inputs[7:12]
-    ctx.has_tables = tuple(t is not None for t in (inputs[3], inputs[4], inputs[12]))
-
-
-def _backward(ctx, grad_out, *ignored):
-    """Gradients for (q, k, v, rel_k, rel_v, mask, seed, 5 non-tensors, rel_q): none for the mask and seed."""
-    if grad_out is None:  # grads are not materialised: no gradient reached the output
-        return (None,) * 13
-    q, k, v, rel_k, rel_v, mask, seed, rel_q, out, lse = ctx.saved_tensors
-    dq, dk, dv, drk, drv, drq = blocked_bwd(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *ctx.args,
-                                            rel_q=rel_q)
-    has_k, has_v, has_q = ctx.has_tables
-    return (dq, dk, dv, drk if has_k else None, drv if has_v else None, *(None,) * 7, drq if has_q else None)
-
-
-blocked_fwd.register_autograd(_backward, setup_context=_setup)
+#   -> (out, lse) and relattn::blocked_bwd, the eager path and the ring's pair calls: see _common.StatsOps.
+OPS = StatsOps("blocked", no_autocast(blocked_forward), no_autocast(blocked_backward), dropout=True)
 
 
 def blocked_attention(call: AttentionCall) -> Tensor:
@@ -280,10 +223,9 @@ def blocked_attention(call: AttentionCall) -> Tensor:
         seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=q.device)
     else:
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
-    out, _ = blocked_fwd(q, call.k, call.v, call.rel_k, call.rel_v, call.mask, seed, call.max_relative_position,
-                         call.is_causal, call.dropout_p, call.scale, call.query_offset, call.rel_q)
-    return out
+    return OPS.run(call, seed=seed)
 
 
-BACKEND = Backend("blocked", blocked_attention, Serves(dropout=True, pos_to_content=True),
-                  "flash algorithm in plain torch: online softmax over key blocks, O(N(D+K)) memory, any mask, dropout")
+BACKEND = Backend("blocked", blocked_attention, Serves(dropout=True, pos_to_content=True, chunk_pairs=True),
+                  "flash algorithm in plain torch: online softmax over key blocks, O(N(D+K)) memory, any mask, dropout",
+                  stats=OPS)

@@ -47,16 +47,14 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .._io import atomic_path
 from ._common import (
     LOW_PRECISION,
-    AttentionCall,
+    POSITION_TABLES,
     Backend,
     Serves,
-    define_stats_ops,
+    StatsOps,
 )
 
 log = logging.getLogger("relattn")
@@ -271,71 +269,14 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
                  for g, t in zip(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos), strict=True))
 
 
-# relattn::native_fwd / relattn::native_bwd: see _common.define_stats_ops.
-native_fwd = define_stats_ops("native", forward, backward)
+# relattn::native_fwd / relattn::native_bwd, the eager path and the ring's pair calls: see _common.StatsOps.
+OPS = StatsOps("native", forward, backward, tables=POSITION_TABLES)
 
 
-def _differentiated(call: AttentionCall) -> bool:
-    """Whether autograd will ask for a backward of this call."""
-    return torch.is_grad_enabled() and (call.q.requires_grad or call.k.requires_grad or call.v.requires_grad or any(
-        t is not None and t.requires_grad for t in (call.rel_k, call.rel_v, call.mask, call.rel_q, call.q_pos)))
-
-
-def _traced() -> bool:
-    """Whether something traces or transforms the call: torch.compile and torch.export, a dispatch mode (make_fx's,
-    FakeTensorMode), a torch function mode, a torch.func transform. Those see the custom op (fake kernels,
-    registered autograd); plain eager calls skip its dispatch and wrappers."""
-    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-            or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active())
-
-
-class _EagerAttention(torch.autograd.Function):
-    """The custom op's forward and backward (the same kernels, the same saved tensors) as a plain autograd Function,
-    for eager differentiated calls: the op's dispatch and Python wrappers cost about 0.15 ms of a forward+backward,
-    which is most of a short sequence's overhead (N = 128: about 2 ms in all)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, rel_k, rel_v, mask, max_relative_position, is_causal, scale, query_offset, rel_q,
-                q_pos):
-        # forward(ctx, ...) rather than setup_context: Function.apply binds a setup_context Function's arguments
-        # through inspect.signature on every call (some 50 us)
-        out, lse = forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position,
-                           is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, rel_k, rel_v, mask, rel_q, q_pos, out, lse)
-        ctx.args = (max_relative_position, is_causal, scale, query_offset)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        if grad_out is None:  # no gradient reached the output
-            return (None,) * 12
-        q, k, v, rel_k, rel_v, mask, rel_q, q_pos, out, lse = ctx.saved_tensors
-        kk, is_causal, scale, query_offset = ctx.args
-        dq, dk, dv, drk, drv, drq, dqp = backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse,
-                                                  max_relative_position=kk, is_causal=is_causal, scale=scale,
-                                                  query_offset=query_offset, rel_q=rel_q, q_pos=q_pos)
-        return (dq, dk, dv, None if rel_k is None else drk, None if rel_v is None else drv, *(None,) * 5,
-                None if rel_q is None else drq, None if q_pos is None else dqp)
-
-
-def native_attention(call: AttentionCall) -> Tensor:
-    """The output (B, H, N, Dv), in q's dtype. Traced calls go through the custom op; eager ones call the kernel
-    directly (inference, decoding) or through :class:`_EagerAttention` (when autograd will ask for a backward)."""
-    args = (call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, call.max_relative_position, call.is_causal,
-            call.scale, call.query_offset, call.rel_q, call.q_pos)
-    if _traced():
-        return native_fwd(*args)[0]
-    if _differentiated(call):
-        return _EagerAttention.apply(*args)
-    return forward(*args[:6], max_relative_position=call.max_relative_position, is_causal=call.is_causal,
-                   scale=call.scale, query_offset=call.query_offset, rel_q=call.rel_q, q_pos=call.q_pos)[0]
-
-
-BACKEND = Backend("native", native_attention,
-                  Serves(devices=frozenset({"cpu"}), grouped_kv=True, pos_to_content=True, position_query=True),
+BACKEND = Backend("native", OPS.run,
+                  Serves(devices=frozenset({"cpu"}), grouped_kv=True, pos_to_content=True, position_query=True,
+                         chunk_pairs=True),
                   "C++ kernel, one flash pass: the key term added per row in three runs (left, band, right), "
                   "the value term as 2K+1 weights per row; CPU, masks, grouped k/v, rel_q, no dropout (16-bit GEMMs "
                   "where the CPU has 16-bit instructions, else float32)",
-                  unavailable=unavailable)
+                  unavailable=unavailable, stats=OPS)

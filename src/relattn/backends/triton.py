@@ -36,10 +36,9 @@ from torch import Tensor
 
 from ._common import (
     LOW_PRECISION,
-    AttentionCall,
     Backend,
     Serves,
-    define_stats_ops,
+    StatsOps,
     stats_dtype,
 )
 
@@ -345,21 +344,14 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     return dq, (dk + dk_q).to(k.dtype), dv, d_rel_k, d_rel_v, d_rel_q
 
 
-# relattn::triton_fwd / relattn::triton_bwd: see _common.define_stats_ops.
-triton_fwd = define_stats_ops("triton", forward, backward)
+# relattn::triton_fwd / relattn::triton_bwd, the eager path and the ring's pair calls: see _common.StatsOps.
+OPS = StatsOps("triton", forward, backward)
 
 
-def triton_attention(call: AttentionCall) -> Tensor:
-    """The output (B, H, N, Dv), in q's dtype."""
-    out, _ = triton_fwd(call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, call.max_relative_position,
-                        call.is_causal, call.scale, call.query_offset, call.rel_q)
-    return out
-
-
-BACKEND = Backend("triton", triton_attention,
+BACKEND = Backend("triton", OPS.run,
                   Serves(devices=frozenset({"cuda", "cpu"} if INTERPRET else {"cuda"}),
-                         max_head_dim=MAX_HEAD_DIM, grouped_kv=True, pos_to_content=True),
+                         max_head_dim=MAX_HEAD_DIM, grouped_kv=True, pos_to_content=True, chunk_pairs=True),
                   "Triton flash kernels, forward and backward: key loops in three stages (left of the band, band, "
                   "right), the key term gathered from q a^K^T, the position-to-content term (rel_q) from k a^Q^T, "
                   "the value term as per-row bins times a^V; CUDA (CPU under TRITON_INTERPRET=1), no dropout",
-                  unavailable=unavailable)
+                  unavailable=unavailable, stats=OPS)

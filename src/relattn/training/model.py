@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed import ContextParallel, self_attention
+from ..distributed import ContextParallel
 from ..modules import KVCache, RelativeMultiheadAttention
 
 POSITIONS = ("relative", "absolute", "none")
@@ -126,10 +126,8 @@ class Block(nn.Module):
 
     def forward(self, x, *, key_padding_mask=None, is_causal=False, kv_cache: KVCache | None = None,
                 context_parallel: ContextParallel | None = None):
-        if context_parallel is not None:  # x is this rank's part of the sequence
-            a = self_attention(self.attn, self.ln1(x), is_causal=is_causal, context_parallel=context_parallel)
-        else:
-            a, _ = self.attn(self.ln1(x), key_padding_mask=key_padding_mask, is_causal=is_causal, kv_cache=kv_cache)
+        a, _ = self.attn(self.ln1(x), key_padding_mask=key_padding_mask, is_causal=is_causal, kv_cache=kv_cache,
+                         context_parallel=context_parallel)
         x = x + self.drop(a)
         return x + self.drop(self.ff(self.ln2(x)))
 

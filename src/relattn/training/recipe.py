@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,31 +36,22 @@ from .data import ByteData, get_batch, load_corpus, step_seed
 from .evaluation import eval_plan, evaluate, first_key_table
 from .model import TransformerConfig, TransformerLM
 from .options import TrainOptions, UsageError
+from .parallel import (
+    Dist,
+    check_parallel,
+    context_parallel_group,
+    data_parallel,
+    data_parallel_wrapper,
+    full_copies,
+    fully_shard_model,
+    leave_process_group,
+    optimizer_for,
+    parameter_groups,
+)
 
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite."""
-
-
-@dataclass
-class Dist:
-    """Where this process stands in a distributed run (from torchrun's environment variables)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    enabled: bool = False
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    @classmethod
-    def from_env(cls) -> Dist:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world <= 1:
-            return cls()
-        return cls(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")), True)
 
 
 @dataclass
@@ -79,16 +69,6 @@ def lr_at(step: int, options: TrainOptions) -> float:
         return options.lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, options.steps - warmup)
     return options.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
-
-
-def parameter_groups(model: TransformerLM, weight_decay: float) -> list[dict]:
-    """Weight decay on linear weights only: relative tables must not decay, the causal LM never updates
-    their future rows, and decaying those would fake 'learned' structure."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        is_table = name.endswith(("rel_k", "rel_v"))
-        (decay if p.dim() == 2 and not is_table and not name.startswith("embed") else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def run_device(options: TrainOptions) -> str:
@@ -144,7 +124,7 @@ class TrainingRecipe:
                                         name=data_name)
         self.data_sha = hashlib.sha256(raw).hexdigest()
         self.dist = dist = Dist.from_env()
-        self._check_parallel()
+        check_parallel(config, options, dist)
         if options.batch_size % self.data_parallel[1]:
             raise UsageError(f"--batch-size {options.batch_size} must be divisible by the number of processes "
                              f"({dist.world_size})" + (f" over --context-parallel {options.context_parallel}"
@@ -162,23 +142,19 @@ class TrainingRecipe:
         self.model = fresh_model(config, options.seed)
         self.initial_table = first_key_table(self.model)
         self.model.to(self.device)
-        self.optimizer = torch.optim.AdamW(parameter_groups(self.model, options.weight_decay), lr=options.lr,
-                                           betas=(0.9, 0.95))
+        self.optimizer = optimizer_for(self.model, options)
         if ckpt is not None:
             self.resume(ckpt)
         if dist.enabled:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             torch.distributed.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-        self.cp = self._context_parallel_group()
+        self.cp = context_parallel_group(dist, options)
         self.wrapped = self.model  # what a step calls: the model, or its DistributedDataParallel wrapper
         if options.fsdp:
-            self._fully_shard()
+            self.optimizer = fully_shard_model(self.model, self.optimizer, options, self.device)
         elif dist.enabled:
-            from torch.nn.parallel import DistributedDataParallel
-
-            self.wrapped = DistributedDataParallel(self.model, device_ids=[self.device.index]
-                                                   if self.device.type == "cuda" else None)
+            self.wrapped = data_parallel_wrapper(self.model, self.device)
 
     def _say(self, *args) -> None:
         if self.dist.main:
@@ -350,42 +326,8 @@ class TrainingRecipe:
 
     @property
     def data_parallel(self) -> tuple[int, int]:
-        """(index, count) of this rank's data-parallel group: ranks ``g P .. g P + P - 1`` (``P`` the
-        ``context_parallel`` ranks) share their sequences, each holding its part of every position."""
-        p = self.options.context_parallel
-        return self.dist.rank // p, self.dist.world_size // p
-
-    def _check_parallel(self) -> None:
-        options, config, world = self.options, self.config, self.dist.world_size
-        p = options.context_parallel
-        if (p > 1 or options.fsdp) and not self.dist.enabled:
-            raise UsageError("--context-parallel and --fsdp split the work over processes: run under torchrun "
-                             "with more than one process")
-        if world % p:
-            raise UsageError(f"--context-parallel {p} must divide the number of processes ({world})")
-        if p > 1:
-            from ..distributed import RING_BACKENDS
-
-            if config.context % (2 * p):
-                raise UsageError(f"--context {config.context} must be a multiple of 2 x --context-parallel "
-                                 f"({2 * p}): each rank holds two chunks of every sequence (zigzag)")
-            if config.dropout > 0:
-                raise UsageError("--context-parallel needs --dropout 0 (attention dropout is not served by the ring)")
-            if config.backend not in ("auto", *RING_BACKENDS):
-                raise UsageError(f"--context-parallel needs --backend auto or one of {', '.join(RING_BACKENDS)} "
-                                 f"(a backend that returns its log-sum-exp); got {config.backend!r}")
-
-    def _context_parallel_group(self):
-        """The :class:`~relattn.distributed.ContextParallel` of this rank (None without context parallelism):
-        its group of ``P`` consecutive ranks, zigzag layout (causal attention then costs every rank the same)."""
-        p = self.options.context_parallel
-        if p == 1:
-            return None
-        from ..distributed import ContextParallel
-
-        world = self.dist.world_size
-        groups = [torch.distributed.new_group(list(range(g * p, (g + 1) * p))) for g in range(world // p)]
-        return ContextParallel(groups[self.dist.rank // p], layout="zigzag", backend=self.config.backend)
+        """(index, count) of this rank's data-parallel group (see :mod:`relattn.training.parallel`)."""
+        return data_parallel(self.dist, self.options)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's inputs and targets of step ``step``: its data-parallel group's rows of the global batch,
@@ -397,46 +339,9 @@ class TrainingRecipe:
             x, y = self.cp.shard(x, dim=1), self.cp.shard(y, dim=1)
         return x, y
 
-    def _fully_shard(self) -> None:
-        """FSDP2: every block, then the whole model, under ``fully_shard``; the optimizer rebuilt over the sharded
-        parameters, with the state a resumed run restored sharded the same way."""
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import distribute_tensor
-
-        restored = self.optimizer.state_dict()
-        for block in self.model.encoder.blocks:
-            fully_shard(block)
-        fully_shard(self.model)
-        self.optimizer = torch.optim.AdamW(parameter_groups(self.model, self.options.weight_decay),
-                                           lr=self.options.lr, betas=(0.9, 0.95))
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        for index, state in restored["state"].items():
-            p = params[index]
-            restored["state"][index] = {k: distribute_tensor(v.to(self.device), p.device_mesh, p.placements,
-                                                           src_data_rank=None)
-                                        if torch.is_tensor(v) and v.shape == p.shape else v for k, v in state.items()}
-        self.optimizer.load_state_dict(restored)
-        self.wrapped = self.model
-
     def full_copies(self) -> tuple[TransformerLM, torch.optim.Optimizer]:
-        """An FSDP run's model and optimizer as plain ones holding the full state, on this run's device (every rank
-        calls it: each sharded tensor is gathered)."""
-        from torch.distributed.tensor import DTensor
-
-        def full(t):
-            return t.full_tensor() if isinstance(t, DTensor) else t
-
-        with torch.random.fork_rng(devices=[]):  # building the copy must not move the run's random state
-            model = TransformerLM(self.config)
-        model.load_state_dict({k: full(v).detach() for k, v in self.model.state_dict().items()})
-        model.to(self.device)
-        optimizer = torch.optim.AdamW(parameter_groups(model, self.options.weight_decay), lr=self.options.lr,
-                                      betas=(0.9, 0.95))
-        sd = self.optimizer.state_dict()
-        # gathered in one order on every rank (a restored state's order is the checkpoint reader's)
-        sd["state"] = {i: {k: full(sd["state"][i][k]) for k in sorted(sd["state"][i])} for i in sorted(sd["state"])}
-        optimizer.load_state_dict(sd)
-        return model, optimizer
+        """An FSDP run's model and optimizer as plain ones holding the full state (every rank calls it)."""
+        return full_copies(self.model, self.optimizer, self.config, self.options, self.device)
 
     def _release_parallel(self) -> None:
         """Drop what holds the process group (the sharded model, the context-parallel group) before it is left."""
@@ -456,12 +361,12 @@ class TrainingRecipe:
         """
         if getattr(self, "dist", None) is None or not self.dist.enabled or not torch.distributed.is_initialized():
             return
-        if finished:
-            torch.distributed.barrier()
-        self._release_parallel()
-        self.wrapped = getattr(self, "model", None)
-        gc.collect()  # the wrapper and its reducer, should a reference cycle hold them
-        torch.distributed.destroy_process_group()
+
+        def release():
+            self._release_parallel()
+            self.wrapped = getattr(self, "model", None)
+
+        leave_process_group(finished=finished, release=release)
 
 
 __all__ = ["Dist", "TrainResult", "TrainingDiverged", "TrainingRecipe", "check_run", "fresh_model", "lr_at",
