@@ -94,8 +94,12 @@ def np64(t):
 
 def reference_output(q, k, v, rel_k=None, rel_v=None, **op_kwargs):
     """The numpy reference's (B, H, N, Dv) float64 output for the op's inputs and keywords
-    (``max_relative_position``, ``beyond``, ``attn_mask``, ``is_causal``, ``scale``, ``query_offset``)."""
-    op_kwargs["attn_mask"] = np64(op_kwargs.get("attn_mask"))
+    (``max_relative_position``, ``beyond``, ``attn_mask``, ``is_causal``, ``scale``, ``query_offset``, ``rel_q``,
+    ``content_bias``, ``position_bias``); grouped k/v heads are repeated to q's (the specification has no groups)."""
+    op_kwargs = {name: np64(t) if isinstance(t, torch.Tensor) else t for name, t in op_kwargs.items()}
+    op_kwargs.pop("enable_gqa", None)
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     out = ref.relative_attention(np64(q), np64(k), np64(v), np64(rel_k), np64(rel_v), **op_kwargs)
     return torch.from_numpy(np.ascontiguousarray(out))
 
@@ -109,10 +113,13 @@ def _materialised(table, idx, heads, beyond):
     return (pairs.expand(heads, *pairs.shape[1:]), "hnmd") if pairs.dim() == 4 else (pairs, "nmd")
 
 
-def attention_ref(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, attn_mask=None, is_causal=False,
-                  scale=None, query_offset=0, beyond="clip", upcast=True):
+def attention_ref(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, rel_q=None, content_bias=None,
+                  position_bias=None, attn_mask=None, is_causal=False, scale=None, query_offset=0, beyond="clip",
+                  enable_gqa=None, upcast=True):
     """Shaw attention the plain PyTorch way: q (B,H,N,D), k (B,Hkv,M,D), v (B,Hkv,M,Dv) (H % Hkv == 0), tables
-    (R, D|Dv) or (Hr, R, D|Dv), the op's keywords; returns (B, H, N, Dv), differentiable.
+    (R, D|Dv) or (Hr, R, D|Dv) (``rel_q``, position-to-content, as ``rel_k``), Transformer-XL's biases (H, D)
+    (``content_bias`` on the content term, ``position_bias`` on the key-table term), the op's keywords; returns
+    (B, H, N, Dv), differentiable.
 
     ``upcast=True``: computed in float64 (the oracle); ``upcast=False``: on the inputs as they are, every matmul
     and the softmax run as a user's own PyTorch code would run them, under autocast too (the yardstick). A row
@@ -120,17 +127,23 @@ def attention_ref(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, att
     reaches there (the float64 oracle sums the value term by buckets of offsets, as the specification does).
     """
     if upcast:
-        q, k, v, rel_k, rel_v = (None if t is None else t.double() for t in (q, k, v, rel_k, rel_v))
+        q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias = (
+            None if t is None else t.double() for t in (q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias))
     b, h, n, d = q.shape
     m = k.shape[-2]
     if k.shape[1] != h:  # grouped-query attention: query head i reads key/value head i // (H // Hkv)
         k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
     idx = relative_position_index(n, m, max_relative_position, query_offset=query_offset, beyond=beyond,
                                   device=q.device)
-    scores = q @ k.transpose(-1, -2)
+    q_content = q if content_bias is None else q + content_bias[:, None, :]
+    q_pos = q if position_bias is None else q + position_bias[:, None, :]
+    scores = q_content @ k.transpose(-1, -2)
     if rel_k is not None:
         ak, letters = _materialised(rel_k, idx, h, beyond)
-        scores = scores + torch.einsum(f"bhnd,{letters}->bhnm", q, ak)
+        scores = scores + torch.einsum(f"bhnd,{letters}->bhnm", q_pos, ak)
+    if rel_q is not None:
+        aq, letters = _materialised(rel_q, idx, h, beyond)
+        scores = scores + torch.einsum(f"bhmd,{letters}->bhnm", k, aq)
     scores = scores * (1 / math.sqrt(d) if scale is None else scale)
     if attn_mask is not None:
         mask = attn_mask.to(q.device)
@@ -169,13 +182,22 @@ def plain_module_forward(mod, x, *, is_causal=False):
     return mod.out_proj(out.transpose(1, 2).reshape(b, n, mod.embed_dim))
 
 
+# The op's tensor keywords that get gradients too (after the inputs, in this order) when given
+GRAD_KEYWORDS = ("rel_q", "content_bias", "position_bias")
+
+
 def oracle_grads(inputs, go, **op_kwargs):
     """:func:`grads` from the float64 oracle (:func:`attention_ref`): the output and the gradients of
-    ``(out * go).sum()`` for the inputs that are not None, in order, all float64."""
+    ``(out * go).sum()`` for the inputs that are not None, in order, then for the keywords of
+    :data:`GRAD_KEYWORDS` that are given, all float64."""
     x = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
     op_kwargs = {k: v for k, v in op_kwargs.items() if k != "dropout_p"}
+    extra = [op_kwargs[name].detach().double().requires_grad_() for name in GRAD_KEYWORDS
+             if op_kwargs.get(name) is not None]
+    op_kwargs.update((name, t) for name, t in zip([n for n in GRAD_KEYWORDS if op_kwargs.get(n) is not None], extra,
+                                                  strict=True))
     out = attention_ref(*x, **op_kwargs)
-    present = [t for t in x if t is not None]
+    present = [t for t in x if t is not None] + extra
     return out.detach(), torch.autograd.grad(out, present, go.double(), allow_unused=True)
 
 
@@ -218,8 +240,9 @@ def assert_close(got, want, dtype, what="", *, yardstick=None):
 
 def grads(backend, inputs, go, **op_kwargs):
     """The op's output on ``inputs = (q, k, v, rel_k, rel_v)`` and the gradients of ``(out * go).sum()`` for the
-    inputs that are not None, in order."""
-    present = [t for t in inputs if t is not None]
+    inputs that are not None, in order, then for the keywords of :data:`GRAD_KEYWORDS` that are given."""
+    present = [t for t in inputs if t is not None] + [op_kwargs[n] for n in GRAD_KEYWORDS
+                                                      if op_kwargs.get(n) is not None]
     out = relative_attention(*inputs, backend=backend, **op_kwargs)
     return out, torch.autograd.grad(out, present, go, allow_unused=True)
 

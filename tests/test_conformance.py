@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from helpers import (
     CASES,
+    GRAD_KEYWORDS,
     IDS,
     assert_close,
     attention_ref,
@@ -44,6 +45,7 @@ from helpers import (
 )
 from relattn import BACKENDS, relative_attention
 from relattn import reference as ref
+from relattn.functional import validate, within_reach
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
 
@@ -54,17 +56,20 @@ RUNNABLE = [name for name in ["auto", *BACKENDS] if unavailable_here(name) is No
 INPUT_NAMES = ("q", "k", "v", "rel_k", "rel_v")
 
 
-def present(inputs):
-    return [n for n, t in zip(INPUT_NAMES, inputs, strict=True) if t is not None]
+def present(inputs, kw=None):
+    """The names of the inputs that are given, then of the op's tensor keywords that get gradients."""
+    return [n for n, t in zip(INPUT_NAMES, inputs, strict=True) if t is not None] + [
+        n for n in GRAD_KEYWORDS if (kw or {}).get(n) is not None]
 
 
 def assert_matches_oracle(backend, inputs, go, dtype=torch.float64, **kw):
-    """The backend's output against the specification and each of its gradients against the float64 oracle's."""
+    """The backend's output against the specification and each of its gradients (the inputs', then rel_q's and
+    the biases' when given) against the float64 oracle's."""
     out, got = grads(backend, inputs, go, **kw)
     assert out.dtype == inputs[0].dtype and out.shape == go.shape
     assert_close(out, reference_output(*inputs, **kw), dtype, f"{backend} out")
     _, want = oracle_grads(inputs, go, **kw)
-    for name, a, w in zip(present(inputs), got, want, strict=True):
+    for name, a, w in zip(present(inputs, kw), got, want, strict=True):
         assert a is not None and a.shape == w.shape, name
         assert_close(a, w, dtype, f"{backend} d{name}")
         assert torch.count_nonzero(a) > 0 or torch.count_nonzero(w) == 0, name
@@ -375,6 +380,121 @@ def test_zero_beyond_puts_no_relative_term_outside_the_window(backend):
     assert_close(out[0, 0], want, torch.float64)
     clipped = relative_attention(q, q, v, None, rel_v, max_relative_position=(1, 0), backend=backend)
     assert_close(clipped[0, 0], torch.ones(n, d, dtype=torch.float64), torch.float64)
+
+
+# ----------------------------------------------------------------------------------------- Transformer-XL
+
+# Transformer-XL's biases (content_bias u, position_bias v) and windows at least as long as the sequence, each case
+# combining them with other features: (b, h, hkv, n, m, d, dv, window, beyond, tables, biases, rel_q, causal,
+# query_offset, mask). Hkv < H is grouped-query attention; "uv" both biases, "u" content only (the key table then
+# reads q itself), "v" position only.
+XL = {
+    "K=N-1-shared-uv": (2, 3, 3, 9, 9, 5, 4, 8, "clip", "shared", "uv", False, False, 0, None),
+    "K>>N-gqa-padding-uv": (2, 4, 2, 7, 7, 4, 3, 40, "clip", "per_head", "uv", False, False, 0, "padding"),
+    "K>N-decode-causal-u": (1, 2, 2, 3, 10, 4, 4, 12, "clip", "keys_per_head", "u", False, True, 7, None),
+    "K=N-rel_q-float-mask-v": (1, 2, 2, 6, 6, 3, 3, 6, "clip", "keys_only_per_head", "v", True, False, 0, "float"),
+    "K=N-1-values-only-u": (2, 2, 2, 5, 5, 3, 4, 4, "clip", "values_only", "u", False, True, 0, None),
+    "K>>N-no-bias-offset": (1, 2, 2, 6, 8, 3, 2, 30, "clip", "per_head", "", False, True, 2, None),
+    "K>>N-N=1-decode-uv-gqa": (2, 4, 1, 1, 9, 4, 4, 100, "clip", "keys_per_head", "uv", True, True, 8, None),
+    "20-3-zero-negative-offset-v": (1, 2, 2, 7, 5, 3, 2, (20, 3), "zero", "shared", "v", False, False, -2, "bool"),
+}
+
+
+def xl_case(name, *, requires_grad=True, dtype=torch.float64):
+    """Inputs, op keywords and output gradient of Transformer-XL case ``name``."""
+    b, h, hkv, n, m, d, dv, window, beyond, tables, biases, with_rel_q, causal, off, mask = XL[name]
+    q, k, v, rk, rv = random_inputs(b, h, n, m, d, dv, window, tables=tables, seed=len(name), dtype=dtype)
+    k, v = k[:, :hkv].contiguous(), v[:, :hkv].contiguous()
+    g = torch.Generator().manual_seed(3)
+    kw = dict(max_relative_position=window, beyond=beyond, is_causal=causal, query_offset=off, enable_gqa=hkv < h)
+    for letter, name_ in (("u", "content_bias"), ("v", "position_bias")):
+        if letter in biases:
+            kw[name_] = torch.randn(h, d, generator=g, dtype=torch.float64).to(dtype).requires_grad_(requires_grad)
+    if with_rel_q:
+        kw["rel_q"] = (torch.randn(h, rk.shape[-2], d, generator=g, dtype=torch.float64).to(dtype)
+                       .requires_grad_(requires_grad))
+    if mask == "padding":  # the last keys of batch entry 1 padded, as a speech batch
+        kw["attn_mask"] = (torch.arange(m)[None, :] < torch.tensor([m, m - 3])[:, None])[:, None, None, :]
+    elif mask is not None:
+        kw["attn_mask"] = random_mask(mask, (1, h, n, m), 5)
+    inputs = [None if t is None else t.requires_grad_(requires_grad) for t in (q, k, v, rk, rv)]
+    return inputs, kw, output_grad(b, h, n, dv, seed=2, dtype=dtype)
+
+
+def serves_biases(backend) -> bool:
+    return backend == "auto" or BACKENDS[backend].serves.position_query
+
+
+@pytest.mark.parametrize("backend", NAMES)
+@pytest.mark.parametrize("name", list(XL))
+def test_transformer_xl_matches_oracle(backend, name):
+    """Outputs against the specification, and the gradients of q, k, v, the tables, rel_q and both biases against
+    the float64 oracle; a backend that does not take separate position queries refuses them by name (a content
+    bias without a key table is only a shift of the queries: every backend serves it)."""
+    inputs, kw, go = xl_case(name)
+    position_queries = kw.get("position_bias") is not None or (kw.get("content_bias") is not None
+                                                                and inputs[3] is not None)
+    if position_queries and not serves_biases(backend):
+        with pytest.raises(ValueError, match=rf"backend '{backend}' cannot serve these inputs: .*position query q_pos"):
+            relative_attention(*inputs, backend=backend, **kw)
+        return
+    assert_matches_oracle(backend, inputs, go, **kw)
+
+
+@pytest.mark.parametrize("name", list(XL))
+def test_transformer_xl_cases_say_something(name):
+    """Guard: in every case each bias changes the output, and the window is as long as the sequence (a window
+    clipped shorter would give another answer): the comparisons above can tell a backend that drops one apart."""
+    inputs, kw, _ = xl_case(name, requires_grad=False)
+    out = reference_output(*inputs, **kw)
+    for bias in ("content_bias", "position_bias"):
+        if kw.get(bias) is not None:
+            assert (out - reference_output(*inputs, **{**kw, bias: None})).abs().max() > 1e-3, bias
+    window, n, m, off = kw["max_relative_position"], inputs[0].shape[2], inputs[1].shape[2], kw["query_offset"]
+    reach = max(n - 1 + off, m - 1 - off)
+    if isinstance(window, int) and inputs[3] is not None and reach > 2:
+        def middle(t):  # the rows of offsets -2 .. 2
+            return None if t is None else t[..., window - 2:window + 3, :]
+
+        short = reference_output(*inputs[:3], middle(inputs[3]), middle(inputs[4]),
+                                 **{**kw, "max_relative_position": 2, "rel_q": middle(kw.get("rel_q"))})
+        assert (out - short).abs().max() > 1e-3
+
+
+def test_a_window_wider_than_the_call_reads_only_the_offsets_it_reaches():
+    """K = 4096 on 100 tokens: the call the backends receive has K = 99 and 199-row views of the tables (the
+    rows of offsets -99 .. 99); decoding 1 query after 30 keys reaches offsets -30 .. 0, so K = 30."""
+    q, k, v, rk, rv = random_inputs(1, 2, 100, 100, 4, 4, 4096, tables="keys_per_head")
+    call = within_reach(validate(q, k, v, rk, rv, max_relative_position=4096, attn_mask=None, is_causal=False,
+                                 dropout_p=0.0, scale=None, query_offset=0))
+    assert call.max_relative_position == 99 and call.rel_k.shape == (2, 199, 4) and call.rel_v.shape == (1, 199, 4)
+    assert call.rel_k.data_ptr() == rk[:, 4096 - 99].data_ptr()  # a view: no copy of the table
+    assert torch.equal(call.rel_v[0], rv[4096 - 99:4096 + 100])
+    decode = within_reach(validate(q[:, :, :1], k[:, :, :31], v[:, :, :31], rk, rv, max_relative_position=4096,
+                                   attn_mask=None, is_causal=True, dropout_p=0.0, scale=None, query_offset=30))
+    assert decode.max_relative_position == 30 and decode.rel_k.shape[-2] == 61
+    narrow = within_reach(validate(q, k, v, rk[:, 4096 - 50:4096 + 51], None, max_relative_position=50,
+                                   attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, query_offset=0))
+    assert narrow.max_relative_position == 50  # a window inside the reach is left as it is
+
+
+@pytest.mark.parametrize("backend", [p for p in FAST if p.values[0] != "triton"])
+def test_gradcheck_transformer_xl(backend):
+    """Every element of q, k, v, both tables and both biases perturbed, a window wider than the sequence, GQA and
+    a padding mask (triton: fast mode, interpreted, in its own file)."""
+    if not serves_biases(backend):
+        pytest.skip(f"{backend} does not take the biases yet")
+    b, h, n, d = 1, 2, 4, 3
+    g = torch.Generator().manual_seed(8)
+    x = [torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+         for shape in ((b, h, n, d), (b, 1, n, d), (b, 1, n, 2), (h, 13, d), (13, 2), (h, d), (h, d))]
+    mask = torch.tensor([True, True, True, False])
+    kw = dict(max_relative_position=6, attn_mask=mask, enable_gqa=True, query_offset=1, is_causal=True)
+
+    def f(q, k, v, rk, rv, u, pb):
+        return relative_attention(q, k, v, rk, rv, content_bias=u, position_bias=pb, backend=backend, **kw)
+
+    assert torch.autograd.gradcheck(f, x)
 
 
 # ----------------------------------------------------------------------------------------- scale

@@ -234,3 +234,105 @@ def test_tied_tables_are_one_parameter_used_on_both_sides():
 def test_variant_errors_name_the_argument(kw, match):
     with pytest.raises(ValueError, match=match):
         module(**kw)
+
+
+# ------------------------------------------------------------------------------------ the Transformer-XL option
+
+
+def xl_formula(mod, x, *, pad=None, causal=False):
+    """Transformer-XL's attention (Dai et al., 2019, appendix B; NeMo's and ESPnet's RelPositionMultiHeadAttention)
+    written out in float64 from ``mod``'s parameters: ``p_r`` the sinusoid of position ``r = i - j`` (``sin``/``cos``
+    of ``r / 10000^(2c/E)``) through ``pos_proj``, scores ``((q_i + u) . k_j + (q_i + v) . p_{i-j}) / sqrt(D)``,
+    ``r`` clipped to ``[-K, K]`` when the module has an int window. ``pad`` (B, N) True = padding key."""
+    b, n, e = x.shape
+    h, d = mod.num_heads, mod.head_dim
+
+    def heads(t):
+        return t.view(b, n, h, d).transpose(1, 2)
+
+    q, k, v = heads(mod.q_proj(x)), heads(mod.k_proj(x)), heads(mod.v_proj(x))
+    kk = mod.max_relative_position
+    pe = torch.zeros(n, n, e, dtype=torch.float64)
+    for i in range(n):
+        for j in range(n):
+            r = i - j if kk is None else max(-kk, min(kk, i - j))
+            for c in range(0, e, 2):
+                angle = r / math.pow(10000.0, c / e)
+                pe[i, j, c] = math.sin(angle)
+                if c + 1 < e:
+                    pe[i, j, c + 1] = math.cos(angle)
+    p = mod.pos_proj(pe).view(n, n, h, d)
+    scores = (torch.einsum("bhid,bhjd->bhij", q + mod.content_bias[:, None], k)
+              + torch.einsum("bhid,ijhd->bhij", q + mod.position_bias[:, None], p)) / math.sqrt(d)
+    if pad is not None:
+        scores = scores.masked_fill(pad[:, None, None, :], -math.inf)
+    if causal:
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+    out = (torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(b, n, e)
+    return mod.out_proj(out)
+
+
+def xl_module(**kw):
+    torch.manual_seed(0)
+    return RelativeMultiheadAttention(E, H, kw.pop("k", None), transformer_xl=True, dtype=torch.float64, **kw).eval()
+
+
+@pytest.mark.parametrize("backend", ["auto", "dense", "blocked"])
+@pytest.mark.parametrize("k", [None, 3])
+def test_transformer_xl_equals_its_formula(backend, k):
+    """Outputs and every parameter's gradient (projections, pos_proj, u, v) against the formula, with a padding
+    mask; with K = 3 the offsets beyond are clipped (N = 7). The position terms matter."""
+    mod = xl_module(k=k, backend=backend)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 7, E, generator=g, dtype=torch.float64)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    go = torch.randn(2, 7, E, generator=g, dtype=torch.float64)
+    params = [p for _, p in sorted(mod.named_parameters())]
+    names = [name for name, _ in sorted(mod.named_parameters())]
+    assert {"pos_proj.weight", "content_bias", "position_bias"} <= set(names) and "rel_k" not in names
+    got = mod(x, key_padding_mask=pad)[0]
+    want = xl_formula(mod, x, pad=pad)
+    assert_close(got, want, torch.float64, "out")
+    for name, a, w in zip(names, torch.autograd.grad(got, params, go), torch.autograd.grad(want, params, go),
+                          strict=True):
+        assert_close(a, w, torch.float64, f"d {name}")
+        assert a.abs().max() > 0, name
+    with torch.no_grad():
+        mod.pos_proj.weight.zero_()
+        mod.position_bias.zero_()
+    assert (mod(x, key_padding_mask=pad)[0] - got).abs().max() > 1e-3  # the position term changed the answer
+
+
+@pytest.mark.parametrize("chunks", [[1] * 6, [3, 1, 2]])
+def test_transformer_xl_kv_cache_matches_full_causal_pass(chunks):
+    """Decoding with a KVCache: the queries sit after the cached keys, the table covers their offsets."""
+    mod = xl_module()
+    x = torch.randn(2, sum(chunks), E, dtype=torch.float64)
+    full = mod(x, is_causal=True)[0]
+    assert_close(full, xl_formula(mod, x, causal=True), torch.float64, "full")
+    cache, outs, start = KVCache(), [], 0
+    for c in chunks:
+        outs.append(mod(x[:, start:start + c], is_causal=True, kv_cache=cache)[0])
+        start += c
+    assert_close(torch.cat(outs, 1), full, torch.float64, "decoded")
+
+
+def test_transformer_xl_weights_and_errors():
+    mod = xl_module()
+    x = torch.randn(2, 5, E, dtype=torch.float64)
+    out, w = mod(x, need_weights=True, average_attn_weights=False)
+    assert_close(out, mod(x)[0], torch.float64) and w.shape == (2, H, 5, 5)
+    assert "transformer_xl=True" in repr(mod) and mod.state_dict().keys() >= {"pos_proj.weight", "content_bias"}
+    for kw, match in [(dict(relative_values=True), r"transformer_xl=True has no learned tables.*relative_values=True"),
+                      (dict(position_to_content=True), r"position_to_content=True"),
+                      (dict(max_relative_position=(3, 1)), r"max_relative_position None \(no clipping\) or an int"),
+                      (dict(beyond="zero"), r"beyond='zero'")]:
+        with pytest.raises(ValueError, match=match):
+            RelativeMultiheadAttention(E, H, transformer_xl=True, **kw)
+    for name in ("native", "triton"):
+        from relattn.backends import BACKENDS
+
+        if not BACKENDS[name].serves.position_query:
+            with pytest.raises(ValueError, match=rf"backend '{name}' cannot serve this module: .*q_pos"):
+                RelativeMultiheadAttention(E, H, transformer_xl=True, backend=name)

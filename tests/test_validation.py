@@ -67,6 +67,12 @@ KW_CASES = [
     (dict(max_relative_position=(2, 1)), ValueError,
      r"rel_k must be \(4, 4\) or \(3, 4, 4\) for H=3, 4 table rows, head dim 4; got \(5, 4\)"),
     (dict(max_relative_position=(4, 1), beyond="zero"), ValueError, r"rel_k must be \(6, 4\) .*got \(5, 4\)"),
+    # Transformer-XL's biases: (H, D), one row per query head, q's dtype and device
+    (dict(content_bias=torch.randn(4)), ValueError, r"content_bias must be \(H, D\) = \(3, 4\), one row per query "
+                                                    r"head; got \(4\)"),
+    (dict(position_bias=torch.randn(1, 4)), ValueError, r"position_bias must be \(H, D\) = \(3, 4\).*got \(1, 4\)"),
+    (dict(position_bias=torch.randn(3, 4, dtype=torch.float64)), TypeError, r"position_bias has dtype torch.float64"),
+    (dict(content_bias=[0.0] * 4), TypeError, r"content_bias must be a Tensor or None, got list"),
 ]
 
 
@@ -103,3 +109,25 @@ def test_meta_tensors_pass_validation():
     assert out.device.type == "meta" and out.shape == (2, 3, 5, 7)
     with pytest.raises(ValueError, match=r"backend 'native' cannot serve these inputs: device meta \(serves cpu\)"):
         relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], max_relative_position=2, backend="native")
+
+
+def test_position_bias_without_a_key_table_is_refused_naming_it():
+    """Without rel_k the position bias would have no effect: an error naming it, not a silent no-op."""
+    t = base()
+    with pytest.raises(ValueError, match=r"position_bias .* rel_k is None: it would have no effect"):
+        relative_attention(t["q"], t["k"], t["v"], None, t["rel_v"], max_relative_position=2,
+                           position_bias=torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("backend", ["native", "triton"])
+def test_a_backend_without_position_queries_refuses_the_biases_by_name(backend):
+    from relattn.backends import BACKENDS, refusals
+
+    if BACKENDS[backend].serves.position_query:
+        pytest.skip(f"{backend} serves the biases")
+    t = base()
+    assert any("q_pos" in r for r in refusals(backend, position_query=True))
+    with pytest.raises(ValueError, match=rf"backend '{backend}' cannot serve these inputs: .*a separate position "
+                                         r"query q_pos \(content/position biases"):
+        relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], max_relative_position=2,
+                           content_bias=torch.randn(3, 4), backend=backend)

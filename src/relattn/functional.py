@@ -103,7 +103,8 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
 
 
 def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_causal, dropout_p, scale,
-             query_offset, beyond="clip", enable_gqa=False, rel_q=None, offsets=None) -> AttentionCall:
+             query_offset, beyond="clip", enable_gqa=False, rel_q=None, content_bias=None, position_bias=None,
+             offsets=None) -> AttentionCall:
     """Check every argument and bring it to the canonical form backends receive (k and v keep their ``Hkv``
     heads; :func:`relative_attention` repeats them for the backends that need H).
 
@@ -111,6 +112,12 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
     this call's N queries and M keys; a call that is one part of a longer sequence (context parallelism) passes
     the whole sequence's, so that a :class:`~relattn.positions.LogBuckets` or zero-beyond table is expanded for
     every offset of the sequence.
+
+    Transformer-XL's biases are folded in here: ``call.q`` is ``q + content_bias``, ``call.q_pos`` the queries
+    of the key table (``q + position_bias``; ``q`` itself when only ``content_bias`` is given and ``rel_k`` is),
+    plain torch additions autograd carries back to q and the biases. The op's entry points then narrow a window
+    wider than the call's offsets (:func:`within_reach`); a caller whose keys span more than this call's (the
+    context-parallel ring) keeps the window as validated.
 
     Every call pays for this, a decoding step too: each check is a cheap comparison first, and an error's
     message is built only when it is raised."""
@@ -124,7 +131,8 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
     device = q.device
-    q, k, v, rel_k, rel_v, rel_q = _autocast([q, k, v, rel_k, rel_v, rel_q], device.type)
+    q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias = _autocast(
+        [q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias], device.type)
     dtype = q.dtype
     if k.dtype != dtype or k.device != device:
         _check_like("k", k, q)
@@ -170,10 +178,52 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
         scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    content_bias = _check_bias("content_bias", content_bias, heads=h, dim=d, like=q)
+    position_bias = _check_bias("position_bias", position_bias, heads=h, dim=d, like=q)
+    if position_bias is not None and rel_k is None:
+        raise ValueError("position_bias is added to the queries that read the key table rel_k, and rel_k is None: "
+                         "it would have no effect (pass rel_k, or no position_bias)")
     if dims != 4:
         q, k, v = _as_4d(q), _as_4d(k), _as_4d(v)
+    q_pos = None
+    if position_bias is not None:
+        q_pos = q + position_bias[:, None, :]
+    elif content_bias is not None and rel_k is not None:
+        q_pos = q  # the key table reads the queries without the content bias
+    if content_bias is not None:
+        q = q + content_bias[:, None, :]
     return AttentionCall(q, k, v, rel_k, rel_v, kk, mask, is_causal, float(dropout_p), float(scale), query_offset,
-                         rel_q=rel_q)
+                         rel_q=rel_q, q_pos=q_pos)
+
+
+def _check_bias(name, bias, *, heads, dim, like) -> torch.Tensor | None:
+    """A Transformer-XL bias checked against (H, D), one row per query head, and q's dtype and device."""
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{name} must be a Tensor or None, got {type(bias).__name__}")
+    if tuple(bias.shape) != (heads, dim):
+        raise ValueError(f"{name} must be (H, D) = ({heads}, {dim}), one row per query head; got {_shape(bias)}")
+    if bias.dtype != like.dtype or bias.device != like.device:
+        _check_like(name, bias, like)
+    return bias
+
+
+def within_reach(call: AttentionCall) -> AttentionCall:
+    """``call`` with a window wider than the offsets it can reach narrowed to them: the tables sliced (views) to
+    the rows of ``[-R, R]``, ``R = max(N - 1 + query_offset, M - 1 - query_offset, 0)``, and ``K = R``. Exact:
+    no offset ``j - i - query_offset`` of the call lies beyond ``R``, so no row outside is ever read (a
+    Transformer-XL call with ``K >= N`` then costs ``2N - 1`` rows, not ``2K + 1``). Gradients reach the whole
+    tables (zeros in the rows no offset reads)."""
+    n, m, kk = call.q.shape[-2], call.k.shape[-2], call.max_relative_position
+    if not (isinstance(n, int) and isinstance(m, int)):  # symbolic sizes (torch.export): keep the call's window
+        return call
+    reach = max(n - 1 + call.query_offset, m - 1 - call.query_offset, 0)
+    if kk <= reach:
+        return call
+    rows = slice(kk - reach, kk + reach + 1)
+    rel_k, rel_v, rel_q = (None if t is None else t[:, rows] for t in (call.rel_k, call.rel_v, call.rel_q))
+    return dataclasses.replace(call, rel_k=rel_k, rel_v=rel_v, rel_q=rel_q, max_relative_position=reach)
 
 
 def _k_message(q, k, d, extra="") -> str:
@@ -211,6 +261,8 @@ def relative_attention(
     *,
     max_relative_position: int | tuple[int, int],
     rel_q: torch.Tensor | None = None,
+    content_bias: torch.Tensor | None = None,
+    position_bias: torch.Tensor | None = None,
     beyond: str = "clip",
     attn_mask: torch.Tensor | None = None,
     is_causal: bool = False,
@@ -233,6 +285,12 @@ def relative_attention(
         rel_q: position-to-content table ``a^Q`` (DeBERTa's p2c term, BERT's ``relative_key_query``): (2K+1, D),
             (H, 2K+1, D) or None. It adds ``k_j . a^Q[idx_ij]`` to the scores, at the same row ``idx_ij`` as the
             key term, and has the key term's window and ``beyond``.
+        content_bias: Transformer-XL's ``u`` (NeMo's ``pos_bias_u``): (H, D), one row per query head, or None. It
+            adds ``u_h . k_j`` to the scores: the content term reads ``q_i + u``.
+        position_bias: Transformer-XL's ``v`` (NeMo's ``pos_bias_v``): (H, D) or None; needs ``rel_k``. It adds
+            ``v_h . a^K[idx_ij]``: the key term reads ``q_i + v``. With a window as long as the sequence
+            (``K >= N - 1``, ``beyond="clip"``) and the table a projection of sinusoids, the call is
+            Transformer-XL's attention (Dai et al., 2019); the op computes only the table rows the call reaches.
         max_relative_position: ``K``; offsets ``j - i`` are clipped to ``[-K, K]`` and shifted by ``K``.
             A pair ``(left, right)`` clips to ``[-left, right]`` and shifts by ``left`` (tables of
             ``left + right + 1`` rows). A :class:`relattn.positions.LogBuckets` maps offsets to the rows of
@@ -254,14 +312,16 @@ def relative_attention(
 
     Returns:
         (B, H, N, Dv) (q's leading dims, then (N, Dv)): ``out_i = sum_j w_ij (v_j + a^V[idx_ij])`` with
-        ``w_i = softmax_j((q_i . k_j + q_i . a^K[idx_ij] + k_j . a^Q[idx_ij]) * scale + mask_ij)`` and
+        ``w_i = softmax_j(((q_i + u) . k_j + (q_i + v) . a^K[idx_ij] + k_j . a^Q[idx_ij]) * scale + mask_ij)``
+        (``u``, ``v`` the biases, zero when None) and
         ``idx_ij = clip(j - i - query_offset, -K, K) + K``. A row with nothing to attend to gives
         zeros (and zero gradients); a NaN in the inputs reaches the rows it touches, as in the reference.
         Under ``torch.autocast`` the inputs are cast as autocast casts SDPA's (tables included).
     """
-    call = validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, attn_mask=attn_mask,
-                    is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset, beyond=beyond,
-                    enable_gqa=enable_gqa, rel_q=rel_q)
+    call = within_reach(validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position,
+                                 attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
+                                 query_offset=query_offset, beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q,
+                                 content_bias=content_bias, position_bias=position_bias))
     chosen = resolve(backend, call)
     return _shaped_like(chosen.run(_served(chosen, call)), q)
 
@@ -274,23 +334,27 @@ def _dense_with_weights(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor
 
 
 def relative_attention_with_weights(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, rel_q=None,
-                                    beyond="clip", attn_mask=None, is_causal=False, dropout_p=0.0, scale=None,
-                                    query_offset=0, enable_gqa=False) -> tuple[torch.Tensor, torch.Tensor]:
+                                    content_bias=None, position_bias=None, beyond="clip", attn_mask=None,
+                                    is_causal=False, dropout_p=0.0, scale=None, query_offset=0,
+                                    enable_gqa=False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`relative_attention`'s output and its attention weights ``w`` (before dropout), ``(out, w)``:
     out (B, H, N, Dv) and w (B, H, N, M), in q's leading dims. Computed by the "dense" backend, the one that
     forms the weights; the arguments are :func:`relative_attention`'s."""
-    call = validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, attn_mask=attn_mask,
-                    is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset, beyond=beyond,
-                    enable_gqa=enable_gqa, rel_q=rel_q)
+    call = within_reach(validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position,
+                                 attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
+                                 query_offset=query_offset, beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q,
+                                 content_bias=content_bias, position_bias=position_bias))
     out, weights = _dense_with_weights(call)
     return _shaped_like(out, q), _shaped_like(weights, q)
 
 
-def relative_attention_weights(q, k, rel_k=None, *, max_relative_position, rel_q=None, beyond="clip",
+def relative_attention_weights(q, k, rel_k=None, *, max_relative_position, rel_q=None, content_bias=None,
+                               position_bias=None, beyond="clip",
                                attn_mask=None, is_causal=False, scale=None, query_offset=0,
                                enable_gqa=False) -> torch.Tensor:
     """The (B, H, N, M) attention weights ``w`` of :func:`relative_attention` (no dropout), in q's leading dims."""
-    call = validate(q, k, k[..., :0], rel_k, None, max_relative_position=max_relative_position,
-                    attn_mask=attn_mask, is_causal=is_causal, dropout_p=0.0, scale=scale,
-                    query_offset=query_offset, beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q)
+    call = within_reach(validate(q, k, k[..., :0], rel_k, None, max_relative_position=max_relative_position,
+                                 attn_mask=attn_mask, is_causal=is_causal, dropout_p=0.0, scale=scale,
+                                 query_offset=query_offset, beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q,
+                                 content_bias=content_bias, position_bias=position_bias))
     return _shaped_like(_dense_with_weights(call)[1], q)

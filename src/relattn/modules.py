@@ -54,6 +54,18 @@ def _combine(a: torch.Tensor | None, b: torch.Tensor | None, dtype) -> torch.Ten
     return additive_mask(a, dtype) + additive_mask(b, dtype)
 
 
+def sinusoids(positions: torch.Tensor, dim: int) -> torch.Tensor:
+    """(L, dim) sinusoidal embeddings of ``positions`` (L,) (Vaswani et al.; Transformer-XL's relative encoding):
+    column ``2c`` is ``sin(p / 10000^(2c/dim))``, column ``2c + 1`` its cosine, in ``positions``' dtype."""
+    rate = torch.exp(torch.arange(0, dim, 2, dtype=positions.dtype, device=positions.device)
+                     * (-math.log(10000.0) / dim))
+    angles = positions[:, None] * rate[None, :]
+    out = positions.new_zeros(len(positions), dim)
+    out[:, 0::2] = torch.sin(angles)
+    out[:, 1::2] = torch.cos(angles[:, : dim // 2])
+    return out
+
+
 def _positive(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -76,6 +88,7 @@ class RelativeMultiheadAttention(nn.Module):
         max_relative_position: ``K``; offsets are clipped to ``[-K, K]``, so tables have ``2K + 1`` rows. A pair
             ``(left, right)`` clips to ``[-left, right]`` (``left + right + 1`` rows). A
             :class:`relattn.positions.LogBuckets` maps offsets as DeBERTa does (tables of ``2 * span`` rows).
+            None (the default): 16, or with ``transformer_xl`` no clipping at all (every offset of the call).
         beyond: ``"clip"`` (offsets beyond the window take the edge rows) or ``"zero"`` (no relative term).
         tie_tables: one table for keys and values (OpenNMT-py, CTranslate2): ``rel_v`` is ``rel_k``.
         dropout: dropout on the attention weights, in training mode only.
@@ -85,11 +98,20 @@ class RelativeMultiheadAttention(nn.Module):
         kdim, vdim: features of ``key`` and ``value`` (default ``embed_dim``); the relative tables apply
             as in self-attention (query ``i`` at position ``i``, key ``j`` at ``j``).
         batch_first: (B, N, E) if True (the default: this module was always batch-first), (N, B, E) if False.
-        relative_keys: learn the key-side table ``rel_k`` (``a^K``).
-        relative_values: learn the value-side table ``rel_v`` (``a^V``).
+        relative_keys: learn the key-side table ``rel_k`` (``a^K``); None: True unless ``transformer_xl``.
+        relative_values: learn the value-side table ``rel_v`` (``a^V``); None: True unless ``transformer_xl``.
         position_to_content: learn the position-to-content table ``rel_q`` (``a^Q``: DeBERTa's p2c term, adding
             ``k_j . a^Q[idx_ij]`` to the scores), shaped like ``rel_k``.
         share_heads: one (2K+1, D) table per side shared by all heads (Shaw et al.), else (H, 2K+1, D).
+        transformer_xl: Transformer-XL's relative attention (Dai et al., 2019), the Conformer's
+            ``RelPositionMultiHeadAttention``: no learned tables; the key table of each call is ``pos_proj``
+            (``E -> E``, no bias) of the sinusoids of every offset the call reaches (row ``t`` of offset
+            ``t - K`` embeds position ``K - t``, query minus key), split into heads, and the learned
+            ``content_bias`` (``u``) and ``position_bias`` (``v``), (H, D), are added to the queries of the
+            content and the position term: ``((q_i + u) . k_j + (q_i + v) . p_{i-j}) / sqrt(D)``. An int
+            ``max_relative_position`` clips the offsets (the edge rows beyond); None does not. Takes a
+            ``KVCache`` (the queries' positions follow the cache). See docs/usage.md for NeMo's and ESPnet's
+            parameter names.
         backend: passed to :func:`relattn.relative_attention`. A backend that will refuse this module's calls
             (dropout it does not serve, a head dim, a ``device`` or ``dtype`` it does not take, a missing package)
             is refused here, with every reason.
@@ -128,7 +150,7 @@ class RelativeMultiheadAttention(nn.Module):
         self,
         embed_dim: int,
         num_heads: int,
-        max_relative_position: int | tuple[int, int] = 16,
+        max_relative_position: int | tuple[int, int] | LogBuckets | None = None,
         *,
         num_kv_heads: int | None = None,
         beyond: str = "clip",
@@ -140,10 +162,11 @@ class RelativeMultiheadAttention(nn.Module):
         kdim: int | None = None,
         vdim: int | None = None,
         batch_first: bool = True,
-        relative_keys: bool = True,
-        relative_values: bool = True,
+        relative_keys: bool | None = None,
+        relative_values: bool | None = None,
         position_to_content: bool = False,
         share_heads: bool = True,
+        transformer_xl: bool = False,
         backend: str = "auto",
         device=None,
         dtype=None,
@@ -163,9 +186,25 @@ class RelativeMultiheadAttention(nn.Module):
         if num_heads % kv_heads:
             raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({num_heads})")
         head_dim = embed_dim // num_heads
+        if not isinstance(transformer_xl, bool):
+            raise TypeError(f"transformer_xl must be a bool, got {type(transformer_xl).__name__}")
+        if transformer_xl:
+            learned = dict(relative_keys=relative_keys, relative_values=relative_values,
+                           position_to_content=position_to_content, tie_tables=tie_tables)
+            if given := [name for name, flag in learned.items() if flag]:
+                raise ValueError(f"transformer_xl=True has no learned tables (its key table is the projected "
+                                 f"sinusoids, it has no value table); got {', '.join(f'{n}=True' for n in given)}")
+            if not (max_relative_position is None or type(max_relative_position) is int) or beyond != "clip":
+                raise ValueError(f"transformer_xl=True takes max_relative_position None (no clipping) or an int and "
+                                 f"beyond='clip'; got {max_relative_position!r}, beyond={beyond!r}")
+            relative_keys = relative_values = False
+        else:
+            max_relative_position = 16 if max_relative_position is None else max_relative_position
+            relative_keys = True if relative_keys is None else relative_keys
+            relative_values = True if relative_values is None else relative_values
         refused = backend_refusals(backend, dropout=dropout > 0, head_dim=head_dim, dtype=dtype,
                                    device=None if device is None else torch.device(device).type,
-                                   pos_to_content=position_to_content)
+                                   pos_to_content=position_to_content, position_query=transformer_xl)
         if refused:
             raise ValueError(f"backend {backend!r} cannot serve this module: {'; '.join(refused)}")
         factory = {"device": device, "dtype": dtype}
@@ -174,8 +213,10 @@ class RelativeMultiheadAttention(nn.Module):
         self.kdim = embed_dim if kdim is None else _positive("kdim", kdim)
         self.vdim = embed_dim if vdim is None else _positive("vdim", vdim)
         self.head_dim = head_dim
-        check_positions(max_relative_position)
+        if max_relative_position is not None:
+            check_positions(max_relative_position)
         self.max_relative_position = max_relative_position
+        self.transformer_xl = transformer_xl
         self.beyond = check_beyond(beyond)
         if isinstance(max_relative_position, LogBuckets) and beyond != "clip":
             raise ValueError(f"beyond={beyond!r} does not apply to LogBuckets positions (they saturate); use 'clip'")
@@ -186,7 +227,7 @@ class RelativeMultiheadAttention(nn.Module):
         self.k_proj = nn.Linear(self.kdim, kv_heads * head_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(self.vdim, kv_heads * head_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        table = (table_rows(max_relative_position), self.head_dim)
+        table = (0 if transformer_xl else table_rows(max_relative_position), self.head_dim)
         if not share_heads:
             table = (num_heads, *table)
         self.rel_k = nn.Parameter(torch.empty(table, **factory)) if relative_keys else None
@@ -195,6 +236,12 @@ class RelativeMultiheadAttention(nn.Module):
             nn.Parameter(torch.empty(table, **factory)) if relative_values else None)
         self.tie_tables = tie_tables
         self.rel_q = nn.Parameter(torch.empty(table, **factory)) if position_to_content else None
+        if transformer_xl:  # NeMo's linear_pos, pos_bias_u, pos_bias_v
+            self.pos_proj = nn.Linear(embed_dim, embed_dim, bias=False, **factory)
+            self.content_bias = nn.Parameter(torch.empty(num_heads, head_dim, **factory))
+            self.position_bias = nn.Parameter(torch.empty(num_heads, head_dim, **factory))
+        else:
+            self.pos_proj = self.content_bias = self.position_bias = None
         # nn.MultiheadAttention's attributes that torch.nn.Transformer*Layer inspect: with no packed in-projection
         # they never take their fused fast path (which would read in_proj_weight and bypass this module).
         self.register_parameter("in_proj_weight", None)
@@ -267,6 +314,11 @@ class RelativeMultiheadAttention(nn.Module):
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
             if proj.bias is not None:
                 nn.init.zeros_(proj.bias)
+        if self.transformer_xl:  # as ESPnet's RelPositionMultiHeadedAttention
+            nn.init.xavier_uniform_(self.pos_proj.weight)
+            nn.init.xavier_uniform_(self.content_bias)
+            nn.init.xavier_uniform_(self.position_bias)
+            return
         std = math.sqrt(2.0 / (table_rows(self.max_relative_position) + self.head_dim))
         for table in (self.rel_k, self.rel_v, self.rel_q):
             if table is not None:
@@ -280,7 +332,8 @@ class RelativeMultiheadAttention(nn.Module):
                 f"tie_tables={self.tie_tables}, share_heads={self.share_heads}, "
                 f"relative_keys={self.rel_k is not None}, relative_values={self.rel_v is not None}, "
                 f"position_to_content={self.rel_q is not None}, "
-                f"batch_first={self.batch_first}, backend={self.backend!r}")
+                + ("transformer_xl=True, " if self.transformer_xl else "")
+                + f"batch_first={self.batch_first}, backend={self.backend!r}")
 
     def _check_inputs(self, query, key, value) -> bool:
         """Shapes of the three inputs; returns whether they are batched."""
@@ -366,6 +419,18 @@ class RelativeMultiheadAttention(nn.Module):
         kv_cache.advance(n)
         return k, v
 
+    def _position_table(self, n: int, m: int, offset: int, q: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Transformer-XL's key table for ``n`` queries from position ``offset`` on and ``m`` keys: ``K`` (every
+        offset the call reaches, at most ``max_relative_position``) and ``pos_proj`` of the sinusoids of the
+        positions ``K, K - 1, .., -K`` (query minus key), (H, 2K + 1, D) in q's dtype."""
+        kk = max(n - 1 + offset, m - 1 - offset, 0)
+        if self.max_relative_position is not None:
+            kk = min(kk, self.max_relative_position)
+        weight = self.pos_proj.weight
+        positions = torch.arange(kk, -kk - 1, -1, device=weight.device, dtype=weight.dtype)
+        table = self.pos_proj(sinusoids(positions, self.embed_dim)).to(q.dtype)
+        return kk, table.unflatten(-1, (self.num_heads, self.head_dim)).transpose(0, 1)
+
     def forward(
         self,
         query: torch.Tensor,
@@ -429,6 +494,10 @@ class RelativeMultiheadAttention(nn.Module):
         args = dict(max_relative_position=self.max_relative_position, rel_q=rel_q, beyond=self.beyond, attn_mask=mask,
                     is_causal=is_causal, query_offset=offset, dropout_p=self.dropout if self.training else 0.0,
                     enable_gqa=self.num_kv_heads != self.num_heads)
+        if self.transformer_xl:
+            kk, rel_k = self._position_table(n, m, offset, q)
+            args.update(max_relative_position=kk, content_bias=self.content_bias.to(q.dtype),
+                        position_bias=self.position_bias.to(q.dtype))
         weights = None
         if need_weights:
             out, weights = relative_attention_with_weights(q, k, v, rel_k, rel_v, **args)

@@ -16,6 +16,11 @@ A third table, ``a_Q`` (position-to-content: DeBERTa's p2c term, BERT's ``relati
 ``k_j . a^Q_{j-i}`` to the score of query ``i`` and key ``j``, at the same row of the same offset ``j - i`` as
 ``a^K``: ``e_ij = (q_i . k_j + q_i . a^K_{j-i} + k_j . a^Q_{j-i}) * scale``.
 
+Transformer-XL (Dai et al., 2019, appendix B; the Conformer's ``RelPositionMultiHeadAttention``) adds two learned
+vectors per head: the content bias ``u`` on the content term and the position bias ``v`` on the key-table term,
+``e_ij = ((q_i + u) . k_j + (q_i + v) . a^K_{j-i} + k_j . a^Q_{j-i}) * scale``, its table covering every offset of
+the sequence (a window ``K >= N - 1``).
+
 Seeding: the spec seeds numpy's *global* generator. Here every random draw goes through a local
 ``np.random.RandomState`` built from ``seed`` (legacy ``RandomState(s)`` draws exactly what
 ``np.random.seed(s)`` followed by ``np.random.randn`` draws), so the spec's printed numbers are
@@ -165,36 +170,43 @@ def _with_zero_row(table: np.ndarray) -> np.ndarray:
     return np.vstack([table, np.zeros((1, table.shape[1]))])
 
 
-def relative_attention_scores(Q, K, rel_embed: RelativePositionEmbedding, *, query_offset: int = 0, scale=None):
-    """Loop form: ``e_ij = (q_i . k_j + q_i . a^K_{j-i} [+ k_j . a^Q_{j-i}]) * scale``, scale ``1/sqrt(d_k)`` by
-    default; the bracketed position-to-content term when ``rel_embed`` has an ``a_Q`` table.
+def relative_attention_scores(Q, K, rel_embed: RelativePositionEmbedding, *, query_offset: int = 0, scale=None,
+                              content_bias=None, position_bias=None):
+    """Loop form: ``e_ij = ((q_i + u) . k_j + (q_i + v) . a^K_{j-i} [+ k_j . a^Q_{j-i}]) * scale``, scale
+    ``1/sqrt(d_k)`` by default; the bracketed position-to-content term when ``rel_embed`` has an ``a_Q`` table;
+    ``u`` = ``content_bias`` and ``v`` = ``position_bias`` (d_k,) (Transformer-XL's), zero when None.
 
     Q (N, d_k), K (M, d_k) -> (N, M). Query ``i`` sits at absolute position ``i + query_offset``.
     """
     n, d_k = Q.shape
     m = K.shape[0]
+    u = np.zeros(d_k) if content_bias is None else np.asarray(content_bias, dtype=np.float64)
+    v = np.zeros(d_k) if position_bias is None else np.asarray(position_bias, dtype=np.float64)
     scores = np.zeros((n, m))
     for i in range(n):
         for j in range(m):
-            content_score = np.dot(Q[i], K[j])
+            content_score = np.dot(Q[i] + u, K[j])
             a_k = rel_embed.get_key_embedding(j - (i + query_offset))
-            scores[i, j] = content_score + np.dot(Q[i], a_k)
+            scores[i, j] = content_score + np.dot(Q[i] + v, a_k)
             a_q = rel_embed.get_query_embedding(j - (i + query_offset))
             if a_q is not None:
                 scores[i, j] += np.dot(K[j], a_q)
     return scores * (1.0 / np.sqrt(d_k) if scale is None else scale)
 
 
-def relative_attention_scores_vectorized(Q, K, rel_embed, *, query_offset: int = 0, scale=None):
-    """Same as :func:`relative_attention_scores`, by gathering ``Q @ a_K.T`` (and ``K @ a_Q.T``) through the index
-    matrix."""
+def relative_attention_scores_vectorized(Q, K, rel_embed, *, query_offset: int = 0, scale=None, content_bias=None,
+                                         position_bias=None):
+    """Same as :func:`relative_attention_scores`, by gathering ``(Q + v) @ a_K.T`` (and ``K @ a_Q.T``) through the
+    index matrix."""
     n, d_k = Q.shape
     m = K.shape[0]
+    u = 0.0 if content_bias is None else np.asarray(content_bias, dtype=np.float64)
+    v = 0.0 if position_bias is None else np.asarray(position_bias, dtype=np.float64)
     idx = rel_embed.index_matrix(n, m, query_offset=query_offset)
-    rel = (Q @ _with_zero_row(rel_embed.a_K).T)[np.arange(n)[:, None], idx]
+    rel = ((Q + v) @ _with_zero_row(rel_embed.a_K).T)[np.arange(n)[:, None], idx]
     if rel_embed.a_Q is not None:
         rel = rel + (K @ _with_zero_row(rel_embed.a_Q).T)[np.arange(m)[None, :], idx]
-    return (Q @ K.T + rel) * (1.0 / np.sqrt(d_k) if scale is None else scale)
+    return ((Q + u) @ K.T + rel) * (1.0 / np.sqrt(d_k) if scale is None else scale)
 
 
 def relative_attention_output(attention_weights, V, rel_embed: RelativePositionEmbedding, *, query_offset: int = 0):
@@ -254,13 +266,15 @@ class RelativeSelfAttention:
         return relative_attention_output(weights, V, self.rel_embed), weights
 
 
-def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, rel_q=None, beyond="clip",
-                       attn_mask=None, is_causal=False, scale=None, query_offset=0, return_weights=False):
+def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, rel_q=None, content_bias=None,
+                       position_bias=None, beyond="clip", attn_mask=None, is_causal=False, scale=None, query_offset=0,
+                       return_weights=False):
     """Batched multi-head reference for the torch op, built from the spec's functions above.
 
     q (B, H, N, D), k (B, H, M, D), v (B, H, M, Dv); rel_k/rel_v/rel_q (R, D) or (H, R, D) or None, R = 2K+1 rows
     (``left + right + 1`` for a window ``max_relative_position=(left, right)``); ``beyond`` as in
-    :class:`RelativePositionEmbedding`;
+    :class:`RelativePositionEmbedding`; content_bias/position_bias (H, D) or None, Transformer-XL's ``u`` and
+    ``v``, one row per head (:func:`relative_attention_scores`);
     attn_mask bool (True = may attend) or float (added), broadcastable to (B, H, N, M). Fully masked
     rows give zero output. Returns (B, H, N, Dv) float64 [and the (B, H, N, M) weights].
     """
@@ -274,6 +288,8 @@ def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position
         t = np.zeros((h, rows, dim)) if t is None else np.asarray(t, dtype=np.float64)
         tables.append(np.broadcast_to(t, (h, rows, dim)))
     rel_q = None if rel_q is None else np.broadcast_to(np.asarray(rel_q, dtype=np.float64), (h, rows, d))
+    biases = [None if t is None else np.broadcast_to(np.asarray(t, dtype=np.float64), (h, d))
+              for t in (content_bias, position_bias)]
     bias = np.zeros((b, h, n, m))
     if attn_mask is not None:
         mask = np.asarray(attn_mask)
@@ -287,8 +303,10 @@ def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position
         for hi in range(h):
             emb = RelativePositionEmbedding.from_tables(tables[0][hi], tables[1][hi], (left, right), beyond=beyond,
                                                         a_Q=None if rel_q is None else rel_q[hi])
-            s = relative_attention_scores_vectorized(q[bi, hi], k[bi, hi], emb, query_offset=query_offset,
-                                                     scale=scale)
+            s = relative_attention_scores_vectorized(
+                q[bi, hi], k[bi, hi], emb, query_offset=query_offset, scale=scale,
+                content_bias=None if biases[0] is None else biases[0][hi],
+                position_bias=None if biases[1] is None else biases[1][hi])
             weights[bi, hi] = softmax(s + bias[bi, hi])
             out[bi, hi] = relative_attention_output_vectorized(weights[bi, hi], v[bi, hi], emb,
                                                                query_offset=query_offset)

@@ -77,7 +77,7 @@ def check_name(name: object, *, what: str = "backend") -> str:
 
 def refusals(name: str, *, device: str | None = None, dtype: torch.dtype | None = None, dropout: bool = False,
              mask: bool = False, head_dim: int | None = None, v_head_dim: int | None = None,
-             pos_to_content: bool = False, chunk_pairs: bool = False) -> list[str]:
+             pos_to_content: bool = False, position_query: bool = False, chunk_pairs: bool = False) -> list[str]:
     """Every reason backend ``name`` will refuse the calls a module, model or run of this kind makes, known at
     construction (before any call): its ``Serves`` declaration (:func:`declared_reasons`; None leaves a property
     unchecked), then, if that allows them, ``unavailable()`` (a missing package or compiler). ``"auto"`` refuses
@@ -87,7 +87,7 @@ def refusals(name: str, *, device: str | None = None, dtype: torch.dtype | None 
     backend = BACKENDS[name]
     reasons = declared_reasons(backend.serves, device=device, dtype=dtype, dropout=dropout, mask=mask,
                                head_dim=head_dim, v_head_dim=v_head_dim, pos_to_content=pos_to_content,
-                               chunk_pairs=chunk_pairs)
+                               position_query=position_query, chunk_pairs=chunk_pairs)
     if not reasons and (why := backend.unavailable()) is not None:
         reasons.append(why)
     return reasons

@@ -95,13 +95,14 @@ class Backend:
 def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.dtype | None = None,
                      dropout: bool = False, mask: bool = False, mask_grad: bool = False, head_dim: int | None = None,
                      v_head_dim: int | None = None, pos_to_content: bool = False,
-                     chunk_pairs: bool = False) -> list[str]:
+                     position_query: bool = False, chunk_pairs: bool = False) -> list[str]:
     """Every reason a backend declaring ``serves`` refuses calls of this kind; empty when it serves them.
 
     ``device`` (a device type), ``dtype`` and the head dims ``D`` (``head_dim``) and ``Dv`` (``v_head_dim``, default
     ``D``) are left unchecked when None; ``dropout``, ``mask`` and ``mask_grad`` say whether the calls have
     ``dropout_p > 0``, an ``attn_mask``, a mask that requires grad; ``pos_to_content`` whether they carry a
-    ``rel_q`` table; ``chunk_pairs`` whether they are a context-parallel ring's chunk pairs.
+    ``rel_q`` table; ``position_query`` whether they carry a ``q_pos`` (content or position biases);
+    ``chunk_pairs`` whether they are a context-parallel ring's chunk pairs.
     :func:`not_supported_reasons` asks this about
     one call; the module and ``relattn train`` ask it at construction, before there is any call.
     """
@@ -125,6 +126,9 @@ def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.
     if pos_to_content and not s.pos_to_content:
         reasons.append("a position-to-content table rel_q (no k . a^Q term; 'native', 'triton', 'blocked' and "
                        "'dense' take it)")
+    if position_query and not s.position_query:
+        reasons.append("a separate position query q_pos (content/position biases; 'native', 'dense' and 'blocked' "
+                       "take it)")
     if chunk_pairs and not s.chunk_pairs:
         reasons.append("a context-parallel chunk pair (returns no log-sum-exp to merge by)")
     return reasons
@@ -137,7 +141,8 @@ def not_supported_reasons(backend: Backend, call: AttentionCall, *, chunk_pairs:
     reasons = declared_reasons(backend.serves, device=q.device.type, dtype=q.dtype, dropout=call.dropout_p > 0.0,
                                mask=mask is not None, mask_grad=mask is not None and mask.requires_grad,
                                head_dim=q.shape[-1], v_head_dim=call.v.shape[-1],
-                               pos_to_content=call.rel_q is not None, chunk_pairs=chunk_pairs)
+                               pos_to_content=call.rel_q is not None, position_query=call.q_pos is not None,
+                               chunk_pairs=chunk_pairs)
     if not reasons and (why := backend.unavailable()) is not None:
         reasons.append(why)
     return reasons

@@ -12,10 +12,13 @@ forward, for each block of ``Bk`` keys (all queries at once; memory O(N (D + K +
     e~    = e * keep / (1 - p)                             (dropout: same weights for both sums)
     acc   = c acc + e~ v_blk;   acc_r = c acc_r + bucket(e~, idx)     (acc_r: (N, 2K+1))
 out = (acc + acc_r a^V) / l, lse = m + log l. Rows with nothing to attend to give zeros, lse -inf.
+With position queries ``q_pos`` (Transformer-XL's position bias) the key table is read by them: ``q_pos a^K^T``
+in place of ``q a^K^T``, and its gradient goes to ``q_pos`` instead of ``q``.
 
 backward, per key block, recomputing ``p = exp(s - lse)`` and the same dropout mask:
     dv_blk = (p z)^T dO;  bucket(p z, idx) -> d a^V;  dp = (dO v_blk^T + gather(dO a^V^T, idx)) z
     ds = p (dp - rowsum(dO * out)) * scale;  dq += ds k_blk;  dk_blk = ds^T q;  bucket(ds, idx) -> d(q a^K^T)
+    (after the loop: d(q a^K^T) a^K -> dq, or d q_pos with position queries; d(q a^K^T)^T q -> d a^K)
     key_bins = bucket(ds^T, idx^T) (Bk, 2K+1), per key row;  dk_blk += key_bins a^Q;  d a^Q += key_bins^T k_blk
 
 The dropout mask is a counter-based hash of (seed, b, h, i, j) in integer torch ops, so the backward
@@ -31,6 +34,7 @@ from torch import Tensor
 
 from ..positions import clip_and_shift
 from ._common import (
+    POSITION_TABLES,
     AttentionCall,
     Backend,
     Serves,
@@ -123,14 +127,17 @@ def _prepare(*tensors):
 
 
 def blocked_forward(q, k, v, rel_k, rel_v, mask, seed, *, max_relative_position: int, is_causal: bool,
-                    dropout_p: float, scale: float, query_offset: int, block: int = DEFAULT_BLOCK, rel_q=None):
-    """Returns ``out`` (B, H, N, Dv) and ``lse`` (B, H, N) (float32 for 16-bit inputs)."""
+                    dropout_p: float, scale: float, query_offset: int, block: int = DEFAULT_BLOCK, rel_q=None,
+                    q_pos=None):
+    """Returns ``out`` (B, H, N, Dv) and ``lse`` (B, H, N) (float32 for 16-bit inputs). ``q_pos`` (B, H, N, D):
+    the queries of the key table, when not ``q``."""
     kk = max_relative_position
     dtype = q.dtype
-    q, k, v, rel_k, rel_v, mask, rel_q = _prepare(q, k, v, rel_k, rel_v, mask, rel_q)
+    q, k, v, rel_k, rel_v, mask, rel_q, q_pos = _prepare(q, k, v, rel_k, rel_v, mask, rel_q, q_pos)
     b, h, n, _ = q.shape
     m, dv = k.shape[2], v.shape[3]
-    rel_scores = q @ rel_k.transpose(-1, -2) if rel_k is not None else None  # (B, H, N, 2K+1)
+    reader = q if q_pos is None else q_pos
+    rel_scores = reader @ rel_k.transpose(-1, -2) if rel_k is not None else None  # (B, H, N, 2K+1)
     run_max = q.new_full((b, h, n), float("-inf"))
     total = q.new_zeros(b, h, n)
     acc = q.new_zeros(b, h, n, dv)
@@ -162,18 +169,19 @@ def blocked_forward(q, k, v, rel_k, rel_v, mask, seed, *, max_relative_position:
 
 def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, max_relative_position: int,
                      is_causal: bool, dropout_p: float, scale: float, query_offset: int,
-                     block: int = DEFAULT_BLOCK, rel_q=None):
+                     block: int = DEFAULT_BLOCK, rel_q=None, q_pos=None):
     """Gradients (dq, dk, dv, d_rel_k | None, d_rel_v | None), recomputed block by block; with ``rel_q``, a
-    sixth, d_rel_q."""
+    sixth, d_rel_q; with ``q_pos``, a sixth (d_rel_q or None) and a seventh, d_q_pos."""
     kk = max_relative_position
     dtype = q.dtype
-    q, k, v, rel_k, rel_v, mask, rel_q = _prepare(q, k, v, rel_k, rel_v, mask, rel_q)
+    q, k, v, rel_k, rel_v, mask, rel_q, q_pos = _prepare(q, k, v, rel_k, rel_v, mask, rel_q, q_pos)
     grad_out, out = grad_out.to(q.dtype), out.to(q.dtype)
     b, h, n, _ = q.shape
     m = k.shape[2]
     lse = torch.where(lse == float("-inf"), torch.full_like(lse, float("inf")), lse)  # empty rows: p = 0; NaN stays
     rowdot = (grad_out * out).sum(-1, keepdim=True)
-    rel_scores = q @ rel_k.transpose(-1, -2) if rel_k is not None else None
+    reader = q if q_pos is None else q_pos
+    rel_scores = reader @ rel_k.transpose(-1, -2) if rel_k is not None else None
     grad_rel_out = grad_out @ rel_v.transpose(-1, -2) if rel_v is not None else None  # (B, H, N, 2K+1)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     d_rel_scores = torch.zeros_like(rel_scores) if rel_k is not None else None
@@ -201,19 +209,31 @@ def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, m
             bins = tile.key_bins(ds, kk)  # (B, H, Bk, 2K+1): this block's key rows only, no other block writes them
             dk[:, :, j0:j1] += bins @ rel_q
             d_rel_q += bins.transpose(-1, -2) @ k[:, :, j0:j1]
-    d_rel_k = d_rel_v = None
+    d_rel_k = d_rel_v = d_q_pos = None
     if rel_k is not None:
-        dq += d_rel_scores @ rel_k
-        d_rel_k = _sum_table_grad(d_rel_scores.transpose(-1, -2) @ q, rel_k.shape[0])
+        d_reader = d_rel_scores @ rel_k
+        if q_pos is None:
+            dq += d_reader
+        else:
+            d_q_pos = d_reader
+        d_rel_k = _sum_table_grad(d_rel_scores.transpose(-1, -2) @ reader, rel_k.shape[0])
+    elif q_pos is not None:
+        d_q_pos = torch.zeros_like(q_pos)
     if rel_v is not None:
         d_rel_v = _sum_table_grad(p_buckets.transpose(-1, -2) @ grad_out, rel_v.shape[0])
-    grads = (dq, dk, dv, d_rel_k, d_rel_v) + ((_sum_table_grad(d_rel_q, rel_q.shape[0]),) if rel_q is not None else ())
+    grads = (dq, dk, dv, d_rel_k, d_rel_v)
+    if rel_q is not None or q_pos is not None:
+        grads += (None if rel_q is None else _sum_table_grad(d_rel_q, rel_q.shape[0]),)
+    if q_pos is not None:
+        grads += (d_q_pos,)
     return tuple(t.to(dtype) if t is not None else None for t in grads)
 
 
-# relattn::blocked_fwd(q, k, v, rel_k?, rel_v?, mask?, seed, K, is_causal, dropout_p, scale, query_offset, rel_q?)
-#   -> (out, lse) and relattn::blocked_bwd, the eager path and the ring's pair calls: see _common.StatsOps.
-OPS = StatsOps("blocked", no_autocast(blocked_forward), no_autocast(blocked_backward), dropout=True)
+# relattn::blocked_fwd(q, k, v, rel_k?, rel_v?, mask?, seed, K, is_causal, dropout_p, scale, query_offset, rel_q?,
+#   q_pos?) -> (out, lse) and relattn::blocked_bwd (-> dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos), the eager path
+#   and the ring's pair calls: see _common.StatsOps.
+OPS = StatsOps("blocked", no_autocast(blocked_forward), no_autocast(blocked_backward), dropout=True,
+               tables=POSITION_TABLES)
 
 
 def blocked_attention(call: AttentionCall) -> Tensor:
@@ -226,6 +246,7 @@ def blocked_attention(call: AttentionCall) -> Tensor:
     return OPS.run(call, seed=seed)
 
 
-BACKEND = Backend("blocked", blocked_attention, Serves(dropout=True, pos_to_content=True, chunk_pairs=True),
+BACKEND = Backend("blocked", blocked_attention,
+                  Serves(dropout=True, pos_to_content=True, position_query=True, chunk_pairs=True),
                   "flash algorithm in plain torch: online softmax over key blocks, O(N(D+K)) memory, any mask, dropout",
                   stats=OPS)

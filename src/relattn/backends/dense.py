@@ -2,7 +2,8 @@
 a gradient included) and dropout; the fastest for small problems.
 
 Key term: ``q @ rel_k.T`` is (B, H, N, 2K+1) -- the Toeplitz structure of the clipped offsets means
-each query needs only 2K+1 dot products with the table -- gathered through the (N, M) index.
+each query needs only 2K+1 dot products with the table -- gathered through the (N, M) index (``q_pos @ rel_k.T``
+when the call carries position queries: Transformer-XL's position bias).
 Position-to-content term: ``k @ rel_q.T`` is (B, H, M, 2K+1), gathered through the transposed index: key ``j``
 against the row ``idx_ij`` of each query.
 Value term: per-row bucket sums of the weights, (B, H, N, 2K+1), times ``rel_v``.
@@ -28,15 +29,18 @@ def masked_softmax(scores: torch.Tensor) -> torch.Tensor:
     return e / torch.where(total == 0, torch.ones_like(total), total)  # a NaN total stays NaN
 
 
-def dense_weights(q, k, rel_k, *, max_relative_position, mask, is_causal, scale, query_offset, rel_q=None):
-    """Attention weights (B, H, N, M) before dropout, and the (N, M) relative index."""
+def dense_weights(q, k, rel_k, *, max_relative_position, mask, is_causal, scale, query_offset, rel_q=None,
+                  q_pos=None):
+    """Attention weights (B, H, N, M) before dropout, and the (N, M) relative index; the key table is read by
+    ``q_pos`` when given, else by ``q``."""
     n, m = q.shape[-2], k.shape[-2]
     idx = relative_position_index(n, m, max_relative_position, query_offset=query_offset, device=q.device)
     # Softmax statistics in at least float32: bf16/fp16 (or autocast) scores are upcast once, here.
     stats = torch.promote_types(q.dtype, torch.float32)
     scores = (q @ k.transpose(-1, -2)).to(stats)
     if rel_k is not None:
-        rel = (q @ rel_k.transpose(-1, -2)).to(stats)  # (B, H, N, 2K+1); rel_k is (Hr, 2K+1, D), Hr in {1, H}
+        reader = q if q_pos is None else q_pos
+        rel = (reader @ rel_k.transpose(-1, -2)).to(stats)  # (B, H, N, 2K+1); rel_k is (Hr, 2K+1, D), Hr in {1, H}
         scores = scores + torch.gather(rel, -1, idx.expand(*rel.shape[:-1], m))
     if rel_q is not None:
         by_key = (k @ rel_q.transpose(-1, -2)).to(stats)  # (B, H, M, 2K+1): key j against every table row
@@ -53,7 +57,7 @@ def dense_attention(call: AttentionCall, *, need_weights: bool = False):
     """The output (B, H, N, Dv) of ``call`` [and its weights (B, H, N, M) in q's dtype, before dropout]."""
     p, idx = dense_weights(call.q, call.k, call.rel_k, max_relative_position=call.max_relative_position,
                            mask=call.mask, is_causal=call.is_causal, scale=call.scale, query_offset=call.query_offset,
-                           rel_q=call.rel_q)
+                           rel_q=call.rel_q, q_pos=call.q_pos)
     if call.dropout_p > 0.0:
         p = F.dropout(p, call.dropout_p, training=True)
     v, rel_v = call.v, call.rel_v
@@ -66,5 +70,6 @@ def dense_attention(call: AttentionCall, *, need_weights: bool = False):
     return (out, p.to(call.q.dtype)) if need_weights else out
 
 
-BACKEND = Backend("dense", dense_attention, Serves(dropout=True, mask_grad=True, pos_to_content=True),
+BACKEND = Backend("dense", dense_attention, Serves(dropout=True, mask_grad=True, pos_to_content=True,
+                                                   position_query=True),
                   "(B,H,N,M) scores, key term gathered from q@rel_k.T, value term by bucket sums")
