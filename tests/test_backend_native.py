@@ -698,3 +698,29 @@ def test_position_queries_are_checked():
         native.forward(q, k, v, rk, rv, mask, max_relative_position=kw["kk"], is_causal=True, scale=1.0,
                        query_offset=0, q_pos=q_pos.float())
     assert native.BACKEND.serves.position_query
+
+
+@needs_native
+@pytest.mark.parametrize(("tiles", "splits"), [((3, 5), 2), ((0, 512), 0)], ids=["tiles-3x5-segments", "default"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_transformer_xl_through_the_op_matches_the_oracle(small_tiles, tiles, splits, causal):
+    """The op's content_bias and position_bias on native (grouped k/v, a padding mask, K = N - 1 and a window
+    wider than the sequence, which the op narrows to the call's reach): outputs and the gradients of q, k, v, the
+    key table and both biases against the float64 oracle."""
+    small_tiles(native=tiles, native_splits=splits)
+    for kk in (16, 40):
+        b, h, hkv, n, d = 2, 4, 2, 17, 6
+        q, k, v, rk, _ = random_inputs(b, h, n, n, d, d, kk, tables="keys_per_head", seed=kk)
+        k, v = k[:, :hkv].contiguous(), v[:, :hkv].contiguous()
+        g = torch.Generator().manual_seed(kk + 1)
+        u, w = (torch.randn(h, d, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+        mask = (torch.arange(n)[None, :] < torch.tensor([n, n - 4])[:, None])[:, None, None, :]
+        inputs = [t.requires_grad_() for t in (q, k, v, rk)] + [None]
+        kw = dict(max_relative_position=kk, content_bias=u, position_bias=w, attn_mask=mask, is_causal=causal,
+                  enable_gqa=True)
+        go = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+        got_out, got = grads("native", inputs, go, **kw)
+        want_out, want = oracle_grads(inputs, go, **kw)
+        assert_close(got_out, want_out, torch.float64, f"K={kk} out")
+        for name, a, x in zip(("q", "k", "v", "rel_k", "content_bias", "position_bias"), got, want, strict=True):
+            assert_close(a, x, torch.float64, f"K={kk} d{name}")
