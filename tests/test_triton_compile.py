@@ -30,6 +30,26 @@ def test_gpu_tiles_are_at_least_the_floor():
         assert (bn if kernel != "dkdv" else bm) // split >= 16, (kernel, arch, d)  # band tiles: tl.dot's minimum
 
 
+def test_stage_calls_pass_grouped_arguments():
+    """The kernels' calls pass a handful of positional arguments (the tutorial's inner call passes 18), and every
+    group of shared arguments (``Mat``, ``Terms``, ``Meta``, ...) is built by field name, so two strides cannot trade
+    places silently."""
+    import ast
+
+    path = os.path.join(ROOT, "src", "relattn", "backends", "_triton_kernels.py")
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    groups = {node.targets[0].id for node in tree.body if isinstance(node, ast.Assign)
+              and isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "namedtuple"}
+    assert {"Mat", "Terms", "Sizes", "Meta"} <= groups, groups
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)]
+    stages = [c for c in calls if c.func.id in ("_fwd_inner", "_dkdv_inner", "_dq_inner")]
+    assert len(stages) == 9
+    for call in calls:
+        assert len(call.args) <= 20, (call.func.id, call.lineno, len(call.args))
+        if call.func.id in groups:
+            assert not call.args and call.keywords, (call.func.id, call.lineno)
+
+
 def test_kernels_compile_for_a100_and_h100_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, os.path.join("benchmarks", "triton_compile.py"), "--ci"], cwd=ROOT, env=env,

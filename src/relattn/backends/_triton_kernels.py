@@ -33,6 +33,8 @@ Key/value heads: query head ``h`` reads key/value head ``h // GROUP``; ``_dkdv_k
 key/value head loops over its group's query heads in a fixed order.
 """
 
+from collections import namedtuple
+
 import triton
 import triton.language as tl
 
@@ -43,6 +45,20 @@ BAND: tl.constexpr = tl.constexpr(1)
 RIGHT: tl.constexpr = tl.constexpr(2)
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+# What the stages share, grouped as the tutorial groups a tensor with its strides in a descriptor: namedtuples
+# are Triton tuples (flattened when compiled, read by field name, so no two strides can trade places). A kernel
+# builds them once; its constexprs go in one ``Meta``, bound as ``C: tl.constexpr = Meta(...)`` (a plain
+# assignment would turn them into runtime values).
+Mat = namedtuple("Mat", ["ptr", "stride_n", "stride_d"])  # one head's (tokens, dim) matrix: q, k, v, dO
+Table = namedtuple("Table", ["ptr", "stride_n"])  # one head's rows of 2K+1 per token (unit stride): scores, bins
+Mask = namedtuple("Mask", ["ptr", "stride_n", "stride_m"])  # one head's additive mask at (query, key) strides
+Stats = namedtuple("Stats", ["LSE", "DELTA", "stride_n"])  # one head's log-sum-exp and delta per query row
+Terms = namedtuple("Terms", ["QA", "KA", "DOA", "MASK", "qk_scale"])  # what scores and dP add to q k^T and dO v^T
+RowBins = namedtuple("RowBins", ["P", "DS"])  # the dq kernel's per-row bins of P (for a^V) and dS (for a^K)
+Sizes = namedtuple("Sizes", ["N", "M", "D", "DV", "MAX_REL", "off"])  # queries, keys, head dims, K, query offset
+Meta = namedtuple("Meta", ["BLOCK_M", "BLOCK_N", "HEAD_DIM", "HEAD_DIM_V", "BAND_SPLIT", "HAS_RK", "HAS_RQ", "HAS_RV",
+                           "HAS_MASK", "CAUSAL", "EVEN_M", "EVEN_N", "EVEN_D", "PREC", "ACC"])
 
 
 # ----------------------------------------------------------------------------------------------- loads and stores
@@ -95,94 +111,100 @@ def _store_rows(ptrs, x, offs_m, N, EVEN_M: tl.constexpr):
 # ------------------------------------------------------------------------------------------- the tile body parts
 
 
+
 @device_fn
-def _rel_term(S, offs_m, offs_n, stride_sn, N, MAX_REL, off, STAGE: tl.constexpr, EVEN_M: tl.constexpr):
-    """``x_i . a_t(i, j)`` from one head's precomputed table scores ``S = x a^T`` (rows of 2K+1): (BM, 1) off the band
-    (one table row for the whole tile), gathered per pair to (BM, BN) on the band."""
+def _rel_term(S, offs_m, offs_n, size, STAGE: tl.constexpr, EVEN_M: tl.constexpr):
+    """``x_i . a_t(i, j)`` from one head's precomputed table scores ``S = x a^T`` (a :data:`Table`): (BM, 1) off the
+    band (one table row for the whole tile), gathered per pair to (BM, BN) on the band."""
     if STAGE == BAND:
-        t = tl.minimum(tl.maximum(offs_n[None, :] - offs_m[:, None] - off, -MAX_REL), MAX_REL) + MAX_REL
+        t = tl.minimum(tl.maximum(offs_n[None, :] - offs_m[:, None] - size.off, -size.MAX_REL), size.MAX_REL) \
+            + size.MAX_REL
     elif STAGE == LEFT:
         t = offs_m[:, None] * 0
     else:
-        t = offs_m[:, None] * 0 + 2 * MAX_REL
-    ptrs = S + offs_m[:, None] * stride_sn + t
+        t = offs_m[:, None] * 0 + 2 * size.MAX_REL
+    ptrs = S.ptr + offs_m[:, None] * S.stride_n + t
     if EVEN_M:
         x = tl.load(ptrs)
     else:
-        x = tl.load(ptrs, mask=(offs_m < N)[:, None], other=0.0)
+        x = tl.load(ptrs, mask=(offs_m < size.N)[:, None], other=0.0)
     return x
 
 
 @device_fn
-def _key_rel_term(KA, offs_m, offs_n, stride_kan, M, MAX_REL, off, STAGE: tl.constexpr, EVEN_N: tl.constexpr):
-    """``k_j . a^Q_t(i, j)`` from one head's precomputed key table scores ``KA = k a^Q^T`` (a row of 2K+1 per key):
-    (1, BN) off the band (one table row for the whole tile), gathered per pair to (BM, BN) on the band."""
+def _key_rel_term(KA, offs_m, offs_n, size, STAGE: tl.constexpr, EVEN_N: tl.constexpr):
+    """``k_j . a^Q_t(i, j)`` from one head's precomputed key table scores ``KA = k a^Q^T`` (a :data:`Table`, a row
+    of 2K+1 per key): (1, BN) off the band (one table row for the whole tile), gathered per pair to (BM, BN) on
+    the band."""
     if STAGE == BAND:
-        t = tl.minimum(tl.maximum(offs_n[None, :] - offs_m[:, None] - off, -MAX_REL), MAX_REL) + MAX_REL
+        t = tl.minimum(tl.maximum(offs_n[None, :] - offs_m[:, None] - size.off, -size.MAX_REL), size.MAX_REL) \
+            + size.MAX_REL
     elif STAGE == LEFT:
         t = offs_n[None, :] * 0
     else:
-        t = offs_n[None, :] * 0 + 2 * MAX_REL
-    ptrs = KA + offs_n[None, :] * stride_kan + t
+        t = offs_n[None, :] * 0 + 2 * size.MAX_REL
+    ptrs = KA.ptr + offs_n[None, :] * KA.stride_n + t
     if EVEN_N:
         x = tl.load(ptrs)
     else:
-        x = tl.load(ptrs, mask=(offs_n < M)[None, :], other=0.0)
+        x = tl.load(ptrs, mask=(offs_n < size.M)[None, :], other=0.0)
     return x
 
 
 @device_fn
-def _scores(q, kT, QA, KA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale, stride_sn, stride_kan, stride_mn,
-            stride_mm, STAGE: tl.constexpr, HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_MASK: tl.constexpr,
-            CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr):
+def _scores(q, kT, terms, offs_m, offs_n, size, C, STAGE: tl.constexpr):
     """A tile's scores in log2 units, ``((q k^T + q a^K_t + k a^Q_t) scale + mask) log2(e)``, -inf where no key may
-    be seen. HAS_MASK: 0 no mask, 1 a mask with one value per key (the same for every row), 2 one value per pair."""
-    qk = dot(q, kT, PREC)
-    if HAS_RK:
-        qk += _rel_term(QA, offs_m, offs_n, stride_sn, N, MAX_REL, off, STAGE, EVEN_M)
-    if HAS_RQ:
-        qk += _key_rel_term(KA, offs_m, offs_n, stride_kan, M, MAX_REL, off, STAGE, EVEN_N)
-    s = qk * qk_scale
-    if HAS_MASK == 1:  # one value per key (a key-padding mask): a row of the tile
-        bias = _load_2d(MASK + offs_n[None, :] * stride_mm, offs_n, offs_n, 1, M, True, EVEN_N)
+    be seen. C.HAS_MASK: 0 no mask, 1 a mask with one value per key (the same for every row), 2 one value per
+    pair."""
+    qk = dot(q, kT, C.PREC)
+    if C.HAS_RK:
+        qk += _rel_term(terms.QA, offs_m, offs_n, size, STAGE, C.EVEN_M)
+    if C.HAS_RQ:
+        qk += _key_rel_term(terms.KA, offs_m, offs_n, size, STAGE, C.EVEN_N)
+    s = qk * terms.qk_scale
+    if C.HAS_MASK == 1:  # one value per key (a key-padding mask): a row of the tile
+        bias = _load_2d(terms.MASK.ptr + offs_n[None, :] * terms.MASK.stride_m, offs_n, offs_n, 1, size.M, True,
+                        C.EVEN_N)
         s += bias.to(s.dtype) * LOG2E
-    elif HAS_MASK == 2:  # one value per pair
-        rows = offs_m.to(tl.int64)[:, None] * stride_mn  # N * M may pass 2**31
-        bias = _load_2d(MASK + rows + offs_n[None, :] * stride_mm, offs_m, offs_n, N, M, EVEN_M, EVEN_N)
+    elif C.HAS_MASK == 2:  # one value per pair
+        rows = offs_m.to(tl.int64)[:, None] * terms.MASK.stride_n  # N * M may pass 2**31
+        bias = _load_2d(terms.MASK.ptr + rows + offs_n[None, :] * terms.MASK.stride_m, offs_m, offs_n, size.N,
+                        size.M, C.EVEN_M, C.EVEN_N)
         s += bias.to(s.dtype) * LOG2E
-    if CAUSAL and STAGE == BAND:  # the diagonal lies in the band (BAND spans at least BM keys past the rows)
-        s = tl.where(offs_n[None, :] <= offs_m[:, None] + off, s, float("-inf"))
-    if not EVEN_N:
-        s = tl.where((offs_n < M)[None, :], s, float("-inf"))
+    if C.CAUSAL and STAGE == BAND:  # the diagonal lies in the band (BAND spans at least BM keys past the rows)
+        s = tl.where(offs_n[None, :] <= offs_m[:, None] + size.off, s, float("-inf"))
+    if not C.EVEN_N:
+        s = tl.where((offs_n < size.M)[None, :], s, float("-inf"))
     return s
 
 
 @device_fn
-def _edge_sums(x, left, right, offs_m, offs_n, MAX_REL, off, STAGE: tl.constexpr):
+def _edge_sums(x, left, right, offs_m, offs_n, size, STAGE: tl.constexpr):
     """Running (BM,) sums of ``x`` over the pairs reading table row 0 (r <= -K) and row 2K (r >= K, r > -K)."""
     if STAGE == LEFT:
         left += tl.sum(x, 1)
     elif STAGE == RIGHT:
         right += tl.sum(x, 1)
     else:
-        r = offs_n[None, :] - offs_m[:, None] - off
-        left += tl.sum(tl.where(r <= -MAX_REL, x, 0.0), 1)
-        right += tl.sum(tl.where((r >= MAX_REL) & (r > -MAX_REL), x, 0.0), 1)
+        r = offs_n[None, :] - offs_m[:, None] - size.off
+        left += tl.sum(tl.where(r <= -size.MAX_REL, x, 0.0), 1)
+        right += tl.sum(tl.where((r >= size.MAX_REL) & (r > -size.MAX_REL), x, 0.0), 1)
     return left, right
 
 
 @device_fn
-def _store_interior(BINS, x, offs_m, offs_n, N, MAX_REL, off, stride_sn, EVEN_M: tl.constexpr):
-    """A band tile's pairs with |r| < K stored to their row's bin t = r + K (one key per bin, so no sums)."""
-    r = offs_n[None, :] - offs_m[:, None] - off
-    ok = (r > -MAX_REL) & (r < MAX_REL)
+def _store_interior(BINS, x, offs_m, offs_n, size, EVEN_M: tl.constexpr):
+    """A band tile's pairs with |r| < K stored to their row's bin t = r + K of ``BINS`` (a :data:`Table`; one key
+    per bin, so no sums)."""
+    r = offs_n[None, :] - offs_m[:, None] - size.off
+    ok = (r > -size.MAX_REL) & (r < size.MAX_REL)
     if not EVEN_M:
-        ok = ok & (offs_m < N)[:, None]
-    tl.store(BINS + offs_m[:, None] * stride_sn + (r + MAX_REL), x, mask=ok)
+        ok = ok & (offs_m < size.N)[:, None]
+    tl.store(BINS.ptr + offs_m[:, None] * BINS.stride_n + (r + size.MAX_REL), x, mask=ok)
 
 
 @device_fn
-def _key_edge_sums(x, left, right, offs_m, offs_n, MAX_REL, off, STAGE: tl.constexpr):
+def _key_edge_sums(x, left, right, offs_m, offs_n, size, STAGE: tl.constexpr):
     """Running (BN,) sums of ``x`` over a key tile's pairs reading table row 0 (r <= -K) and row 2K (r >= K,
     r > -K): the key-side twin of ``_edge_sums``."""
     if STAGE == LEFT:
@@ -190,23 +212,37 @@ def _key_edge_sums(x, left, right, offs_m, offs_n, MAX_REL, off, STAGE: tl.const
     elif STAGE == RIGHT:
         right += tl.sum(x, 0)
     else:
-        r = offs_n[None, :] - offs_m[:, None] - off
-        left += tl.sum(tl.where(r <= -MAX_REL, x, 0.0), 0)
-        right += tl.sum(tl.where((r >= MAX_REL) & (r > -MAX_REL), x, 0.0), 0)
+        r = offs_n[None, :] - offs_m[:, None] - size.off
+        left += tl.sum(tl.where(r <= -size.MAX_REL, x, 0.0), 0)
+        right += tl.sum(tl.where((r >= size.MAX_REL) & (r > -size.MAX_REL), x, 0.0), 0)
     return left, right
 
 
 @device_fn
-def _store_interior_keys(KB, x, offs_m, offs_n, N, M, MAX_REL, off, stride_kbn, EVEN_M: tl.constexpr,
-                         EVEN_N: tl.constexpr):
-    """A band tile's pairs with |r| < K stored to their key's bin t = r + K (one query per bin, so no sums)."""
-    r = offs_n[None, :] - offs_m[:, None] - off
-    ok = (r > -MAX_REL) & (r < MAX_REL)
-    if not EVEN_M:
-        ok = ok & (offs_m < N)[:, None]
-    if not EVEN_N:
-        ok = ok & (offs_n < M)[None, :]
-    tl.store(KB + offs_n[None, :] * stride_kbn + (r + MAX_REL), x, mask=ok)
+def _store_interior_keys(KB, x, offs_m, offs_n, size, C):
+    """A band tile's pairs with |r| < K stored to their key's bin t = r + K of ``KB`` (a :data:`Table`; one query
+    per bin, so no sums)."""
+    r = offs_n[None, :] - offs_m[:, None] - size.off
+    ok = (r > -size.MAX_REL) & (r < size.MAX_REL)
+    if not C.EVEN_M:
+        ok = ok & (offs_m < size.N)[:, None]
+    if not C.EVEN_N:
+        ok = ok & (offs_n < size.M)[None, :]
+    tl.store(KB.ptr + offs_n[None, :] * KB.stride_n + (r + size.MAX_REL), x, mask=ok)
+
+
+@device_fn
+def _store_edges(B, left, right, offs, n, MAX_REL, EVEN: tl.constexpr):
+    """Bins 0 and 2K of ``B`` (a :data:`Table`) for the tokens ``offs`` (one bin when K = 0: both edges are table
+    row 0)."""
+    if MAX_REL == 0:
+        _store_rows(B.ptr + offs * B.stride_n, left + right, offs, n, EVEN)
+    else:
+        _store_rows(B.ptr + offs * B.stride_n, left, offs, n, EVEN)
+        _store_rows(B.ptr + offs * B.stride_n + 2 * MAX_REL, right, offs, n, EVEN)
+
+
+# ------------------------------------------------------------------------------------------- the stages' bounds
 
 
 @device_fn
@@ -219,6 +255,43 @@ def _tile_start(x, lo, hi, base, BLOCK: tl.constexpr):
 def _tile_end(x, lo, hi, base, BLOCK: tl.constexpr):
     """The first tile start at or after ``clip(x, lo, hi)``, at most ``hi``."""
     return tl.minimum(base + tl.cdiv(tl.minimum(tl.maximum(x, lo), hi) - base, BLOCK) * BLOCK, hi)
+
+
+@device_fn
+def _key_range(start_m, start, end, size, C, STAGE: tl.constexpr):
+    """[lo, hi), the key tiles of ``STAGE`` for the query tile at ``start_m``, among the keys [start, end) (tiles
+    counted from ``start``; ``end`` already cut at the last row's diagonal when causal): LEFT every pair r <= -K,
+    BAND the tiles in between, RIGHT every pair r > K."""
+    band_lo = _tile_start(start_m + size.off - size.MAX_REL + 1, start, end, start, C.BLOCK_N)
+    if STAGE == LEFT:
+        lo, hi = start, band_lo
+    else:
+        band_hi = _tile_end(start_m + size.off + C.BLOCK_M + size.MAX_REL, band_lo, end, start, C.BLOCK_N)
+        if STAGE == BAND:
+            lo, hi = band_lo, band_hi
+        else:
+            lo, hi = band_hi, end
+    return lo, hi
+
+
+@device_fn
+def _query_range(start_n, size, C, STAGE: tl.constexpr):
+    """[lo, hi), the query tiles of ``STAGE`` for the key tile at ``start_n``: RIGHT the rows whose every pair reads
+    table row 2K (the keys right of their band; from the first row that sees the tile when causal), BAND the rows
+    in between, LEFT the rows whose every pair reads row 0."""
+    first = 0
+    if C.CAUSAL:
+        first = _tile_start(start_n - size.off, 0, size.N, 0, C.BLOCK_M)
+    band_lo = _tile_start(start_n - size.MAX_REL - size.off, first, size.N, 0, C.BLOCK_M)
+    if STAGE == RIGHT:
+        lo, hi = first, band_lo
+    else:
+        band_hi = _tile_end(start_n + C.BLOCK_N - 1 + size.MAX_REL - size.off, band_lo, size.N, 0, C.BLOCK_M)
+        if STAGE == BAND:
+            lo, hi = band_lo, band_hi
+        else:
+            lo, hi = band_hi, size.N
+    return lo, hi
 
 
 # --------------------------------------------------------------------------------------------------- table scores
@@ -253,24 +326,28 @@ def _table_scores_kernel(X, T, S,
 # -------------------------------------------------------------------------------------------------------- forward
 
 
+# -------------------------------------------------------------------------------------------------------- forward
+
+
 @device_fn
-def _fwd_inner(acc, l_i, m_i, left, right, q, K, V, QA, KA, MASK, BINS, offs_m, lo, hi,
-               stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_kan, stride_mn, stride_mm,
-               N, M, D, DV, MAX_REL, off, qk_scale,
-               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, STAGE: tl.constexpr,
-               HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
-               CAUSAL: tl.constexpr,
-               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr):
-    """One stage of a query tile's key loop: the online softmax over the key tiles in [lo, hi)."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
+def _fwd_inner(acc, l_i, m_i, left, right, q, start_m, start, end, K, V, terms, BINS, size, C,
+               STAGE: tl.constexpr):
+    """One stage of a query tile's key loop: the online softmax over the stage's key tiles among [start, end)
+    (band tiles ``C.BAND_SPLIT`` times narrower)."""
+    lo, hi = _key_range(start_m, start, end, size, C, STAGE)
+    if STAGE == BAND:
+        BLOCK_N: tl.constexpr = C.BLOCK_N // C.BAND_SPLIT
+    else:
+        BLOCK_N: tl.constexpr = C.BLOCK_N
+    offs_m = start_m + tl.arange(0, C.BLOCK_M)
+    offs_d = tl.arange(0, C.HEAD_DIM)
+    offs_dv = tl.arange(0, C.HEAD_DIM_V)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # -- the scores
-        kT = _load_2d(K + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn, offs_d, offs_n, D, M,
-                      EVEN_D, EVEN_N)
-        s = _scores(q, kT, QA, KA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale, stride_sn, stride_kan,
-                    stride_mn, stride_mm, STAGE, HAS_RK, HAS_RQ, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, PREC)
+        kT = _load_2d(K.ptr + offs_d[:, None] * K.stride_d + offs_n[None, :] * K.stride_n, offs_d, offs_n, size.D,
+                      size.M, C.EVEN_D, C.EVEN_N)
+        s = _scores(q, kT, terms, offs_m, offs_n, size, C, STAGE)
         # -- the online softmax: new row maxima, rescale what was summed so far
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -278,14 +355,14 @@ def _fwd_inner(acc, l_i, m_i, left, right, q, K, V, QA, KA, MASK, BINS, offs_m, 
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         # -- P v
-        v = _load_2d(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, offs_n, offs_dv, M, DV,
-                     EVEN_N, EVEN_D)
-        acc = acc * alpha[:, None] + dot(cast(p, v.dtype), v, PREC)
+        v = _load_2d(V.ptr + offs_n[:, None] * V.stride_n + offs_dv[None, :] * V.stride_d, offs_n, offs_dv, size.M,
+                     size.DV, C.EVEN_N, C.EVEN_D)
+        acc = acc * alpha[:, None] + dot(cast(p, v.dtype), v, C.PREC)
         # -- the value table's share: P per table row (edge sums here, the band's interior as scores in BINS)
-        if HAS_RV:
-            left, right = _edge_sums(p, left * alpha, right * alpha, offs_m, offs_n, MAX_REL, off, STAGE)
+        if C.HAS_RV:
+            left, right = _edge_sums(p, left * alpha, right * alpha, offs_m, offs_n, size, STAGE)
             if STAGE == BAND:
-                _store_interior(BINS, s, offs_m, offs_n, N, MAX_REL, off, stride_sn, EVEN_M)
+                _store_interior(BINS, s, offs_m, offs_n, size, C.EVEN_M)
         m_i = m_new
     return acc, l_i, m_i, left, right
 
@@ -310,6 +387,10 @@ def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE,
     attention's out and lse. Several (decoding: too few query tiles to fill the GPU): each split's normalised out
     and lse at split strides stride_os and stride_ls, merged by the launcher. QA: the rows' table scores; KA: the
     keys' (head ``h // KA_GROUP``); BINS: scratch (B, H, N, 2K+1) for the band's scores."""
+    C: tl.constexpr = Meta(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
+                           BAND_SPLIT=BAND_SPLIT, HAS_RK=HAS_RK, HAS_RQ=HAS_RQ, HAS_RV=HAS_RV, HAS_MASK=HAS_MASK,
+                           CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PREC=PREC, ACC=ACC)
+    size = Sizes(N=N, M=M, D=D, DV=DV, MAX_REL=MAX_REL, off=off)
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -324,6 +405,12 @@ def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE,
     BINS += off_b * stride_sb + off_h * stride_sh
     RV += off_h * stride_rvh
     MASK += off_b * stride_mb + off_h * stride_mh
+    keys = Mat(ptr=K, stride_n=stride_kn, stride_d=stride_kd)
+    values = Mat(ptr=V, stride_n=stride_vn, stride_d=stride_vd)
+    terms = Terms(QA=Table(ptr=QA, stride_n=stride_sn), KA=Table(ptr=KA, stride_n=stride_kan),
+                  DOA=Table(ptr=QA, stride_n=stride_sn), MASK=Mask(ptr=MASK, stride_n=stride_mn, stride_m=stride_mm),
+                  qk_scale=qk_scale)
+    bins = Table(ptr=BINS, stride_n=stride_sn)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
@@ -340,24 +427,13 @@ def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE,
     if CAUSAL:
         end = tl.minimum(end, start_m + BLOCK_M + off)
     end = tl.maximum(end, start)
-    band_lo = _tile_start(start_m + off - MAX_REL + 1, start, end, start, BLOCK_N)
-    band_hi = _tile_end(start_m + off + BLOCK_M + MAX_REL, band_lo, end, start, BLOCK_N)
-    acc, l_i, m_i, left, right = _fwd_inner(
-        acc, l_i, m_i, left, right, q, K, V, QA, KA, MASK, BINS, offs_m, start, band_lo,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_kan, stride_mn, stride_mm, N, M, D, DV, MAX_REL,
-        off, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, LEFT, HAS_RK, HAS_RQ, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N,
-        EVEN_D, PREC)
-    acc, l_i, m_i, left, right = _fwd_inner(
-        acc, l_i, m_i, left, right, q, K, V, QA, KA, MASK, BINS, offs_m, band_lo, band_hi,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_kan, stride_mn, stride_mm, N, M, D, DV, MAX_REL,
-        off, qk_scale, BLOCK_N // BAND_SPLIT, HEAD_DIM, HEAD_DIM_V, BAND, HAS_RK, HAS_RQ, HAS_RV, HAS_MASK, CAUSAL,
-        EVEN_M, EVEN_N, EVEN_D, PREC)
+    acc, l_i, m_i, left, right = _fwd_inner(acc, l_i, m_i, left, right, q, start_m, start, end, keys, values, terms,
+                                            bins, size, C, LEFT)
+    acc, l_i, m_i, left, right = _fwd_inner(acc, l_i, m_i, left, right, q, start_m, start, end, keys, values, terms,
+                                            bins, size, C, BAND)
     if not CAUSAL:  # causal rows see no key right of the band
-        acc, l_i, m_i, left, right = _fwd_inner(
-            acc, l_i, m_i, left, right, q, K, V, QA, KA, MASK, BINS, offs_m, band_hi, end,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_kan, stride_mn, stride_mm, N, M, D, DV,
-            MAX_REL, off, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, RIGHT, HAS_RK, HAS_RQ, HAS_RV, HAS_MASK, CAUSAL,
-            EVEN_M, EVEN_N, EVEN_D, PREC)
+        acc, l_i, m_i, left, right = _fwd_inner(acc, l_i, m_i, left, right, q, start_m, start, end, keys, values,
+                                                terms, bins, size, C, RIGHT)
 
     # -- the value table's term, sum_t P_it a^V_t: the edge sums, then the band's bins one chunk of rows at a time
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -391,55 +467,52 @@ def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE,
     _store_rows(LSE + offs_m * stride_ln, lse, offs_m, N, EVEN_M)
 
 
+
+
 # ------------------------------------------------------------------------------------------------------- backward
 
 
 @device_fn
-def _bwd_tile(q, do, kT, vT, lse2, delta, QA, KA, DOA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale,
-              stride_sn, stride_kan, stride_mn, stride_mm, STAGE: tl.constexpr, HAS_RK: tl.constexpr,
-              HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-              EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr):
+def _bwd_tile(q, do, kT, vT, lse2, delta, terms, offs_m, offs_n, size, C, STAGE: tl.constexpr):
     """P and dS of a (query tile, key tile) pair, recomputed from the saved log-sum-exp (FlashAttention-2's
     backward): P = exp(S - lse), dP = dO v^T + dO . a^V_t, dS = P (dP - delta)."""
-    s = _scores(q, kT, QA, KA, MASK, offs_m, offs_n, N, M, MAX_REL, off, qk_scale, stride_sn, stride_kan, stride_mn,
-                stride_mm, STAGE, HAS_RK, HAS_RQ, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, PREC)
+    s = _scores(q, kT, terms, offs_m, offs_n, size, C, STAGE)
     p = tl.exp2(s - lse2[:, None])
-    dp = dot(do, vT, PREC)
-    if HAS_RV:
-        dp += _rel_term(DOA, offs_m, offs_n, stride_sn, N, MAX_REL, off, STAGE, EVEN_M)
+    dp = dot(do, vT, C.PREC)
+    if C.HAS_RV:
+        dp += _rel_term(terms.DOA, offs_m, offs_n, size, STAGE, C.EVEN_M)
     ds = p * (dp - delta[:, None])
     return p, ds
 
 
 @device_fn
-def _dkdv_inner(dk, dv, k_left, k_right, kT, vT, Q, DO, LSE, DELTA, QA, KA, DOA, MASK, KB, offs_n, lo, hi,
-                stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_sn, stride_kan, stride_kbn,
-                stride_mn, stride_mm, N, M, D, DV, MAX_REL, off, qk_scale,
-                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, STAGE: tl.constexpr,
-                HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
-                CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-                PREC: tl.constexpr):
-    """One stage of a key tile's loop over query tiles [lo, hi): dv += P^T dO, dk += dS^T q, and (HAS_RQ) dS per
-    key and table row: the edge sums, the band's interior stored to KB."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
+def _dkdv_inner(dk, dv, k_left, k_right, kT, vT, start_n, Q, DO, stats, terms, KB, size, C, STAGE: tl.constexpr):
+    """One stage of a key tile's loop over the stage's query tiles (band tiles ``C.BAND_SPLIT`` times narrower):
+    dv += P^T dO, dk += dS^T q, and (HAS_RQ) dS per key and table row: the edge sums, the band's interior stored to
+    KB."""
+    lo, hi = _query_range(start_n, size, C, STAGE)
+    if STAGE == BAND:
+        BLOCK_M: tl.constexpr = C.BLOCK_M // C.BAND_SPLIT
+    else:
+        BLOCK_M: tl.constexpr = C.BLOCK_M
+    offs_n = start_n + tl.arange(0, C.BLOCK_N)
+    offs_d = tl.arange(0, C.HEAD_DIM)
+    offs_dv = tl.arange(0, C.HEAD_DIM_V)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_2d(Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, offs_m, offs_d, N, D,
-                     EVEN_M, EVEN_D)
-        do = _load_2d(DO + offs_m[:, None] * stride_don + offs_dv[None, :] * stride_dod, offs_m, offs_dv, N, DV,
-                      EVEN_M, EVEN_D)
-        lse2 = _load_rows(LSE + offs_m * stride_ln, offs_m, N, float("inf"), EVEN_M) * LOG2E
-        delta = _load_rows(DELTA + offs_m * stride_ln, offs_m, N, 0.0, EVEN_M)
-        p, ds = _bwd_tile(q, do, kT, vT, lse2, delta, QA, KA, DOA, MASK, offs_m, offs_n, N, M, MAX_REL, off,
-                          qk_scale, stride_sn, stride_kan, stride_mn, stride_mm, STAGE, HAS_RK, HAS_RQ, HAS_RV,
-                          HAS_MASK, CAUSAL, EVEN_M, EVEN_N, PREC)
-        dv += dot(tl.trans(cast(p, do.dtype)), do, PREC)
-        dk += dot(tl.trans(cast(ds, q.dtype)), q, PREC)
-        if HAS_RQ:
-            k_left, k_right = _key_edge_sums(ds, k_left, k_right, offs_m, offs_n, MAX_REL, off, STAGE)
+        q = _load_2d(Q.ptr + offs_m[:, None] * Q.stride_n + offs_d[None, :] * Q.stride_d, offs_m, offs_d, size.N,
+                     size.D, C.EVEN_M, C.EVEN_D)
+        do = _load_2d(DO.ptr + offs_m[:, None] * DO.stride_n + offs_dv[None, :] * DO.stride_d, offs_m, offs_dv,
+                      size.N, size.DV, C.EVEN_M, C.EVEN_D)
+        lse2 = _load_rows(stats.LSE + offs_m * stats.stride_n, offs_m, size.N, float("inf"), C.EVEN_M) * LOG2E
+        delta = _load_rows(stats.DELTA + offs_m * stats.stride_n, offs_m, size.N, 0.0, C.EVEN_M)
+        p, ds = _bwd_tile(q, do, kT, vT, lse2, delta, terms, offs_m, offs_n, size, C, STAGE)
+        dv += dot(tl.trans(cast(p, do.dtype)), do, C.PREC)
+        dk += dot(tl.trans(cast(ds, q.dtype)), q, C.PREC)
+        if C.HAS_RQ:
+            k_left, k_right = _key_edge_sums(ds, k_left, k_right, offs_m, offs_n, size, STAGE)
             if STAGE == BAND:
-                _store_interior_keys(KB, ds, offs_m, offs_n, N, M, MAX_REL, off, stride_kbn, EVEN_M, EVEN_N)
+                _store_interior_keys(KB, ds, offs_m, offs_n, size, C)
     return dk, dv, k_left, k_right
 
 
@@ -463,6 +536,10 @@ def _dkdv_kernel(Q, K, V, QA, KA, DOA, MASK, DO, LSE, DELTA, DK, DV_, KB,
     heads in order (DK, DV_ laid out like k, v). HAS_RQ: KA, the keys' table scores (head ``h // KA_GROUP``), and
     KB (B, H, M, 2K+1), each query head's dS per (key, table row), every bin of this program's keys written once
     (zeros where no pair falls are the launcher's)."""
+    C: tl.constexpr = Meta(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
+                           BAND_SPLIT=BAND_SPLIT, HAS_RK=HAS_RK, HAS_RQ=HAS_RQ, HAS_RV=HAS_RV, HAS_MASK=HAS_MASK,
+                           CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PREC=PREC, ACC=ACC)
+    size = Sizes(N=N, M=M, D=D, DV=DV, MAX_REL=MAX_REL, off=off)
     start_n = tl.program_id(0) * BLOCK_N
     off_bh = tl.program_id(1)
     off_b = (off_bh // H_KV).to(tl.int64)
@@ -478,44 +555,31 @@ def _dkdv_kernel(Q, K, V, QA, KA, DOA, MASK, DO, LSE, DELTA, DK, DV_, KB,
     dk = tl.zeros((BLOCK_N, HEAD_DIM), ACC)
     dv = tl.zeros((BLOCK_N, HEAD_DIM_V), ACC)
 
-    # -- the query tiles that see this key tile, in three stages: rows whose every pair reads table row 2K (the
-    # keys right of their band), the band, rows whose every pair reads row 0
-    first = 0
-    if CAUSAL:
-        first = _tile_start(start_n - off, 0, N, 0, BLOCK_M)
-    band_lo = _tile_start(start_n - MAX_REL - off, first, N, 0, BLOCK_M)
-    band_hi = _tile_end(start_n + BLOCK_N - 1 + MAX_REL - off, band_lo, N, 0, BLOCK_M)
+    # -- the query tiles that see this key tile, per query head of the group, in three stages: rows whose every
+    # pair reads table row 2K (the keys right of their band), the band, rows whose every pair reads row 0
     for g in range(0, GROUP):
         off_h = off_hkv * GROUP + g
-        Q_h = Q + off_b * stride_qb + off_h * stride_qh
-        DO_h = DO + off_b * stride_dob + off_h * stride_doh
-        LSE_h = LSE + off_b * stride_lb + off_h * stride_lh
-        DELTA_h = DELTA + off_b * stride_lb + off_h * stride_lh
-        QA_h = QA + off_b * stride_sb + off_h * stride_sh
-        DOA_h = DOA + off_b * stride_sb + off_h * stride_sh
-        MASK_h = MASK + off_b * stride_mb + off_h * stride_mh
-        KA_h = KA + off_b * stride_kab + (off_h // KA_GROUP) * stride_kah
-        KB_h = KB + off_b * stride_kbb + off_h * stride_kbh
+        queries = Mat(ptr=Q + off_b * stride_qb + off_h * stride_qh, stride_n=stride_qn, stride_d=stride_qd)
+        grads = Mat(ptr=DO + off_b * stride_dob + off_h * stride_doh, stride_n=stride_don, stride_d=stride_dod)
+        stats = Stats(LSE=LSE + off_b * stride_lb + off_h * stride_lh,
+                      DELTA=DELTA + off_b * stride_lb + off_h * stride_lh, stride_n=stride_ln)
+        terms = Terms(QA=Table(ptr=QA + off_b * stride_sb + off_h * stride_sh, stride_n=stride_sn),
+                      KA=Table(ptr=KA + off_b * stride_kab + (off_h // KA_GROUP) * stride_kah, stride_n=stride_kan),
+                      DOA=Table(ptr=DOA + off_b * stride_sb + off_h * stride_sh, stride_n=stride_sn),
+                      MASK=Mask(ptr=MASK + off_b * stride_mb + off_h * stride_mh, stride_n=stride_mn,
+                                stride_m=stride_mm), qk_scale=qk_scale)
+        key_bins = Table(ptr=KB + off_b * stride_kbb + off_h * stride_kbh, stride_n=stride_kbn)
         k_left = tl.zeros((BLOCK_N,), ACC)
         k_right = tl.zeros((BLOCK_N,), ACC)
         if not CAUSAL:  # causal rows never see keys right of their band
-            dk, dv, k_left, k_right = _dkdv_inner(
-                dk, dv, k_left, k_right, kT, vT, Q_h, DO_h, LSE_h, DELTA_h, QA_h, KA_h, DOA_h, MASK_h, KB_h, offs_n,
-                first, band_lo, stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_sn, stride_kan,
-                stride_kbn, stride_mn, stride_mm, N, M, D, DV, MAX_REL, off, qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_V,
-                RIGHT, HAS_RK, HAS_RQ, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, PREC)
-        dk, dv, k_left, k_right = _dkdv_inner(
-            dk, dv, k_left, k_right, kT, vT, Q_h, DO_h, LSE_h, DELTA_h, QA_h, KA_h, DOA_h, MASK_h, KB_h, offs_n,
-            band_lo, band_hi, stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_sn, stride_kan,
-            stride_kbn, stride_mn, stride_mm, N, M, D, DV, MAX_REL, off, qk_scale, BLOCK_M // BAND_SPLIT, HEAD_DIM,
-            HEAD_DIM_V, BAND, HAS_RK, HAS_RQ, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, PREC)
-        dk, dv, k_left, k_right = _dkdv_inner(
-            dk, dv, k_left, k_right, kT, vT, Q_h, DO_h, LSE_h, DELTA_h, QA_h, KA_h, DOA_h, MASK_h, KB_h, offs_n,
-            band_hi, N, stride_qn, stride_qd, stride_don, stride_dod, stride_ln, stride_sn, stride_kan, stride_kbn,
-            stride_mn, stride_mm, N, M, D, DV, MAX_REL, off, qk_scale, BLOCK_M, HEAD_DIM, HEAD_DIM_V, LEFT,
-            HAS_RK, HAS_RQ, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, PREC)
+            dk, dv, k_left, k_right = _dkdv_inner(dk, dv, k_left, k_right, kT, vT, start_n, queries, grads, stats,
+                                                  terms, key_bins, size, C, RIGHT)
+        dk, dv, k_left, k_right = _dkdv_inner(dk, dv, k_left, k_right, kT, vT, start_n, queries, grads, stats, terms,
+                                              key_bins, size, C, BAND)
+        dk, dv, k_left, k_right = _dkdv_inner(dk, dv, k_left, k_right, kT, vT, start_n, queries, grads, stats, terms,
+                                              key_bins, size, C, LEFT)
         if HAS_RQ:
-            _store_edges(KB_h, k_left, k_right, offs_n, M, MAX_REL, stride_kbn, EVEN_N)
+            _store_edges(key_bins, k_left, k_right, offs_n, M, MAX_REL, EVEN_N)
 
     DK += off_b * stride_kb + off_hkv * stride_kh
     DV_ += off_b * stride_vb + off_hkv * stride_vh
@@ -526,45 +590,35 @@ def _dkdv_kernel(Q, K, V, QA, KA, DOA, MASK, DO, LSE, DELTA, DK, DV_, KB,
 
 
 @device_fn
-def _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, K, V, QA, KA, DOA, MASK, PB, SB, offs_m, lo,
-              hi, stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_kan, stride_mn, stride_mm,
-              N, M, D, DV, MAX_REL, off, qk_scale,
-              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, STAGE: tl.constexpr,
-              HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
-              CAUSAL: tl.constexpr,
-              EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr):
-    """One stage of a query tile's loop over key tiles [lo, hi): dq += dS k, and P, dS per table row."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
+def _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, start_m, end, K, V, terms, bins, size, C,
+              STAGE: tl.constexpr):
+    """One stage of a query tile's loop over the stage's key tiles among [0, end) (band tiles ``C.BAND_SPLIT``
+    times narrower): dq += dS k, and P, dS per table row (``bins``: :data:`RowBins`)."""
+    lo, hi = _key_range(start_m, 0, end, size, C, STAGE)
+    if STAGE == BAND:
+        BLOCK_N: tl.constexpr = C.BLOCK_N // C.BAND_SPLIT
+    else:
+        BLOCK_N: tl.constexpr = C.BLOCK_N
+    offs_m = start_m + tl.arange(0, C.BLOCK_M)
+    offs_d = tl.arange(0, C.HEAD_DIM)
+    offs_dv = tl.arange(0, C.HEAD_DIM_V)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kT = _load_2d(K + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn, offs_d, offs_n, D, M,
-                      EVEN_D, EVEN_N)
-        vT = _load_2d(V + offs_dv[:, None] * stride_vd + offs_n[None, :] * stride_vn, offs_dv, offs_n, DV, M,
-                      EVEN_D, EVEN_N)
-        p, ds = _bwd_tile(q, do, kT, vT, lse2, delta, QA, KA, DOA, MASK, offs_m, offs_n, N, M, MAX_REL, off,
-                          qk_scale, stride_sn, stride_kan, stride_mn, stride_mm, STAGE, HAS_RK, HAS_RQ, HAS_RV,
-                          HAS_MASK, CAUSAL, EVEN_M, EVEN_N, PREC)
-        dq += dot(cast(ds, kT.dtype), tl.trans(kT), PREC)
-        if HAS_RV:
-            p_left, p_right = _edge_sums(p, p_left, p_right, offs_m, offs_n, MAX_REL, off, STAGE)
+        kT = _load_2d(K.ptr + offs_d[:, None] * K.stride_d + offs_n[None, :] * K.stride_n, offs_d, offs_n, size.D,
+                      size.M, C.EVEN_D, C.EVEN_N)
+        vT = _load_2d(V.ptr + offs_dv[:, None] * V.stride_d + offs_n[None, :] * V.stride_n, offs_dv, offs_n,
+                      size.DV, size.M, C.EVEN_D, C.EVEN_N)
+        p, ds = _bwd_tile(q, do, kT, vT, lse2, delta, terms, offs_m, offs_n, size, C, STAGE)
+        dq += dot(cast(ds, kT.dtype), tl.trans(kT), C.PREC)
+        if C.HAS_RV:
+            p_left, p_right = _edge_sums(p, p_left, p_right, offs_m, offs_n, size, STAGE)
             if STAGE == BAND:
-                _store_interior(PB, p, offs_m, offs_n, N, MAX_REL, off, stride_sn, EVEN_M)
-        if HAS_RK:
-            s_left, s_right = _edge_sums(ds, s_left, s_right, offs_m, offs_n, MAX_REL, off, STAGE)
+                _store_interior(bins.P, p, offs_m, offs_n, size, C.EVEN_M)
+        if C.HAS_RK:
+            s_left, s_right = _edge_sums(ds, s_left, s_right, offs_m, offs_n, size, STAGE)
             if STAGE == BAND:
-                _store_interior(SB, ds, offs_m, offs_n, N, MAX_REL, off, stride_sn, EVEN_M)
+                _store_interior(bins.DS, ds, offs_m, offs_n, size, C.EVEN_M)
     return dq, p_left, p_right, s_left, s_right
-
-
-@device_fn
-def _store_edges(B, left, right, offs_m, N, MAX_REL, stride_sn, EVEN_M: tl.constexpr):
-    """Bins 0 and 2K of the rows (one bin when K = 0: both edges are table row 0)."""
-    if MAX_REL == 0:
-        _store_rows(B + offs_m * stride_sn, left + right, offs_m, N, EVEN_M)
-    else:
-        _store_rows(B + offs_m * stride_sn, left, offs_m, N, EVEN_M)
-        _store_rows(B + offs_m * stride_sn + 2 * MAX_REL, right, offs_m, N, EVEN_M)
 
 
 @triton.jit
@@ -585,6 +639,10 @@ def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB,
                PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr):
     """Per (query tile, batch * head): dq = scale (dS k + sum_t SB_it a^K_t), and the per-row bins of P (PB) and
     dS (SB) per table row (zeros where no pair falls), from which the launcher forms the table gradients."""
+    C: tl.constexpr = Meta(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
+                           BAND_SPLIT=BAND_SPLIT, HAS_RK=HAS_RK, HAS_RQ=HAS_RQ, HAS_RV=HAS_RV, HAS_MASK=HAS_MASK,
+                           CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PREC=PREC, ACC=ACC)
+    size = Sizes(N=N, M=M, D=D, DV=DV, MAX_REL=MAX_REL, off=off)
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
@@ -601,6 +659,12 @@ def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB,
     SB += off_b * stride_sb + off_h * stride_sh
     RK += off_h * stride_rkh
     MASK += off_b * stride_mb + off_h * stride_mh
+    keys = Mat(ptr=K, stride_n=stride_kn, stride_d=stride_kd)
+    values = Mat(ptr=V, stride_n=stride_vn, stride_d=stride_vd)
+    terms = Terms(QA=Table(ptr=QA, stride_n=stride_sn), KA=Table(ptr=KA, stride_n=stride_kan),
+                  DOA=Table(ptr=DOA, stride_n=stride_sn), MASK=Mask(ptr=MASK, stride_n=stride_mn, stride_m=stride_mm),
+                  qk_scale=qk_scale)
+    bins = RowBins(P=Table(ptr=PB, stride_n=stride_sn), DS=Table(ptr=SB, stride_n=stride_sn))
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
@@ -620,30 +684,19 @@ def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB,
     end = M
     if CAUSAL:
         end = tl.maximum(tl.minimum(M, start_m + BLOCK_M + off), 0)
-    band_lo = _tile_start(start_m + off - MAX_REL + 1, 0, end, 0, BLOCK_N)
-    band_hi = _tile_end(start_m + off + BLOCK_M + MAX_REL, band_lo, end, 0, BLOCK_N)
-    dq, p_left, p_right, s_left, s_right = _dq_inner(
-        dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, K, V, QA, KA, DOA, MASK, PB, SB, offs_m, 0, band_lo,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_kan, stride_mn, stride_mm, N, M, D, DV, MAX_REL,
-        off, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, LEFT, HAS_RK, HAS_RQ, HAS_RV, HAS_MASK, CAUSAL, EVEN_M, EVEN_N,
-        EVEN_D, PREC)
-    dq, p_left, p_right, s_left, s_right = _dq_inner(
-        dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, K, V, QA, KA, DOA, MASK, PB, SB, offs_m, band_lo,
-        band_hi, stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_kan, stride_mn, stride_mm, N, M, D, DV,
-        MAX_REL, off, qk_scale, BLOCK_N // BAND_SPLIT, HEAD_DIM, HEAD_DIM_V, BAND, HAS_RK, HAS_RQ, HAS_RV, HAS_MASK,
-        CAUSAL, EVEN_M, EVEN_N, EVEN_D, PREC)
+    dq, p_left, p_right, s_left, s_right = _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta,
+                                                     start_m, end, keys, values, terms, bins, size, C, LEFT)
+    dq, p_left, p_right, s_left, s_right = _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta,
+                                                     start_m, end, keys, values, terms, bins, size, C, BAND)
     if not CAUSAL:
-        dq, p_left, p_right, s_left, s_right = _dq_inner(
-            dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, K, V, QA, KA, DOA, MASK, PB, SB, offs_m, band_hi,
-            end, stride_kn, stride_kd, stride_vn, stride_vd, stride_sn, stride_kan, stride_mn, stride_mm, N, M, D, DV,
-            MAX_REL, off, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_V, RIGHT, HAS_RK, HAS_RQ, HAS_RV, HAS_MASK, CAUSAL,
-            EVEN_M, EVEN_N, EVEN_D, PREC)
+        dq, p_left, p_right, s_left, s_right = _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta,
+                                                         start_m, end, keys, values, terms, bins, size, C, RIGHT)
 
     # -- the edge bins; then the key table's share of dq, sum_t SB_it a^K_t, one chunk of table rows at a time
     if HAS_RV:
-        _store_edges(PB, p_left, p_right, offs_m, N, MAX_REL, stride_sn, EVEN_M)
+        _store_edges(bins.P, p_left, p_right, offs_m, N, MAX_REL, EVEN_M)
     if HAS_RK:
-        _store_edges(SB, s_left, s_right, offs_m, N, MAX_REL, stride_sn, EVEN_M)
+        _store_edges(bins.DS, s_left, s_right, offs_m, N, MAX_REL, EVEN_M)
         tl.debug_barrier()  # other threads of this program stored the bins
         for t0 in range(0, 2 * MAX_REL + 1, BLOCK_N):
             offs_t = t0 + tl.arange(0, BLOCK_N)
