@@ -569,6 +569,7 @@ _POSITION_CASES = {
     "K>N-negative-offset": (1, 2, 2, 12, 7, 4, 4, 30, "hh1", None, False, -3),
     "narrow-K-gqa": (1, 4, 2, 16, 16, 4, 4, 2, "hhh", "per_head", True, 0),
     "K>=N-no-table-term": (1, 2, 2, 9, 9, 3, 3, 20, "-h-", None, False, 0),
+    "rel_q-keys-in-chunks": (1, 2, 1, 12, 150, 4, 4, 40, "h1h", "start", False, 100),  # KA in chunks of 64 keys
 }
 
 

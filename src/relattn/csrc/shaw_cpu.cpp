@@ -423,6 +423,11 @@ struct Geometry {
   int64_t ka_head(int64_t h) const { return Hq == 1 ? h / group : h; }
 };
 
+// The most columns a window of `queries` rows against `keys` keys can have (window_of; at least 1).
+inline int64_t window_cap(const Geometry& g, int64_t avail, int64_t queries, int64_t keys) {
+  return std::min(avail, gemm_columns(std::clamp<int64_t>(queries + keys - 1, 1, g.R)));
+}
+
 // I: the type q, k, v (and dO, out) are stored in; T: the compute type (I, or float for 16-bit I) of the tables,
 // the mask and everything computed.
 template <typename I, typename T>
@@ -501,14 +506,18 @@ Views<I, T> views(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return w;
 }
 
-// KA rows of some keys for one query head, in the window `win` of table rows the keys meet: ka[x * ld + t - win.first]
-// = scale * k_{first + x} . a^Q_t, and the columns t = 0 (lo) and t = 2K (hi) again, contiguous (zeros where the
-// window holds no such column: no pair meets it).
+// Keys per chunk of KA: each chunk's rows hold the window of table rows its keys meet against every query (about
+// N + 64 rows, not 2K + 1 nor N + M - 1), and the band is read a chunk at a time (for_pos_band).
+constexpr int64_t kPosChunk = 64;
+
+// KA rows of some keys for one query head, chunk by chunk: for key x of chunk c (keys first + c * kPosChunk on),
+// ka[x * ld + t - wins[c].first] = scale * k_{first + x} . a^Q_t, and the columns t = 0 (lo) and t = 2K (hi) again,
+// contiguous (zeros where the chunk's window holds no such column: no pair meets it).
 template <typename T>
 struct PosRows {
   const T *ka, *lo, *hi;
+  const Window* wins;
   int64_t first, ld;
-  Window win;
 };
 
 // s[0:n] += the mask row (a constant when the mask broadcasts over keys).
@@ -534,48 +543,53 @@ T add_key_term(T* s, const Runs& r, const T* qa, int64_t first, int64_t last) {
   return add_const_max(s + r.right, r.valid - r.right, r.valid > r.right ? qa[last - first] : T(0), mx);
 }
 
-// The band of the position-to-content term over a tile of rows, in chunks of keys: row a's key x meets KA[x, x +
-// band0(a)], so rows a and a + 1 read the same cache lines of a chunk's KA rows; a chunk's lines stay in L1 from one
-// row to the next, where a whole block's would not. f(s_x, ka_x) is called for every (row, band key).
-constexpr int64_t kPosChunk = 64;
-
+// The band of the position-to-content term over a tile of rows against keys n0 .. n0+width-1, chunk by chunk of KA:
+// row a's key x meets KA[x, x + band0(a)], so rows a and a + 1 read the same cache lines of a chunk's KA rows; a
+// chunk's lines stay in L1 from one row to the next, where a whole block's would not. ka: KA's rows (or its bins)
+// from key `first` in PosRows' layout; f(s_x, ka_x) is called for every (row, band key).
 template <typename T, typename F>
-void for_pos_band(T* S, int64_t ld_s, const Runs* runs, int64_t tq, int64_t width, T* ka, int64_t ld, int64_t first,
-                  F f) {
-  for (int64_t x0 = 0; x0 < width; x0 += kPosChunk) {
-    const int64_t x1 = std::min(width, x0 + kPosChunk);
+void for_pos_band(T* S, int64_t ld_s, const Runs* runs, int64_t tq, int64_t n0, int64_t width, T* ka,
+                  const Window* wins, int64_t first, int64_t ld, F f) {
+  T* base = ka + (n0 - first) * ld;  // key n0's row
+  for (int64_t x0 = 0; x0 < width;) {
+    const int64_t key = n0 + x0 - first, c = key / kPosChunk;
+    const int64_t x1 = std::min(width, x0 + (c + 1) * kPosChunk - key), tf = wins[c].first;
     for (int64_t a = 0; a < tq; ++a) {
       const Runs& r = runs[a];
       T* s = S + a * ld_s;
-      const int64_t d = r.band0 - first;  // key x of the band meets table row x + band0: KA's entry x * ld + x + d
-      for (int64_t x = std::max(x0, r.left), end = std::min(x1, r.right); x < end; ++x) f(s[x], ka[x * (ld + 1) + d]);
+      const int64_t d = r.band0 - tf;  // key x of the band meets table row x + band0: entry x * ld + x + d
+      for (int64_t x = std::max(x0, r.left), end = std::min(x1, r.right); x < end; ++x) f(s[x], base[x * (ld + 1) + d]);
     }
+    x0 = x1;
   }
 }
 
-// Adds the position-to-content term to a tile's scores S (rows ld_s apart): ka is KA's rows of the block's keys (ld
-// apart, from table row `first`), lo and hi its columns 0 and 2K for the same keys (contiguous).
+// Adds the position-to-content term to a tile's scores S (rows ld_s apart) against keys n0 .. n0+width-1.
 template <typename T>
-void add_pos_term(T* S, int64_t ld_s, const Runs* runs, int64_t tq, int64_t width, const T* ka, const T* lo,
-                  const T* hi, int64_t ld, int64_t first) {
+void add_pos_term(T* S, int64_t ld_s, const Runs* runs, int64_t tq, int64_t n0, int64_t width, const PosRows<T>& pos) {
+  const T *lo = pos.lo + (n0 - pos.first), *hi = pos.hi + (n0 - pos.first);
   for (int64_t a = 0; a < tq; ++a) {
     const Runs& r = runs[a];
     add_into(S + a * ld_s, lo, r.left);
     add_into(S + a * ld_s + r.right, hi + r.right, r.valid - r.right);
   }
-  for_pos_band(S, ld_s, runs, tq, width, const_cast<T*>(ka), ld, first, [](T& s, T& k) { s += k; });
+  for_pos_band(S, ld_s, runs, tq, n0, width, const_cast<T*>(pos.ka), pos.wins, pos.first, pos.ld,
+               [](T& s, T& k) { s += k; });
 }
 
-// The bins of the position-to-content gradient for a tile's dS, in add_pos_term's layout.
+// The bins of the position-to-content gradient for a tile's dS, in PosRows' layout (dka, lo, hi: the bins of the
+// keys from pos.first, in pos's windows).
 template <typename T>
-void bin_pos_term(T* dS, int64_t ld_s, const Runs* runs, int64_t tq, int64_t width, T* dka, T* lo, T* hi,
-                  int64_t ld, int64_t first) {
+void bin_pos_term(T* dS, int64_t ld_s, const Runs* runs, int64_t tq, int64_t n0, int64_t width, T* dka, T* lo, T* hi,
+                  const PosRows<T>& pos) {
+  lo += n0 - pos.first;
+  hi += n0 - pos.first;
   for (int64_t a = 0; a < tq; ++a) {
     const Runs& r = runs[a];
     add_into(lo, dS + a * ld_s, r.left);
     add_into(hi + r.right, dS + a * ld_s + r.right, r.valid - r.right);
   }
-  for_pos_band(dS, ld_s, runs, tq, width, dka, ld, first, [](T& ds, T& k) { k += ds; });
+  for_pos_band(dS, ld_s, runs, tq, n0, width, dka, pos.wins, pos.first, pos.ld, [](T& ds, T& k) { k += ds; });
 }
 
 // In a row laid out by a window from table row `first`: acc[0 - first] += lo (the left run's sum of s), acc[t -
@@ -592,29 +606,39 @@ inline int64_t kv_end(const Geometry& g, int64_t m0, int64_t tq) {
   return g.causal ? std::clamp<int64_t>(m0 + tq + g.off, 0, g.M) : g.M;
 }
 
-// The window of table rows keys [j0, j1) meet against every query, and the row stride of their KA rows (and bins).
-inline Window key_window(const Geometry& g, int64_t avail, int64_t j0, int64_t j1, int64_t elem_size,
-                         int64_t& ld) {
-  const Window win = window_of(g.kk, avail, g.causal, g.off, g.off + g.N - 1, j0, j1);
-  ld = diagonal_ld(std::max<int64_t>(win.cols, 1), elem_size);
-  return win;
+// The row stride of KA's rows (and of their bins): room for the widest chunk's window (diagonal_ld).
+inline int64_t key_table_ld(const Geometry& g, int64_t avail, int64_t elem_size) {
+  return diagonal_ld(window_cap(g, avail, g.N, kPosChunk), elem_size);
 }
 
-// KA rows of keys [j0, j1) for query head h into ka, lo and hi (PosRows' layout, KA's window `win` and row
-// stride ld from key_window; kbuf holds 16-bit keys as T).
+// The windows of keys [j0, j1) chunk by chunk (kPosChunk keys each): the table rows each chunk meets against every
+// query.
+inline void key_windows(const Geometry& g, int64_t avail, int64_t j0, int64_t j1, std::vector<Window>& wins) {
+  wins.clear();
+  for (int64_t c0 = j0; c0 < j1; c0 += kPosChunk)
+    wins.push_back(window_of(g.kk, avail, g.causal, g.off, g.off + g.N - 1, c0, std::min(j1, c0 + kPosChunk)));
+}
+
+// KA rows of keys [j0, j1) for query head h into ka, lo and hi (PosRows' layout: a GEMM per chunk of keys, in the
+// chunks' windows `wins` from key_windows, rows ld apart from key_table_ld; kbuf holds 16-bit keys as T).
 template <typename I, typename T>
 PosRows<T> key_table_rows(const Geometry& g, const Views<I, T>& w, int64_t b, int64_t h, int64_t j0, int64_t j1,
-                          const Window& win, int64_t ld, T scale, std::vector<T>& kbuf, T* ka, T* lo, T* hi) {
-  const int64_t nk = j1 - j0, hq = g.Hq == 1 ? 0 : h, top = 2 * g.kk - win.first;
+                          const std::vector<Window>& wins, int64_t ld, T scale, std::vector<T>& kbuf, T* ka, T* lo,
+                          T* hi) {
+  const int64_t nk = j1 - j0, hq = g.Hq == 1 ? 0 : h;
   int64_t ldk;
   const T* kf = rows_as<T>(w.kh(b, h / g.group) + j0 * w.ks[2], nk, g.D, w.ks[2], kbuf, ldk);
-  gemm<T>(false, true, nk, win.cols, g.D, scale, kf, ldk, w.rq_pad + (hq * w.ldr + win.first) * g.D, g.D, T(0),
-          ka, ld);
-  for (int64_t x = 0; x < nk; ++x) {
-    lo[x] = win.first == 0 ? ka[x * ld] : T(0);
-    hi[x] = top < win.cols ? ka[x * ld + top] : T(0);
+  for (int64_t c = 0, x0 = 0; x0 < nk; ++c, x0 += kPosChunk) {
+    const Window& win = wins[c];
+    const int64_t x1 = std::min(nk, x0 + kPosChunk), top = 2 * g.kk - win.first;
+    gemm<T>(false, true, x1 - x0, win.cols, g.D, scale, kf + x0 * ldk, ldk, w.rq_pad + (hq * w.ldr + win.first) * g.D,
+            g.D, T(0), ka + x0 * ld, ld);
+    for (int64_t x = x0; x < x1; ++x) {
+      lo[x] = win.first == 0 ? ka[x * ld] : T(0);
+      hi[x] = top < win.cols ? ka[x * ld + top] : T(0);
+    }
   }
-  return {ka, lo, hi, j0, ld, win};
+  return {ka, lo, hi, wins.data(), j0, ld};
 }
 
 // Scores of one tile of rows (query head h, key/value head hkv) against keys n0 .. n0+width-1: S[a, x] =
@@ -627,11 +651,7 @@ void block_scores(const Geometry& g, const Views<I, T>& w, int64_t b, int64_t h,
   gemm_io<I, T>(false, true, tq, width, g.D, scale, w.qh(b, h) + m0 * w.qs[2], w.qs[2],
                 w.kh(b, hkv) + n0 * w.ks[2], w.ks[2], T(0), S, ld);
   for (int64_t a = 0; a < tq; ++a) runs[a] = runs_of(m0 + a + g.off, n0, width, g.kk, g.causal);
-  if (pos != nullptr) {
-    const int64_t x0 = n0 - pos->first;
-    add_pos_term(S, ld, runs, tq, width, pos->ka + x0 * pos->ld, pos->lo + x0, pos->hi + x0, pos->ld,
-                 pos->win.first);
-  }
+  if (pos != nullptr) add_pos_term(S, ld, runs, tq, n0, width, *pos);
   for (int64_t a = 0; a < tq; ++a) {
     T* s = S + a * ld;
     const Runs& r = runs[a];
@@ -661,20 +681,16 @@ int64_t grain_for(int64_t tasks, int64_t work) {
   return tasks * work < (int64_t{1} << 20) ? std::max<int64_t>(tasks, 1) : 1;
 }
 
-// The most columns a window of `queries` rows against `keys` keys can have (window_of; at least 1).
-inline int64_t window_cap(const Geometry& g, int64_t avail, int64_t queries, int64_t keys) {
-  return std::min(avail, gemm_columns(std::clamp<int64_t>(queries + keys - 1, 1, g.R)));
-}
-
 template <typename I, typename T>
 void forward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile_q, int64_t tile_k, I* out, T* lse) {
   constexpr bool narrow = !std::is_same_v<I, T>;
   const int64_t nq = (g.N + tile_q - 1) / tile_q, last = 2 * g.kk;
   const int64_t cap = window_cap(g, w.ldr, tile_q, g.M);  // columns of a tile's table rows
   const int64_t grain = grain_for(g.B * g.H * nq, tile_q * (g.M + (g.has_k || g.has_v ? cap : 0)) * (g.D + g.Dv));
-  // The position-to-content term: the window of table rows every key meets, KA's row stride.
-  int64_t ka_ld = 0;
-  const Window ka_win = g.has_q ? key_window(g, w.ldr, 0, g.M, sizeof(T), ka_ld) : Window{};
+  // The position-to-content term: the windows of table rows each chunk of keys meets, KA's row stride.
+  const int64_t ka_ld = g.has_q ? key_table_ld(g, w.ldr, sizeof(T)) : 0;
+  std::vector<Window> ka_wins;
+  if (g.has_q) key_windows(g, w.ldr, 0, g.M, ka_wins);
   at::parallel_for(0, g.B * g.H * nq, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> S(tile_q * tile_k), QA(g.has_k ? tile_q * cap : 0), PW(g.has_v ? tile_q * cap : 0);
     std::vector<T> acc(tile_q * g.Dv), mx(tile_q), sm(tile_q), rmax(tile_q);
@@ -691,7 +707,7 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile
       const int64_t bh = task / nq, m0 = (task % nq) * tile_q, b = bh / g.H, h = bh % g.H, hkv = h / g.group;
       const int64_t hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h, tq = std::min(tile_q, g.N - m0);
       if (g.has_q && b * g.H + g.ka_head(h) != pos_of) {
-        pos = key_table_rows(g, w, b, h, 0, g.M, ka_win, ka_ld, scale, kbuf, KA.data(), klo.data(), khi.data());
+        pos = key_table_rows(g, w, b, h, 0, g.M, ka_wins, ka_ld, scale, kbuf, KA.data(), klo.data(), khi.data());
         pos_of = b * g.H + g.ka_head(h);
       }
       const I* vp = w.vh(b, hkv);
@@ -774,17 +790,17 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t til
   const int64_t blocks = (g.M + tile_k - 1) / tile_k, per_split = (blocks + splits - 1) / splits;
   const int64_t seg = std::min(g.M, per_split * tile_k);
   const int64_t cap = window_cap(g, w.ldr, tile_q, seg);  // columns of a tile's table rows
-  // the row stride of KA and its bins for the widest segment (diagonal_ld grows with the window)
-  const int64_t ld_cap = g.has_q ? diagonal_ld(window_cap(g, w.ldr, g.N, seg), sizeof(T)) : 0;
+  const int64_t ld = g.has_q ? key_table_ld(g, w.ldr, sizeof(T)) : 0;  // KA's and its bins' row stride
   at::parallel_for(0, g.B * g.Hkv * splits, 1, [&](int64_t begin, int64_t end) {
     const int64_t tid = at::get_thread_num();
     T* drk_t = g.has_k ? drk + tid * g.Hk * R * g.D : nullptr;
     T* drv_t = g.has_v ? drv + tid * g.Hv * R * g.Dv : nullptr;
     T* drq_t = g.has_q ? drq + tid * g.Hq * R * g.D : nullptr;
     // The position-to-content bins of the task's keys (one query head at a time): dKA, and its edge columns.
-    std::vector<T> dKA(g.has_q ? seg * ld_cap : 0), dlo(g.has_q ? seg : 0), dhi(g.has_q ? seg : 0);
+    std::vector<T> dKA(g.has_q ? seg * ld : 0), dlo(g.has_q ? seg : 0), dhi(g.has_q ? seg : 0);
     std::vector<T> kbuf(narrow && g.has_q ? seg * g.D : 0);
-    std::vector<T> KA(g.has_q ? seg * ld_cap : 0), klo(g.has_q ? seg : 0), khi(g.has_q ? seg : 0);  // KA rows
+    std::vector<T> KA(g.has_q ? seg * ld : 0), klo(g.has_q ? seg : 0), khi(g.has_q ? seg : 0);  // KA rows
+    std::vector<Window> ka_wins;  // the windows of the task's chunks of keys
     PosRows<T> pos{};
     std::vector<T> P(tile_q * tile_k), dP(tile_q * tile_k), dsum(tile_q), rmax(tile_q);
     std::vector<Runs> runs(tile_q);
@@ -799,14 +815,13 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t til
       const I* vp = w.vh(b, hkv);
       T* dkh = dk + bkv * g.M * g.D;
       T* dvh = dv + bkv * g.M * g.Dv;
-      int64_t ld = 0;  // KA's window (the table rows the segment's keys meet) and row stride
-      const Window ka_win = g.has_q ? key_window(g, w.ldr, keys_lo, keys_hi, sizeof(T), ld) : Window{};
+      if (g.has_q) key_windows(g, w.ldr, keys_lo, keys_hi, ka_wins);
       for (int64_t h = hkv * g.group; h < (hkv + 1) * g.group; ++h) {
         const int64_t bh = b * g.H + h, hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h;
         T* dqh = dq + (split * g.B * g.H + bh) * g.N * g.D;
         T* dqph = dqp == nullptr ? dqh : dqp + (split * g.B * g.H + bh) * g.N * g.D;
         if (g.has_q && (g.Hq != 1 || h == hkv * g.group) && keys_hi > keys_lo)
-          pos = key_table_rows(g, w, b, h, keys_lo, keys_hi, ka_win, ld, scale, kbuf, KA.data(), klo.data(),
+          pos = key_table_rows(g, w, b, h, keys_lo, keys_hi, ka_wins, ld, scale, kbuf, KA.data(), klo.data(),
                                khi.data());
         if (g.has_q) {
           std::fill(dKA.begin(), dKA.end(), T(0));
@@ -881,11 +896,8 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t til
               std::fill(ds + r.valid, ds + width, T(0));
               if (g.has_k) fold_runs(dQA.data() + a * wc, ds, r, win.first, last, lo, hi);
             }
-            if (g.has_q) {
-              const int64_t x0 = n0 - keys_lo;
-              bin_pos_term(dP.data(), tile_k, runs.data(), tq, width, dKA.data() + x0 * ld, dlo.data() + x0,
-                           dhi.data() + x0, ld, ka_win.first);
-            }
+            if (g.has_q)
+              bin_pos_term(dP.data(), tile_k, runs.data(), tq, n0, width, dKA.data(), dlo.data(), dhi.data(), pos);
             // dq += scale dS @ k;  dk += scale dS.T @ q
             const I* dS = block_as<I>(dP.data(), tq, width, tile_k, B16);
             gemm_io<I, T>(false, false, tq, g.D, width, scale, dS, tile_k, kp + n0 * w.ks[2], w.ks[2], T(1),
@@ -905,17 +917,22 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t til
           }
         }
         if (g.has_q && keys_hi > keys_lo) {  // dk += scale dKA @ a^Q;  d a^Q += scale dKA.T @ k (the task's keys)
-          const int64_t nk = keys_hi - keys_lo, hq = g.Hq == 1 ? 0 : h, top = last - ka_win.first;
-          for (int64_t x = 0; x < nk; ++x) {
-            if (ka_win.first == 0) dKA[x * ld] += dlo[x];
-            if (top < ka_win.cols) dKA[x * ld + top] += dhi[x];
-          }
-          const T* tq = w.rq + (hq * R + ka_win.first) * g.D;
-          gemm<T>(false, false, nk, g.D, ka_win.rows, scale, dKA.data(), ld, tq, g.D, T(1), dkh + keys_lo * g.D, g.D);
+          const int64_t nk = keys_hi - keys_lo, hq = g.Hq == 1 ? 0 : h;
           int64_t ldk;
           const T* kf = rows_as<T>(kp + keys_lo * w.ks[2], nk, g.D, w.ks[2], kbuf, ldk);
-          gemm<T>(true, false, ka_win.rows, g.D, nk, scale, dKA.data(), ld, kf, ldk, T(1),
-                  drq_t + (hq * R + ka_win.first) * g.D, g.D);
+          for (int64_t c = 0, x0 = 0; x0 < nk; ++c, x0 += kPosChunk) {  // chunk by chunk, in the chunk's window
+            const Window& win = ka_wins[c];
+            const int64_t x1 = std::min(nk, x0 + kPosChunk), top = last - win.first;
+            for (int64_t x = x0; x < x1; ++x) {
+              if (win.first == 0) dKA[x * ld] += dlo[x];
+              if (top < win.cols) dKA[x * ld + top] += dhi[x];
+            }
+            const T* tq = w.rq + (hq * R + win.first) * g.D;
+            gemm<T>(false, false, x1 - x0, g.D, win.rows, scale, dKA.data() + x0 * ld, ld, tq, g.D, T(1),
+                    dkh + (keys_lo + x0) * g.D, g.D);
+            gemm<T>(true, false, win.rows, g.D, x1 - x0, scale, dKA.data() + x0 * ld, ld, kf + x0 * ldk, ldk, T(1),
+                    drq_t + (hq * R + win.first) * g.D, g.D);
+          }
         }
       }
     }
