@@ -18,6 +18,10 @@ Cases (defaults; ``--quick`` shrinks every size to seconds):
   (unpatched: the (B, 1, N, N) mask and (1, N, N) positions it builds, timed with it; patched: a padding mask);
   ``deberta-v3-base/model``: ``DebertaV2Model`` with ``--layers`` layers; ``--batch`` sequences per call (1).
   Unpatched: transformers' eager path (DeBERTa has no sdpa).
+- ``parakeet-0.6b/attention``: one Parakeet (FastConformer) attention layer of parakeet-0.6B's shape (hidden 1024,
+  8 heads; Transformer-XL's biases and a (2N - 1)-row table), with what its encoder hands it (its own position
+  module's (1, 2N - 1, E) output, one sequence, no padding mask) at 1500 and 8192 frames (2 min and 11 min of
+  audio after 8x subsampling). Unpatched: ``attn_implementation`` "eager" and "sdpa".
 
 Every variant runs the same weights and inputs (the model is patched and unpatched in place between calls). Time:
 medians of ``--reps`` interleaved rounds after a warm-up; forward under ``torch.no_grad()``, forward+backward
@@ -270,6 +274,32 @@ def deberta_cases(quick: bool, layers: int, lengths: list[int], batch: int = 1) 
     return cases
 
 
+def parakeet_cases(quick: bool, lengths: list[int]) -> list[Case]:
+    import transformers
+
+    shape = dict(hidden_size=64, num_attention_heads=4, intermediate_size=96) if quick else dict(
+        hidden_size=1024, num_attention_heads=8, intermediate_size=4096)
+    cfg = transformers.ParakeetEncoderConfig(num_hidden_layers=1, dropout=0.0, layerdrop=0.0, activation_dropout=0.0,
+                                             attention_dropout=0.0, attn_implementation="eager", **shape)
+    model = transformers.ParakeetEncoder(cfg).eval()
+    with torch.no_grad():
+        for layer in model.layers:  # transformers starts them at zero
+            layer.self_attn.bias_u.normal_(std=0.1)
+            layer.self_attn.bias_v.normal_(std=0.1)
+    unpatched, patched = _states(model)
+    attn, heads = model.layers[0].self_attn, shape["num_attention_heads"]
+    cases = []
+    for n in lengths:
+        h = torch.randn(1, n, shape["hidden_size"], generator=torch.Generator().manual_seed(n), requires_grad=True)
+        positions = model.encode_positions(h).detach()
+        one = n * n * 4 / 1e9  # GB of one (N, N) float32 map; the position scores are (N, 2N - 1) before the shift
+        est = {"eager": one * 9 * heads, "sdpa": one * 8 * heads}
+        cases.append(Case("parakeet-0.6b", "attention", n, lambda h=h, p=positions: attn(h, p)[0],
+                          {"eager": unpatched("eager"), "sdpa": unpatched("sdpa"), "relattn": patched},
+                          [h, *attn.parameters()], est))
+    return cases
+
+
 def _step(case: Case, mode: str, grad: torch.Tensor):
     if mode == "forward":
         def run():
@@ -341,12 +371,12 @@ def measure(case: Case, reps: int, warmup: int, max_gb: float, modes=MODES) -> l
 def plan(quick: bool, layers: int) -> dict[str, list[int]]:
     """Lengths per model family."""
     if quick:
-        return {"w2v-bert": [40], "vits": [20], "speecht5": [30], "bert": [48], "deberta": [40]}
+        return {"w2v-bert": [40], "vits": [20], "speecht5": [30], "bert": [48], "deberta": [40], "parakeet": [40]}
     return {"w2v-bert": [1500, 6000], "vits": [100, 500], "speecht5": [500, 1500], "bert": [512],
-            "deberta": [512, 2048, 8192]}
+            "deberta": [512, 2048, 8192], "parakeet": [1500, 8192]}
 
 
-FAMILIES = ("w2v-bert", "vits", "speecht5", "bert", "deberta")
+FAMILIES = ("w2v-bert", "vits", "speecht5", "bert", "deberta", "parakeet")
 
 
 def build_cases(quick: bool, layers: int, only=FAMILIES, lengths: list[int] | None = None,
@@ -358,7 +388,8 @@ def build_cases(quick: bool, layers: int, only=FAMILIES, lengths: list[int] | No
                 "vits": lambda: vits_cases(quick, at["vits"]),
                 "speecht5": lambda: speecht5_cases(quick, layers, at["speecht5"]),
                 "bert": lambda: bert_cases(quick, layers, at["bert"]),
-                "deberta": lambda: deberta_cases(quick, layers, at["deberta"], batch)}
+                "deberta": lambda: deberta_cases(quick, layers, at["deberta"], batch),
+                "parakeet": lambda: parakeet_cases(quick, at["parakeet"])}
     return [case for family in only for case in builders[family]()]
 
 
