@@ -90,6 +90,9 @@ def test_tile_q_by_length_for_causal_calls(monkeypatch):
     monkeypatch.setattr(native, "TILE_Q", 0)
     assert [native.tile_q(n, True) for n in (1, 191, 192, 767, 768, 4096)] == [32, 32, 64, 64, 256, 256]
     assert {native.tile_q(n, False) for n in (1, 128, 512, 4096)} == {256}
+    # a table longer than a 256-query tile reaches: 64-query tiles (each computes the rows it meets)
+    assert native.tile_q(512, False, 1013, 512) == 64 and native.tile_q(512, False, 1013, 1024) == 256
+    assert native.tile_q(2048, False, 1023, 2048) == 256 and native.tile_q(40, False, 1013, 40) == 256
     monkeypatch.setattr(native, "TILE_Q", 7)
     assert native.tile_q(100, True) == native.tile_q(100, False) == 7
 
@@ -656,13 +659,14 @@ def test_position_queries_float32_within_the_dtype_tolerance(small_tiles, case):
 
 
 @needs_native
-@pytest.mark.parametrize(("kk", "off"), [(200, 0), (210, -100), (75, 0)], ids=["padded", "window-moved-back", "whole"])
-def test_long_windows_of_a_long_table(small_tiles, kk, off):
+@pytest.mark.parametrize(("n", "kk", "off"), [(150, 200, 0), (300, 310, -20), (150, 75, 0)],
+                         ids=["padded", "window-moved-back", "whole"])
+def test_long_windows_of_a_long_table(small_tiles, n, kk, off):
     """Windows of more than 256 table rows (their GEMMs compute a multiple of 16 columns) at the default tiles: from
-    tables padded with zero rows, from an unpadded table longer than a tile reaches (the window moves back to stay
-    inside it: queries at negative positions put it at the table's end), and a table read whole; rel_q's KA too."""
+    tables padded with zero rows (a 256-query tile reaches the whole table), from an unpadded table longer than a
+    tile reaches (64-query tiles; queries at negative positions put a window at the table's end, and it moves back
+    to stay inside), and a table read whole; rel_q's KA too."""
     small_tiles(native=(0, 512))
-    n = 150
     case = (1, 2, 2, n, n, 8, 8, kk, "h1h", None, False, off)
     inputs, mask, kw, go = _position_inputs(case, dtype=torch.float32, seed=61)
     want_out, want = _position_want(inputs, mask, kw, go)

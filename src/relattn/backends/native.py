@@ -208,15 +208,18 @@ def uses_gemm16(dtype: torch.dtype) -> bool:
     return gemm16_here(dtype) if GEMM16 is None else GEMM16
 
 
-def tile_q(n: int, causal: bool) -> int:
+def tile_q(n: int, causal: bool, rows: int = 0, keys: int = 0) -> int:
     """Queries per tile for ``n`` queries: :data:`TILE_Q` when set; else 256, and for causal calls 32 below 192
     queries and 64 below 768 (the split of PyTorch's own CPU flash attention): a tile's rows meet the keys up to its
     last row only, so smaller tiles skip more of the masked half (at N = 512, 1 thread: forward 15 ms at 64 against
-    22 ms at 256, backward 55 against 65; without causal, 64 and 256 within noise)."""
+    22 ms at 256, backward 55 against 65; without causal, 64 and 256 within noise). A table of ``rows`` rows longer
+    than a 256-query tile reaches against ``keys`` keys (DeBERTa-v3's 1013 rows at N = 512) takes 64-query tiles: a
+    tile computes only the ``tile + keys - 1`` table rows it meets (DeBERTa-v3's attention at N = 512, one thread,
+    CPU time: forward+backward about 0.9x of 256-query tiles)."""
     if TILE_Q > 0:
         return TILE_Q
     if not causal:
-        return 256
+        return 64 if rows > 256 + keys - 1 and n > 64 else 256
     return 32 if n < 192 else 64 if n < 768 else 256
 
 
@@ -247,7 +250,7 @@ def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causa
     k, v may have Hkv heads, H % Hkv == 0; q_pos (q's shape and dtype), when given, the queries rel_k reads."""
     _require()
     gemm16 = uses_gemm16(q.dtype)
-    tiles = tile_q(q.shape[-2], is_causal), TILE_K
+    tiles = tile_q(q.shape[-2], is_causal, 2 * max_relative_position + 1, k.shape[-2]), TILE_K
     q_, k_, v_, qp = _data(gemm16, q, k, v, q_pos)
     out, lse = torch.ops.relattn_native.fwd(q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), qp,
                                             max_relative_position, is_causal, scale, query_offset, *tiles)
@@ -262,7 +265,7 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     _require()
     gemm16 = uses_gemm16(q.dtype)
     go, q_, k_, v_, out_, qp = _data(gemm16, grad_out, q, k, v, out, q_pos)
-    tiles = tile_q(q.shape[-2], is_causal), TILE_K
+    tiles = tile_q(q.shape[-2], is_causal, 2 * max_relative_position + 1, k.shape[-2]), TILE_K
     grads = torch.ops.relattn_native.bwd(go, q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), qp, out_,
                                          lse, max_relative_position, is_causal, scale, query_offset, *tiles, KV_SPLITS)
     return tuple(g if t is None or g.dtype == t.dtype else g.to(t.dtype)
