@@ -24,7 +24,17 @@ import pytest
 import torch
 import torch.utils.cpp_extension
 
-from helpers import CASES, IDS, assert_close, grads, oracle_grads, random_inputs, reference_output, unavailable_here
+from helpers import (
+    CASES,
+    IDS,
+    assert_close,
+    attention_ref,
+    grads,
+    oracle_grads,
+    random_inputs,
+    reference_output,
+    unavailable_here,
+)
 from relattn import functional as fn
 from relattn.backends import AttentionCall, native
 from relattn.positions import relative_position_index
@@ -729,3 +739,28 @@ def test_transformer_xl_through_the_op_matches_the_oracle(small_tiles, tiles, sp
         assert_close(got_out, want_out, torch.float64, f"K={kk} out")
         for name, a, x in zip(("q", "k", "v", "rel_k", "content_bias", "position_bias"), got, want, strict=True):
             assert_close(a, x, torch.float64, f"K={kk} d{name}")
+
+
+@needs_native
+@pytest.mark.parametrize("gemm16", [True, False], ids=["gemm16", "float32-copies"])
+def test_transformer_xl_bfloat16_within_2x_of_plain_pytorch(monkeypatch, gemm16):
+    """bfloat16 with both biases (q_pos in 16 bits beside q) on both 16-bit paths, K = N - 1: the output and every
+    gradient within twice plain PyTorch's bfloat16 error against float64."""
+    monkeypatch.setattr(native, "GEMM16", gemm16)
+    b, h, n, d = 1, 2, 70, 16
+    q, k, v, rk, _ = random_inputs(b, h, n, n, d, d, n - 1, tables="keys_per_head", seed=71)
+    g = torch.Generator().manual_seed(72)
+    u, w = (torch.randn(h, d, generator=g, dtype=torch.float64) * 0.5 for _ in range(2))
+    go = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+    lo = [t.bfloat16().requires_grad_() for t in (q * 0.5, k * 0.5, v, rk * 0.5, u, w)]
+    kw = dict(max_relative_position=n - 1, is_causal=True)
+    got = fn.relative_attention(*lo[:4], None, content_bias=lo[4], position_bias=lo[5], backend="native", **kw)
+    got_grads = torch.autograd.grad(got, lo, go.bfloat16())
+    plain = attention_ref(*lo[:4], None, content_bias=lo[4], position_bias=lo[5], upcast=False, **kw)
+    plain_grads = torch.autograd.grad(plain, lo, go.bfloat16())
+    want, want_grads = oracle_grads(lo[:4] + [None], go, content_bias=lo[4], position_bias=lo[5], **kw)
+    assert_close(got, want, torch.bfloat16, "out", yardstick=plain)
+    for name, a, p, x in zip(("q", "k", "v", "rel_k", "content_bias", "position_bias"), got_grads, plain_grads,
+                             want_grads, strict=True):
+        assert a.dtype == torch.bfloat16, name
+        assert_close(a, x, torch.bfloat16, f"d{name}", yardstick=p)
