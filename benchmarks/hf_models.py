@@ -16,8 +16,8 @@ Cases (defaults; ``--quick`` shrinks every size to seconds):
 - ``deberta-v3-base/attention``: one DeBERTa-v3-base attention (``DebertaV2Attention``: hidden 768, 12 heads, 256
   log buckets, max 512, shared keys, c2p and p2c) at 512, 2048 and 8192 tokens, with what its encoder hands it
   (unpatched: the (B, 1, N, N) mask and (1, N, N) positions it builds, timed with it; patched: a padding mask);
-  ``deberta-v3-base/model``: ``DebertaV2Model`` with ``--layers`` layers. Unpatched: transformers' eager path
-  (DeBERTa has no sdpa).
+  ``deberta-v3-base/model``: ``DebertaV2Model`` with ``--layers`` layers; ``--batch`` sequences per call (1).
+  Unpatched: transformers' eager path (DeBERTa has no sdpa).
 - ``parakeet-0.6b/attention``: one Parakeet (FastConformer) attention layer of parakeet-0.6B's shape (hidden 1024,
   8 heads; Transformer-XL's biases and a (2N - 1)-row table), with what its encoder hands it (its own position
   module's (1, 2N - 1, E) output, one sequence, no padding mask) at 1500 and 8192 frames (2 min and 11 min of
@@ -230,7 +230,7 @@ def bert_cases(quick: bool, layers: int, lengths: list[int], kind: str = "relati
     return cases
 
 
-def deberta_cases(quick: bool, layers: int, lengths: list[int]) -> list[Case]:
+def deberta_cases(quick: bool, layers: int, lengths: list[int], batch: int = 1) -> list[Case]:
     import transformers
 
     from relattn.integrations.transformers import is_patched
@@ -250,9 +250,9 @@ def deberta_cases(quick: bool, layers: int, lengths: list[int]) -> list[Case]:
     cases = []
     for n in lengths:
         g = torch.Generator().manual_seed(n)
-        h = torch.randn(1, n, shape["hidden_size"], generator=g, requires_grad=True)
-        padding = torch.ones(1, n)
-        ids = torch.randint(1, 1000, (1, n), generator=g)
+        h = torch.randn(batch, n, shape["hidden_size"], generator=g, requires_grad=True)
+        padding = torch.ones(batch, n)
+        ids = torch.randint(1, 1000, (batch, n), generator=g)
 
         def attention(h=h, padding=padding):
             if is_patched(encoder):
@@ -262,12 +262,13 @@ def deberta_cases(quick: bool, layers: int, lengths: list[int]) -> list[Case]:
             return encoder.layer[0].attention(h, mask, relative_pos=positions,
                                               rel_embeddings=encoder.get_rel_embedding())[0]
 
-        one = n * n * 4 / 1e9  # GB of one (N, N) float32 map
+        one = batch * n * n * 4 / 1e9  # GB of one (N, N) float32 map per batch entry
         est = {"eager": one * 7 * heads}  # measured fwd+bwd peak: 6.2 (N, N) maps per head at N = 2048
-        cases.append(Case("deberta-v3-base", "attention", n, attention, variants,
+        at = "" if batch == 1 else f" (batch {batch})"
+        cases.append(Case("deberta-v3-base", f"attention{at}", n, attention, variants,
                           [h, *encoder.layer[0].attention.parameters(), *encoder.rel_embeddings.parameters(),
                            *encoder.LayerNorm.parameters()], est))
-        cases.append(Case("deberta-v3-base", f"model ({layers} layers)", n,
+        cases.append(Case("deberta-v3-base", f"model ({layers} layers){at}", n,
                           lambda ids=ids: model(input_ids=ids).last_hidden_state, variants, list(model.parameters()),
                           {"eager": est["eager"] * layers}))
     return cases
@@ -378,14 +379,16 @@ def plan(quick: bool, layers: int) -> dict[str, list[int]]:
 FAMILIES = ("w2v-bert", "vits", "speecht5", "bert", "deberta", "parakeet")
 
 
-def build_cases(quick: bool, layers: int, only=FAMILIES, lengths: list[int] | None = None) -> list[Case]:
-    """The cases of the families in ``only``, at their lengths (or at ``lengths``, for all of them)."""
+def build_cases(quick: bool, layers: int, only=FAMILIES, lengths: list[int] | None = None,
+                batch: int = 1) -> list[Case]:
+    """The cases of the families in ``only``, at their lengths (or at ``lengths``, for all of them); DeBERTa's with
+    ``batch`` sequences."""
     at = {f: lengths or n for f, n in plan(quick, layers).items()}
     builders = {"w2v-bert": lambda: w2v_cases(quick, layers, at["w2v-bert"]),
                 "vits": lambda: vits_cases(quick, at["vits"]),
                 "speecht5": lambda: speecht5_cases(quick, layers, at["speecht5"]),
                 "bert": lambda: bert_cases(quick, layers, at["bert"]),
-                "deberta": lambda: deberta_cases(quick, layers, at["deberta"]),
+                "deberta": lambda: deberta_cases(quick, layers, at["deberta"], batch),
                 "parakeet": lambda: parakeet_cases(quick, at["parakeet"])}
     return [case for family in only for case in builders[family]()]
 
@@ -413,6 +416,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="model families to run")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="lengths for every family run "
                    "(default: each family's own)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per DeBERTa call (default 1)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="what to time")
     p.add_argument("--scopes", nargs="+", default=None, help="only the cases whose scope starts with one of these "
                    "(e.g. attention, model)")
@@ -427,7 +431,7 @@ def main(argv=None) -> int:
     max_gb = args.max_gb or _available_gb() / 2
     torch.manual_seed(0)
     rows = []
-    for case in build_cases(args.quick, layers, args.only, args.lengths):
+    for case in build_cases(args.quick, layers, args.only, args.lengths, args.batch):
         if args.scopes is None or case.scope.startswith(tuple(args.scopes)):
             rows.extend(measure(case, reps, args.warmup, max_gb, args.modes))
     result = {"machine": _machine(), "torch": torch.__version__, "transformers": transformers.__version__,

@@ -60,7 +60,8 @@ class Shape:
     dtype: torch.dtype = torch.bfloat16
     d: int = 64
     causal: bool = False
-    tables: str = "both"  # both, keys, per_head; deberta: keys and rel_q per head; all: the three tables, shared
+    tables: str = "both"  # both, keys, per_head; deberta: keys and rel_q per head; all: the three tables, shared;
+    # xl: keys per head
     mask: bool = False  # a key-padding mask (B, 1, 1, M)
     n: int = 2048
     m: int = 2048
@@ -68,6 +69,7 @@ class Shape:
     backward: bool = True
     offset: int = 0
     kv_heads: int = 8  # fewer than the 8 query heads: grouped-query attention
+    position_query: bool = False  # q_pos, the key table's own queries (Transformer-XL's biases)
 
 
 SHAPES = [
@@ -96,11 +98,18 @@ SHAPES = [
     Shape("fp32 D=64", dtype=torch.float32),
     Shape("fp32 D=128 causal", dtype=torch.float32, d=128, causal=True),
     Shape("fp32 D=64 DeBERTa: keys + rel_q per head", dtype=torch.float32, tables="deberta"),
+    Shape("bf16 D=128 Transformer-XL: keys table per head + q_pos, K = N - 1, padding mask", d=128,
+          tables="xl", kk=2047, mask=True, position_query=True),
+    Shape("fp16 D=64 Transformer-XL causal: keys table + q_pos, K = N - 1", dtype=torch.float16, causal=True,
+          tables="keys", kk=2047, position_query=True),
+    Shape("fp32 D=128 Transformer-XL: keys table per head + q_pos", dtype=torch.float32, d=128, tables="xl",
+          kk=2047, position_query=True),
 ]
 # the CI subset: one or two shapes per arch, every kernel, so that each arch and each kind of launch is compiled
 CI_PAIRS = [("bf16 D=64", 80), ("fp16 D=128 padding mask", 90), ("bf16 D=96 padding mask", 86),
             ("bf16 D=64 decoding 1 x 4096", 89), ("bf16 D=64 DeBERTa: keys + rel_q per head, padding mask", 100),
-            ("bf16 D=128 GQA 8 / 2 heads causal", 120)]
+            ("bf16 D=128 GQA 8 / 2 heads causal", 120),
+            ("bf16 D=128 Transformer-XL: keys table per head + q_pos, K = N - 1, padding mask", 90)]
 
 
 def record(shape: Shape, arch: int) -> list[tuple]:
@@ -116,13 +125,15 @@ def record(shape: Shape, arch: int) -> list[tuple]:
         q = torch.empty(b, h, shape.n, shape.d, **meta)
         k, v = torch.empty(b, heads, shape.m, shape.d, **meta), torch.empty(b, heads, shape.m, shape.d, **meta)
         rows = 2 * shape.kk + 1
-        hr = h if shape.tables in ("per_head", "deberta") else 1
+        hr = h if shape.tables in ("per_head", "deberta", "xl") else 1
         rk = torch.empty(hr, rows, shape.d, **meta)
-        rv = None if shape.tables in ("keys", "deberta") else torch.empty(hr, rows, shape.d, **meta)
+        rv = None if shape.tables in ("keys", "deberta", "xl") else torch.empty(hr, rows, shape.d, **meta)
         rq = torch.empty(hr, rows, shape.d, **meta) if shape.tables in ("deberta", "all") else None
         mask = torch.empty(b, 1, 1, shape.m, **meta) if shape.mask else None
         kw = dict(max_relative_position=shape.kk, is_causal=shape.causal, scale=shape.d ** -0.5,
                   query_offset=shape.offset, rel_q=rq)
+        if shape.position_query:
+            kw["q_pos"] = torch.empty_like(q)
         out, lse = tb.forward(q, k, v, rk, rv, mask, **kw)
         if shape.backward:
             tb.backward(torch.empty_like(out), q, k, v, rk, rv, mask, out, lse, **kw)
@@ -188,7 +199,7 @@ def main(argv=None) -> int:
     wanted = {(name, arch) for name, arch in CI_PAIRS} if args.ci else None
     shapes = [s for s in SHAPES if (wanted is None or any(name == s.name for name, _ in wanted))
               and (args.shape is None or s.name in args.shape) and not (args.sixteen and s.dtype == torch.float32)]
-    print(f"triton {triton.__version__}, torch {torch.__version__}; B = 2, H = 8, N = M = 2048, K = 64, "
+    print(f"triton {triton.__version__}, torch {torch.__version__}; B = 2, H = 8, N = M = 2048, K = 64 unless said, "
           "keys and values tables shared unless said (rel_q: the position-to-content table); "
           "registers / spill bytes (stores + loads) / shared memory KB / tensor-core instructions")
     cols = " | ".join(f"{ARCHS[a]}" for a in archs)
