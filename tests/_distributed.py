@@ -240,6 +240,7 @@ def _module_cases(rank: int, world: int) -> dict:
         "log buckets per-head": dict(max_relative_position=LogBuckets(3, 4, 12), share_heads=False,
                                      position_to_content=True),
         "window tied": dict(max_relative_position=(2, 5), tie_tables=True),
+        "transformer-xl gqa": dict(transformer_xl=True, num_kv_heads=2),
     }
     for name, config in configs.items():
         torch.manual_seed(len(name))

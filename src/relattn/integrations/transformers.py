@@ -218,7 +218,7 @@ def patch(model: nn.Module, *, backend: str = "auto") -> PatchReport:
             report.patched.append(name)
         else:
             report.skipped[name] = reason
-    odd = sorted({r for r in report.skipped.values() if "position_embeddings_type=" in r})
+    odd = sorted({r for r in report.skipped.values() if "position_embeddings_type=" in r or "not Shaw attention" in r})
     if odd:
         warnings.warn("relattn.patch left attention untouched: " + "; ".join(odd), stacklevel=2)
     if not report.patched:
