@@ -343,15 +343,15 @@ def test_ctranslate2_logits_and_greedy_tokens_equal_the_patched_models(tmp_path)
 
 
 @pytest.mark.slow
-def test_benchmark_quick_writes_both_cases(tmp_path):
+def test_benchmark_quick_writes_every_case(tmp_path):
     pytest.importorskip("ctranslate2", reason="ctranslate2 is not installed (the 'eole' extra)")
     import json
 
     bench = _benchmark_module()
     assert bench.main(["--quick", "--threads", "1", "--out", str(tmp_path / "r.json")]) == 0
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
-    assert [(r["case"], r["variant"]) for r in rows if r["case"] == "train"] == [("train", "eole"),
-                                                                                 ("train", "relattn")]
+    assert [(r["case"], r["variant"]) for r in rows if r["case"] != "decode"] == [
+        (case, v) for case in ("train", "layer") for v in ("eole", "relattn")]
     decode = [r for r in rows if r["case"] == "decode"]
     assert {(r["batch"], r["variant"]) for r in decode} == {(b, v) for b in (1, 3)
                                                            for v in ("eole", "relattn", "ctranslate2")}
