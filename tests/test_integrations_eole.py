@@ -127,24 +127,27 @@ MODELS = {
 def test_patched_outputs_and_every_gradient_equal_eoles(name, dtype):
     model, inputs = MODELS[name](dtype)
     keys, params = list(model.state_dict()), [id(p) for p in model.parameters()]
-    dec_in = inputs[1][:, :-1] if inputs[1] is not None else inputs[0]
+    seq2seq = inputs[1] is not None
+    dec_in = inputs[1][:, :-1] if seq2seq else inputs[0]
     real = (dec_in != PAD)[..., None]
-    go = torch.randn(*dec_in.shape, 32 if inputs[1] is not None else 24, dtype=dtype,
+    go = torch.randn(*dec_in.shape, 32 if seq2seq else 24, dtype=dtype,
                      generator=torch.Generator().manual_seed(5)) * real
     cast = dtype != torch.float64  # float64: eole's attention without its float32 cast, patched or not
-    want, want_grads = _run(model, inputs, go, cast=cast)
+    kw = {} if seq2seq else dict(return_attn=True)  # decoder-only: the last layer's weights, head 0
+    want, want_grads = _run(model, inputs, go, cast=cast, **kw)
 
     report = patch(model)
-    seq2seq = inputs[1] is not None
     assert is_patched(model) and len(report.patched) == (4 if seq2seq else 2)
     assert sorted(report.skipped) == ([f"decoder.transformer_layers.{i}.context_attn" for i in (0, 1)] if seq2seq
                                       else [])
     assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
-    got, got_grads = _run(model, inputs, go, cast=cast)
+    got, got_grads = _run(model, inputs, go, cast=cast, **kw)
 
     # Rows with no key to attend to (left-padded queries) are eole's uniform average, relattn's zeros: compare
     # real tokens; every real token's output and every gradient of a loss on them are the same.
     assert_close(got.dec_out * real, want.dec_out * real, dtype, "dec_out")
+    if not seq2seq:
+        assert_close(got.attns["std"] * real, want.attns["std"] * real, dtype, "return_attn weights")
     assert set(got_grads) == set(want_grads)
     assert any("relative_positions_embeddings" in n for n in got_grads)  # the tied tables, both terms summed
     for n in want_grads:
@@ -343,15 +346,15 @@ def test_ctranslate2_logits_and_greedy_tokens_equal_the_patched_models(tmp_path)
 
 
 @pytest.mark.slow
-def test_benchmark_quick_writes_both_cases(tmp_path):
+def test_benchmark_quick_writes_every_case(tmp_path):
     pytest.importorskip("ctranslate2", reason="ctranslate2 is not installed (the 'eole' extra)")
     import json
 
     bench = _benchmark_module()
     assert bench.main(["--quick", "--threads", "1", "--out", str(tmp_path / "r.json")]) == 0
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
-    assert [(r["case"], r["variant"]) for r in rows if r["case"] == "train"] == [("train", "eole"),
-                                                                                 ("train", "relattn")]
+    assert [(r["case"], r["variant"]) for r in rows if r["case"] != "decode"] == [
+        (case, v) for case in ("train", "layer") for v in ("eole", "relattn")]
     decode = [r for r in rows if r["case"] == "decode"]
     assert {(r["batch"], r["variant"]) for r in decode} == {(b, v) for b in (1, 3)
                                                            for v in ("eole", "relattn", "ctranslate2")}
