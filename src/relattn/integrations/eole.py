@@ -21,29 +21,18 @@ reproduces eole's cached positions instead (for parity with decodes made by unpa
 
 from __future__ import annotations
 
-import types
-import warnings
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..backends import check_name
 from ..functional import relative_attention, relative_attention_with_weights
+from ._patching import PatchReport, is_patched, swap, unpatch
 
 SUPPORTED = ("eole SelfMHA with position_encoding_type: Relative (encoders, decoders, decoder-only models)",)
 POSITIONS = ("step", "eole")
 
 _EOLE_MHA = "eole.modules.multi_headed_attn."
-
-
-@dataclass
-class PatchReport:
-    """What :func:`patch` did: ``patched`` module names, and ``skipped`` attention modules with the reason."""
-
-    patched: list[str] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)
 
 
 def _heads(x: torch.Tensor) -> torch.Tensor:
@@ -150,15 +139,6 @@ def _is_eole_attention(module: nn.Module) -> bool:
     return any(f"{c.__module__}.{c.__qualname__}" == _EOLE_MHA + "MultiHeadedAttention" for c in type(module).__mro__)
 
 
-def _patched_here(module: nn.Module) -> bool:
-    return hasattr(module, "_relattn_backend") and "forward" in module.__dict__
-
-
-def is_patched(model: nn.Module) -> bool:
-    """Whether :func:`patch` replaced the forward of ``model`` or of any module inside it."""
-    return any(_patched_here(m) for m in model.modules())
-
-
 def patch(model: nn.Module, *, backend: str = "auto", positions: str = "step") -> PatchReport:
     """Replace, in place, the forward of every relative-position self-attention (``SelfMHA`` with
     ``position_encoding_type: Relative``) of an eole model with one that calls :func:`relative_attention` on the
@@ -189,26 +169,10 @@ def patch(model: nn.Module, *, backend: str = "auto", positions: str = "step") -
         if reason is not None:
             report.skipped[name] = reason
             continue
-        module._relattn_backend = backend
-        module._relattn_positions = positions
-        module.forward = types.MethodType(_self_mha_forward, module)
+        swap(module, _self_mha_forward, backend, positions=positions)
         report.patched.append(name)
-    if not report.patched:
-        warnings.warn(f"relattn.patch found no supported attention in {type(model).__name__}; supported: "
-                      + ", ".join(SUPPORTED), stacklevel=2)
+    report.warn_if_empty(model, SUPPORTED)
     return report
-
-
-def unpatch(model: nn.Module) -> list[str]:
-    """Undo :func:`patch`: every patched module gets its class's forward back. Returns the restored names."""
-    restored = []
-    for name, module in model.named_modules():
-        if _patched_here(module):
-            del module.forward
-            del module._relattn_backend
-            module.__dict__.pop("_relattn_positions", None)
-            restored.append(name)
-    return restored
 
 
 __all__ = ["POSITIONS", "SUPPORTED", "PatchReport", "is_patched", "patch", "unpatch"]

@@ -23,14 +23,13 @@ the unpatched modules do (Wav2Vec2-BERT and SeamlessM4T-v2 whenever the model re
 
 from __future__ import annotations
 
-import types
 import warnings
-from dataclasses import dataclass, field
 
 from torch import nn
 
 from ..backends import check_name
 from ..functional import relative_attention, relative_attention_weights
+from ._patching import PatchReport, is_patched, swap, unpatch
 from .conformer import HANDLERS as _CONFORMER
 from .conformer import SUPPORTED as _CONFORMER_SUPPORTED
 from .conformer import wav2vec2_forward, wav2vec2_reason
@@ -40,16 +39,6 @@ from .hf_common import as_attn_mask, attentions_recorded, dropout_p, merge, qkv
 
 SUPPORTED = ("Wav2Vec2-BERT (relative_key)", "SeamlessM4T-v2 speech encoder (relative_key)", "SpeechT5 encoder",
              "VITS", *_DEBERTA_SUPPORTED, *_CONFORMER_SUPPORTED)
-
-
-@dataclass
-class PatchReport:
-    """What :func:`patch` did: ``patched`` module names, and ``skipped`` attention modules with the reason (only
-    modules left as they are: a wrapper whose inner attention is patched, as DeBERTa's ``attention.self``, is not
-    listed)."""
-
-    patched: list[str] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------ the patched forwards
@@ -156,20 +145,6 @@ def _qualname(module: nn.Module) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _swap(module: nn.Module, forward, backend: str) -> None:
-    module._relattn_backend = backend
-    module.forward = types.MethodType(forward, module)
-
-
-def _patched_here(module: nn.Module) -> bool:
-    return hasattr(module, "_relattn_backend") and "forward" in module.__dict__
-
-
-def is_patched(model: nn.Module) -> bool:
-    """Whether :func:`patch` replaced the forward of ``model`` or of any module inside it."""
-    return any(_patched_here(m) for m in model.modules())
-
-
 def patch(model: nn.Module, *, backend: str = "auto") -> PatchReport:
     """Replace, in place, the forward of every supported attention module of ``model`` with one that calls
     :func:`relative_attention` on the module's own parameters (``state_dict`` unchanged).
@@ -197,7 +172,7 @@ def patch(model: nn.Module, *, backend: str = "auto") -> PatchReport:
     for name, module in model.named_modules():
         qualname = _qualname(module)
         if qualname == _SPEECHT5 + "SpeechT5Encoder":
-            _swap(module.embed_positions, _speecht5_positions_forward, backend)
+            swap(module.embed_positions, _speecht5_positions_forward, backend)
             report.patched.append(f"{name}.embed_positions" if name else "embed_positions")
             speecht5_encoder_attention.update(id(layer.attention) for layer in module.layers)
     for name, module in model.named_modules():
@@ -214,28 +189,15 @@ def patch(model: nn.Module, *, backend: str = "auto") -> PatchReport:
                 report.skipped[name] = f"{type(module).__name__} is not a supported Shaw attention module"
             continue
         if reason is None:
-            _swap(module, forward, backend)
+            swap(module, forward, backend)
             report.patched.append(name)
         else:
             report.skipped[name] = reason
     odd = sorted({r for r in report.skipped.values() if "position_embeddings_type=" in r or "not Shaw attention" in r})
     if odd:
         warnings.warn("relattn.patch left attention untouched: " + "; ".join(odd), stacklevel=2)
-    if not report.patched:
-        warnings.warn(f"relattn.patch found no supported attention in {type(model).__name__}; supported: "
-                      + ", ".join(SUPPORTED), stacklevel=2)
+    report.warn_if_empty(model, SUPPORTED)
     return report
-
-
-def unpatch(model: nn.Module) -> list[str]:
-    """Undo :func:`patch`: every patched module gets its class's forward back. Returns the restored names."""
-    restored = []
-    for name, module in model.named_modules():
-        if _patched_here(module):
-            del module.forward
-            del module._relattn_backend
-            restored.append(name)
-    return restored
 
 
 __all__ = ["SUPPORTED", "PatchReport", "is_patched", "patch", "unpatch"]
