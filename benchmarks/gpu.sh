@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# relattn's "triton" backend on a CUDA machine, in at most 8 minutes: its CUDA tests; the compile table for this GPU's
+# relattn's "triton" backend on a CUDA machine, in at most 8 minutes: `relattn check` (device, versions, auto's choices,
+# every backend against the float64 formula, one timed call each; a wrong answer fails the run); its CUDA tests; the
+# compile table for this GPU's
 # architecture (benchmarks/triton_compile.py: registers and spills of every launch); `relattn bench --device cuda` in
 # bfloat16 (forward and forward+backward, N = 1k ... 32k, K = 64, D = 64 and 128, causal and not) against SDPA
 # (FlashAttention-2 inside PyTorch); peers at N = 4096 and 8192 with TFLOP/s beside every ratio: triton, SDPA-flash
@@ -13,7 +15,7 @@
 # Assumes python3 with a CUDA build of torch; it never installs or upgrades torch. Missing pure-Python
 # dependencies (and triton, at the version torch asks for, when torch came without it) are installed with pip
 # from benchmarks/wheels/ when that folder exists (a machine without an index), else from the index. relattn
-# runs from src/ (PYTHONPATH), not installed. Results: gpu.log, pytest.txt, compile.txt, bench-*/bench.{json,png},
+# runs from src/ (PYTHONPATH), not installed. Results: gpu.log, check.txt, pytest.txt, compile.txt, bench-*/bench.{json,png},
 # peers.json, decode.json and decode.png.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +59,12 @@ fi
 "$PY" -c "import triton; print('triton', triton.__version__)" || { log "error: no triton"; exit 1; }
 
 status=0
+log "relattn check (at most 90 s)"
+timeout 90 "$PY" -m relattn check 2>&1 | tee "$OUT/check.txt"
+rc=${PIPESTATUS[0]}
+log "relattn check exit code $rc"
+((rc == 0)) || status=1
+
 log "CUDA tests of the triton backend (compiled), at most 120 s"
 par=()
 "$PY" -c "import xdist" 2>/dev/null && par=(-n 8)
@@ -66,13 +74,17 @@ rc=${PIPESTATUS[0]}
 log "pytest exit code $rc"
 ((rc == 0)) || status=1
 
-# the launcher's tile table has sm_90 (H100, H200) and sm_80 (A100 and everything else) entries: the one this GPU uses
-arch=$("$PY" -c "import torch; print(90 if torch.cuda.get_device_capability() == (9, 0) else 80)")
-log "compile table for sm_$arch, the CI shapes (benchmarks/triton_compile.py --ci --arch $arch), at most 90 s"
-timeout 90 "$PY" benchmarks/triton_compile.py --ci --arch "$arch" 2>&1 | grep -v -i warn | tee "$OUT/compile.txt"
-rc=${PIPESTATUS[0]}
-log "compile table exit code $rc"
-((rc == 0)) || status=1
+# the compile table for this GPU's own arch, when the triton backend serves it (relattn.backends.triton.CUDA_ARCHS)
+arch=$("$PY" -c "import torch; major, minor = torch.cuda.get_device_capability(); print(10 * major + minor)")
+if "$PY" -c "import sys; from relattn.backends import triton as t; sys.exit(0 if $arch in dict(t.CUDA_ARCHS) else 1)"; then
+    log "compile table for sm_$arch, its CI shapes (benchmarks/triton_compile.py --ci --arch $arch), at most 90 s"
+    timeout 90 "$PY" benchmarks/triton_compile.py --ci --arch "$arch" 2>&1 | grep -v -i warn | tee "$OUT/compile.txt"
+    rc=${PIPESTATUS[0]}
+    log "compile table exit code $rc"
+    ((rc == 0)) || status=1
+else
+    log "sm_$arch is not served by the triton backend ('auto' takes blocked there): no compile table"
+fi
 
 bench() {  # bench NAME SECONDS ARGS...: one `relattn bench` run into $OUT/NAME, cut off after SECONDS
     local name=$1 secs=$2

@@ -16,8 +16,12 @@ Cases (defaults; ``--quick`` shrinks every size to seconds):
 - ``deberta-v3-base/attention``: one DeBERTa-v3-base attention (``DebertaV2Attention``: hidden 768, 12 heads, 256
   log buckets, max 512, shared keys, c2p and p2c) at 512, 2048 and 8192 tokens, with what its encoder hands it
   (unpatched: the (B, 1, N, N) mask and (1, N, N) positions it builds, timed with it; patched: a padding mask);
-  ``deberta-v3-base/model``: ``DebertaV2Model`` with ``--layers`` layers. Unpatched: transformers' eager path
-  (DeBERTa has no sdpa).
+  ``deberta-v3-base/model``: ``DebertaV2Model`` with ``--layers`` layers; ``--batch`` sequences per call (1).
+  Unpatched: transformers' eager path (DeBERTa has no sdpa).
+- ``parakeet-0.6b/attention``: one Parakeet (FastConformer) attention layer of parakeet-0.6B's shape (hidden 1024,
+  8 heads; Transformer-XL's biases and a (2N - 1)-row table), with what its encoder hands it (its own position
+  module's (1, 2N - 1, E) output, one sequence, no padding mask) at 1500 and 8192 frames (2 min and 11 min of
+  audio after 8x subsampling). Unpatched: ``attn_implementation`` "eager" and "sdpa".
 
 Every variant runs the same weights and inputs (the model is patched and unpatched in place between calls). Time:
 medians of ``--reps`` interleaved rounds after a warm-up; forward under ``torch.no_grad()``, forward+backward
@@ -226,7 +230,7 @@ def bert_cases(quick: bool, layers: int, lengths: list[int], kind: str = "relati
     return cases
 
 
-def deberta_cases(quick: bool, layers: int, lengths: list[int]) -> list[Case]:
+def deberta_cases(quick: bool, layers: int, lengths: list[int], batch: int = 1) -> list[Case]:
     import transformers
 
     from relattn.integrations.transformers import is_patched
@@ -246,9 +250,9 @@ def deberta_cases(quick: bool, layers: int, lengths: list[int]) -> list[Case]:
     cases = []
     for n in lengths:
         g = torch.Generator().manual_seed(n)
-        h = torch.randn(1, n, shape["hidden_size"], generator=g, requires_grad=True)
-        padding = torch.ones(1, n)
-        ids = torch.randint(1, 1000, (1, n), generator=g)
+        h = torch.randn(batch, n, shape["hidden_size"], generator=g, requires_grad=True)
+        padding = torch.ones(batch, n)
+        ids = torch.randint(1, 1000, (batch, n), generator=g)
 
         def attention(h=h, padding=padding):
             if is_patched(encoder):
@@ -258,14 +262,41 @@ def deberta_cases(quick: bool, layers: int, lengths: list[int]) -> list[Case]:
             return encoder.layer[0].attention(h, mask, relative_pos=positions,
                                               rel_embeddings=encoder.get_rel_embedding())[0]
 
-        one = n * n * 4 / 1e9  # GB of one (N, N) float32 map
+        one = batch * n * n * 4 / 1e9  # GB of one (N, N) float32 map per batch entry
         est = {"eager": one * 7 * heads}  # measured fwd+bwd peak: 6.2 (N, N) maps per head at N = 2048
-        cases.append(Case("deberta-v3-base", "attention", n, attention, variants,
+        at = "" if batch == 1 else f" (batch {batch})"
+        cases.append(Case("deberta-v3-base", f"attention{at}", n, attention, variants,
                           [h, *encoder.layer[0].attention.parameters(), *encoder.rel_embeddings.parameters(),
                            *encoder.LayerNorm.parameters()], est))
-        cases.append(Case("deberta-v3-base", f"model ({layers} layers)", n,
+        cases.append(Case("deberta-v3-base", f"model ({layers} layers){at}", n,
                           lambda ids=ids: model(input_ids=ids).last_hidden_state, variants, list(model.parameters()),
                           {"eager": est["eager"] * layers}))
+    return cases
+
+
+def parakeet_cases(quick: bool, lengths: list[int]) -> list[Case]:
+    import transformers
+
+    shape = dict(hidden_size=64, num_attention_heads=4, intermediate_size=96) if quick else dict(
+        hidden_size=1024, num_attention_heads=8, intermediate_size=4096)
+    cfg = transformers.ParakeetEncoderConfig(num_hidden_layers=1, dropout=0.0, layerdrop=0.0, activation_dropout=0.0,
+                                             attention_dropout=0.0, attn_implementation="eager", **shape)
+    model = transformers.ParakeetEncoder(cfg).eval()
+    with torch.no_grad():
+        for layer in model.layers:  # transformers starts them at zero
+            layer.self_attn.bias_u.normal_(std=0.1)
+            layer.self_attn.bias_v.normal_(std=0.1)
+    unpatched, patched = _states(model)
+    attn, heads = model.layers[0].self_attn, shape["num_attention_heads"]
+    cases = []
+    for n in lengths:
+        h = torch.randn(1, n, shape["hidden_size"], generator=torch.Generator().manual_seed(n), requires_grad=True)
+        positions = model.encode_positions(h).detach()
+        one = n * n * 4 / 1e9  # GB of one (N, N) float32 map; the position scores are (N, 2N - 1) before the shift
+        est = {"eager": one * 9 * heads, "sdpa": one * 8 * heads}
+        cases.append(Case("parakeet-0.6b", "attention", n, lambda h=h, p=positions: attn(h, p)[0],
+                          {"eager": unpatched("eager"), "sdpa": unpatched("sdpa"), "relattn": patched},
+                          [h, *attn.parameters()], est))
     return cases
 
 
@@ -340,22 +371,25 @@ def measure(case: Case, reps: int, warmup: int, max_gb: float, modes=MODES) -> l
 def plan(quick: bool, layers: int) -> dict[str, list[int]]:
     """Lengths per model family."""
     if quick:
-        return {"w2v-bert": [40], "vits": [20], "speecht5": [30], "bert": [48], "deberta": [40]}
+        return {"w2v-bert": [40], "vits": [20], "speecht5": [30], "bert": [48], "deberta": [40], "parakeet": [40]}
     return {"w2v-bert": [1500, 6000], "vits": [100, 500], "speecht5": [500, 1500], "bert": [512],
-            "deberta": [512, 2048, 8192]}
+            "deberta": [512, 2048, 8192], "parakeet": [1500, 8192]}
 
 
-FAMILIES = ("w2v-bert", "vits", "speecht5", "bert", "deberta")
+FAMILIES = ("w2v-bert", "vits", "speecht5", "bert", "deberta", "parakeet")
 
 
-def build_cases(quick: bool, layers: int, only=FAMILIES, lengths: list[int] | None = None) -> list[Case]:
-    """The cases of the families in ``only``, at their lengths (or at ``lengths``, for all of them)."""
+def build_cases(quick: bool, layers: int, only=FAMILIES, lengths: list[int] | None = None,
+                batch: int = 1) -> list[Case]:
+    """The cases of the families in ``only``, at their lengths (or at ``lengths``, for all of them); DeBERTa's with
+    ``batch`` sequences."""
     at = {f: lengths or n for f, n in plan(quick, layers).items()}
     builders = {"w2v-bert": lambda: w2v_cases(quick, layers, at["w2v-bert"]),
                 "vits": lambda: vits_cases(quick, at["vits"]),
                 "speecht5": lambda: speecht5_cases(quick, layers, at["speecht5"]),
                 "bert": lambda: bert_cases(quick, layers, at["bert"]),
-                "deberta": lambda: deberta_cases(quick, layers, at["deberta"])}
+                "deberta": lambda: deberta_cases(quick, layers, at["deberta"], batch),
+                "parakeet": lambda: parakeet_cases(quick, at["parakeet"])}
     return [case for family in only for case in builders[family]()]
 
 
@@ -382,6 +416,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="model families to run")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="lengths for every family run "
                    "(default: each family's own)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per DeBERTa call (default 1)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="what to time")
     p.add_argument("--scopes", nargs="+", default=None, help="only the cases whose scope starts with one of these "
                    "(e.g. attention, model)")
@@ -396,7 +431,7 @@ def main(argv=None) -> int:
     max_gb = args.max_gb or _available_gb() / 2
     torch.manual_seed(0)
     rows = []
-    for case in build_cases(args.quick, layers, args.only, args.lengths):
+    for case in build_cases(args.quick, layers, args.only, args.lengths, args.batch):
         if args.scopes is None or case.scope.startswith(tuple(args.scopes)):
             rows.extend(measure(case, reps, args.warmup, max_gb, args.modes))
     result = {"machine": _machine(), "torch": torch.__version__, "transformers": transformers.__version__,

@@ -1,18 +1,23 @@
-"""Compile the "triton" backend's kernels for real GPUs on a machine without one, and report registers and spills.
+"""Compile the "triton" backend's kernels for real GPUs on a machine without one, and report registers, spills,
+shared memory and tensor-core instructions.
 
-Every launch of ``relattn.backends.triton`` is recorded as the launcher makes it for an A100 (sm_80) or an H100
-(sm_90a): its forward and backward run on meta tensors (no memory, no GPU) with the launcher's own tile table for
-that architecture, and each recorded launch is compiled by ``triton.compile`` with the same arguments, constexprs,
-warps, stages and argument specialisation (divisibility by 16) as Triton's JIT would give it on that GPU. ``ptxas
--v`` (shipped inside the triton wheel) then reports registers and spill bytes; shared memory comes from Triton.
+Every launch of ``relattn.backends.triton`` is recorded as the launcher makes it on each GPU architecture the
+backend serves (``triton.CUDA_ARCHS``: sm_80, sm_86, sm_89, sm_90a, sm_100a, sm_120): its forward and backward run
+on meta tensors (no memory, no GPU) with the launcher's own tile table for that architecture, and each recorded
+launch is compiled by ``triton.compile`` with the same arguments, constexprs, warps, stages and argument
+specialisation (divisibility by 16) as Triton's JIT would give it on that GPU. ``ptxas -v`` (shipped inside the
+triton wheel) then reports registers and spill bytes; shared memory comes from Triton, and the tensor-core
+instructions from the compiled SASS (``cuobjdump -sass``, also in the wheel): HMMA (mma.sync), HGMMA (Hopper's
+wgmma), UTCHMMA (Blackwell's tcgen05.mma).
 
-    python benchmarks/triton_compile.py            # every user shape, sm_80 and sm_90a (a few minutes)
+    python benchmarks/triton_compile.py            # every user shape on every served arch (long: ~300 compiles)
     python benchmarks/triton_compile.py --ci       # the subset tests/test_triton_compile.py runs
     python benchmarks/triton_compile.py --arch 90  # one architecture (gpu.sh: the GPU's own)
 
 Under another Triton, run it with that Triton's python, relattn from src/:
-``PYTHONPATH=src /path/to/venv/bin/python benchmarks/triton_compile.py``. Exit code 1 when a 16-bit launch spills
-or fails to compile, or a float32 one spills more than 1 KB.
+``PYTHONPATH=src /path/to/venv/bin/python benchmarks/triton_compile.py``. Exit code 1 when a 16-bit launch spills,
+fails to compile, needs more shared memory than its arch has or runs no tensor-core instruction, or a float32 one
+spills more than 1 KB.
 """
 
 from __future__ import annotations
@@ -37,9 +42,14 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from relattn.backends import triton as tb  # noqa: E402
 
-ARCHS = {80: "sm_80 (A100)", 90: "sm_90a (H100)"}
-SMS = {80: 108, 90: 132}
+ARCHS = {80: "sm_80 (A100)", 86: "sm_86 (RTX 3090, A10)", 89: "sm_89 (RTX 4090, L4)", 90: "sm_90a (H100)",
+         100: "sm_100a (B200)", 120: "sm_120 (RTX 5090)"}
+assert set(ARCHS) == {arch for arch, _ in tb.CUDA_ARCHS}, "every served arch has a name here"
+SMS = {80: 108, 86: 84, 89: 128, 90: 132, 100: 148, 120: 170}
+# the most shared memory one block may use (bytes): A100 163 KB; consumer Ampere, Ada, RTX 50 99 KB; H100, B200 227 KB
+SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
 FP32_SPILL_LIMIT = 1024
+TENSOR_CORE = re.compile(r"\b(HMMA|HGMMA|UTC\w*MMA)\b")
 
 
 @dataclass(frozen=True)
@@ -50,13 +60,16 @@ class Shape:
     dtype: torch.dtype = torch.bfloat16
     d: int = 64
     causal: bool = False
-    tables: str = "both"  # both, keys, per_head; deberta: keys and rel_q per head; all: the three tables, shared
+    tables: str = "both"  # both, keys, per_head; deberta: keys and rel_q per head; all: the three tables, shared;
+    # xl: keys per head
     mask: bool = False  # a key-padding mask (B, 1, 1, M)
     n: int = 2048
     m: int = 2048
     kk: int = 64
     backward: bool = True
     offset: int = 0
+    kv_heads: int = 8  # fewer than the 8 query heads: grouped-query attention
+    position_query: bool = False  # q_pos, the key table's own queries (Transformer-XL's biases)
 
 
 SHAPES = [
@@ -75,12 +88,28 @@ SHAPES = [
     Shape("fp16 D=64 keys + values + rel_q", dtype=torch.float16, tables="all"),
     Shape("fp16 D=128 DeBERTa: keys + rel_q per head", dtype=torch.float16, d=128, tables="deberta"),
     Shape("bf16 D=64 decoding 1 x 4096 rel_q", n=1, m=4096, causal=True, offset=4095, backward=False, tables="all"),
+    Shape("bf16 D=128 GQA 8 / 2 heads causal", d=128, causal=True, kv_heads=2),
+    Shape("bf16 D=64 GQA 8 / 1 heads, DeBERTa tables", kv_heads=1, tables="deberta"),
+    Shape("bf16 D=80", d=80),
+    Shape("fp16 D=80 causal padding mask", dtype=torch.float16, d=80, causal=True, mask=True),
+    Shape("bf16 D=96 padding mask", d=96, mask=True),
+    Shape("fp16 D=96 causal", dtype=torch.float16, d=96, causal=True),
+    Shape("bf16 D=96 DeBERTa: keys + rel_q per head, padding mask", d=96, tables="deberta", mask=True),
     Shape("fp32 D=64", dtype=torch.float32),
     Shape("fp32 D=128 causal", dtype=torch.float32, d=128, causal=True),
     Shape("fp32 D=64 DeBERTa: keys + rel_q per head", dtype=torch.float32, tables="deberta"),
+    Shape("bf16 D=128 Transformer-XL: keys table per head + q_pos, K = N - 1, padding mask", d=128,
+          tables="xl", kk=2047, mask=True, position_query=True),
+    Shape("fp16 D=64 Transformer-XL causal: keys table + q_pos, K = N - 1", dtype=torch.float16, causal=True,
+          tables="keys", kk=2047, position_query=True),
+    Shape("fp32 D=128 Transformer-XL: keys table per head + q_pos", dtype=torch.float32, d=128, tables="xl",
+          kk=2047, position_query=True),
 ]
-CI_SHAPES = ["bf16 D=64", "fp16 D=128 padding mask", "bf16 D=64 decoding 1 x 4096",
-             "bf16 D=64 DeBERTa: keys + rel_q per head, padding mask"]
+# the CI subset: one or two shapes per arch, every kernel, so that each arch and each kind of launch is compiled
+CI_PAIRS = [("bf16 D=64", 80), ("fp16 D=128 padding mask", 90), ("bf16 D=96 padding mask", 86),
+            ("bf16 D=64 decoding 1 x 4096", 89), ("bf16 D=64 DeBERTa: keys + rel_q per head, padding mask", 100),
+            ("bf16 D=128 GQA 8 / 2 heads causal", 120),
+            ("bf16 D=128 Transformer-XL: keys table per head + q_pos, K = N - 1, padding mask", 90)]
 
 
 def record(shape: Shape, arch: int) -> list[tuple]:
@@ -91,18 +120,20 @@ def record(shape: Shape, arch: int) -> list[tuple]:
     tb._arch = lambda device: arch
     tb._sm_count = lambda device: SMS[arch]
     try:
-        b, h, heads = 2, 8, 8
+        b, h, heads = 2, 8, shape.kv_heads
         meta = dict(device="meta", dtype=shape.dtype)
         q = torch.empty(b, h, shape.n, shape.d, **meta)
         k, v = torch.empty(b, heads, shape.m, shape.d, **meta), torch.empty(b, heads, shape.m, shape.d, **meta)
         rows = 2 * shape.kk + 1
-        hr = h if shape.tables in ("per_head", "deberta") else 1
+        hr = h if shape.tables in ("per_head", "deberta", "xl") else 1
         rk = torch.empty(hr, rows, shape.d, **meta)
-        rv = None if shape.tables in ("keys", "deberta") else torch.empty(hr, rows, shape.d, **meta)
+        rv = None if shape.tables in ("keys", "deberta", "xl") else torch.empty(hr, rows, shape.d, **meta)
         rq = torch.empty(hr, rows, shape.d, **meta) if shape.tables in ("deberta", "all") else None
         mask = torch.empty(b, 1, 1, shape.m, **meta) if shape.mask else None
         kw = dict(max_relative_position=shape.kk, is_causal=shape.causal, scale=shape.d ** -0.5,
                   query_offset=shape.offset, rel_q=rq)
+        if shape.position_query:
+            kw["q_pos"] = torch.empty_like(q)
         out, lse = tb.forward(q, k, v, rk, rv, mask, **kw)
         if shape.backward:
             tb.backward(torch.empty_like(out), q, k, v, rk, rv, mask, out, lse, **kw)
@@ -120,7 +151,8 @@ def _ptxas() -> str:
 
 
 def compile_launch(kernel, kwargs: dict, arch: int) -> dict:
-    """Registers, spill bytes and shared memory of one launch compiled for ``arch``, specialised as the JIT would."""
+    """Registers, spill bytes, shared memory and tensor-core instructions of one launch compiled for ``arch``,
+    specialised as the JIT would."""
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
@@ -139,7 +171,7 @@ def compile_launch(kernel, kwargs: dict, arch: int) -> dict:
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return dict(regs=int(re.search(r"Used (\d+) registers", log).group(1)),
                 spill=int(spills.group(1)) + int(spills.group(2)) if spills else 0,
-                smem=compiled.metadata.shared)
+                smem=compiled.metadata.shared, mma="+".join(sorted(set(TENSOR_CORE.findall(compiled.asm["sass"])))))
 
 
 def _key(kernel, kwargs) -> tuple:
@@ -156,14 +188,20 @@ def _key(kernel, kwargs) -> tuple:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ci", action="store_true", help="only the shapes of CI_SHAPES")
-    ap.add_argument("--arch", type=int, choices=sorted(ARCHS), action="append", help="80 or 90 (default both)")
+    ap.add_argument("--ci", action="store_true", help="only the (shape, arch) pairs of CI_PAIRS")
+    ap.add_argument("--shape", action="append", choices=[s.name for s in SHAPES], metavar="NAME",
+                    help="only this shape (repeatable; default every shape)")
+    ap.add_argument("--sixteen", action="store_true", help="only the 16-bit shapes")
+    ap.add_argument("--arch", type=int, choices=sorted(ARCHS), action="append",
+                    help="a compute capability: " + ", ".join(map(str, sorted(ARCHS))) + " (default all)")
     args = ap.parse_args(argv)
     archs = args.arch or sorted(ARCHS)
-    shapes = [s for s in SHAPES if not args.ci or s.name in CI_SHAPES]
-    print(f"triton {triton.__version__}, torch {torch.__version__}; B = 2, H = 8, N = M = 2048, K = 64, "
+    wanted = {(name, arch) for name, arch in CI_PAIRS} if args.ci else None
+    shapes = [s for s in SHAPES if (wanted is None or any(name == s.name for name, _ in wanted))
+              and (args.shape is None or s.name in args.shape) and not (args.sixteen and s.dtype == torch.float32)]
+    print(f"triton {triton.__version__}, torch {torch.__version__}; B = 2, H = 8, N = M = 2048, K = 64 unless said, "
           "keys and values tables shared unless said (rel_q: the position-to-content table); "
-          "registers / spill bytes (stores + loads) / shared memory KB")
+          "registers / spill bytes (stores + loads) / shared memory KB / tensor-core instructions")
     cols = " | ".join(f"{ARCHS[a]}" for a in archs)
     print(f"| shape | kernel | tiles, warps, stages | {cols} |")
     print("|---|---|---|" + "---|" * len(archs))
@@ -172,7 +210,8 @@ def main(argv=None) -> int:
     start = time.time()
     for shape in shapes:
         rows: dict = {}
-        for arch in archs:
+        shape_archs = [a for a in archs if wanted is None or (shape.name, a) in wanted]
+        for arch in shape_archs:
             for kernel, kw in record(shape, arch):
                 key = (arch, _key(kernel, kw))
                 if key not in done:
@@ -187,16 +226,27 @@ def main(argv=None) -> int:
         for name, per_arch in rows.items():
             cells = []
             for arch in archs:
+                if arch not in per_arch:
+                    cells.append("")
+                    continue
                 tiles, r = per_arch[arch]
                 if "error" in r:
                     cells.append(f"{tiles}: FAILED {r['error']}")
                     bad.append(f"{shape.name} {name} {ARCHS[arch]}: {r['error']}")
                     continue
-                cells.append(f"{tiles}: {r['regs']} / **{r['spill']}** / {r['smem'] / 1024:.0f}" if r["spill"]
-                             else f"{tiles}: {r['regs']} / 0 / {r['smem'] / 1024:.0f}")
-                limit = FP32_SPILL_LIMIT if shape.dtype == torch.float32 else 0
+                sixteen = shape.dtype != torch.float32
+                spill = f"**{r['spill']}**" if r["spill"] else "0"
+                smem = f"{r['smem'] / 1024:.0f}" if r["smem"] <= SMEM_LIMIT[arch] else f"**{r['smem'] / 1024:.0f}**"
+                mma = r["mma"] or ("**none**" if sixteen else "none")
+                cells.append(f"{tiles}: {r['regs']} / {spill} / {smem} / {mma}")
+                limit = 0 if sixteen else FP32_SPILL_LIMIT
                 if r["spill"] > limit:
                     bad.append(f"{shape.name} {name} {ARCHS[arch]}: {r['spill']} spill bytes (at most {limit})")
+                if r["smem"] > SMEM_LIMIT[arch]:
+                    bad.append(f"{shape.name} {name} {ARCHS[arch]}: {r['smem']} bytes of shared memory (at most "
+                               f"{SMEM_LIMIT[arch]})")
+                if sixteen and not r["mma"]:
+                    bad.append(f"{shape.name} {name} {ARCHS[arch]}: no tensor-core instruction")
             print(f"| {shape.name} | {name} | " + " | ".join(cells) + " |", flush=True)
     print(f"{len(done)} compiles in {time.time() - start:.0f} s")
     for line in bad:

@@ -24,9 +24,20 @@ import pytest
 import torch
 import torch.utils.cpp_extension
 
-from helpers import CASES, IDS, assert_close, grads, oracle_grads, random_inputs, reference_output, unavailable_here
+from helpers import (
+    CASES,
+    IDS,
+    assert_close,
+    attention_ref,
+    grads,
+    oracle_grads,
+    random_inputs,
+    reference_output,
+    unavailable_here,
+)
 from relattn import functional as fn
 from relattn.backends import AttentionCall, native
+from relattn.positions import relative_position_index
 
 UNAVAILABLE = unavailable_here("native")
 needs_native = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
@@ -89,6 +100,9 @@ def test_tile_q_by_length_for_causal_calls(kernel_settings):
     kernel_settings(native, tile_q=0)
     assert [native.tile_q(n, True) for n in (1, 191, 192, 767, 768, 4096)] == [32, 32, 64, 64, 256, 256]
     assert {native.tile_q(n, False) for n in (1, 128, 512, 4096)} == {256}
+    # a table longer than a 256-query tile reaches: 64-query tiles (each computes the rows it meets)
+    assert native.tile_q(512, False, 1013, 512) == 64 and native.tile_q(512, False, 1013, 1024) == 256
+    assert native.tile_q(2048, False, 1023, 2048) == 256 and native.tile_q(40, False, 1013, 40) == 256
     kernel_settings(native, tile_q=7)
     assert native.tile_q(100, True) == native.tile_q(100, False) == 7
 
@@ -203,17 +217,23 @@ def test_16_bit_fallback_is_float32_inside(kernel_settings, dtype):
         assert err <= bound, (err, bound)
 
 
+@needs_native
 def test_16_bit_gemms_only_where_the_cpu_has_the_instructions(monkeypatch):
-    """GEMM16 None: 16-bit GEMMs for bfloat16 where the CPU reports avx512_bf16 or amx_bf16, for float16 where it
-    reports avx512_fp16 or amx_fp16 (and libtorch exports the GEMM); float32 copies on any other CPU. GEMM16
+    """gemm16 None: 16-bit GEMMs for bfloat16 where the CPU reports avx512_bf16 or amx_bf16, for float16 where it
+    reports avx512_fp16 or amx_fp16 (and libtorch exports the GEMM); float32 copies on any other CPU. gemm16
     True / False forces one path; float32 and float64 never take it."""
-    if UNAVAILABLE is None:
-        monkeypatch.setattr(torch.ops.relattn_native, "has_gemm16", lambda dtype: True, raising=False)
-    monkeypatch.setattr(native, "_require", lambda: None)
+    monkeypatch.setattr(torch.ops.relattn_native, "has_gemm16", lambda dtype: True, raising=False)
+    try:
+        _check_gemm16_choices(monkeypatch)
+    finally:
+        native.gemm16_here.cache_clear()  # this CPU's own answer again
+
+
+def _check_gemm16_choices(monkeypatch):
     for caps, bf16, fp16 in [({}, False, False), ({"avx512_bf16": True}, True, False),
                              ({"amx_bf16": True, "avx512_fp16": False}, True, False),
                              ({"avx512_fp16": True}, False, True), ({"amx_fp16": True, "amx_bf16": True}, True, True)]:
-        monkeypatch.setattr(native, "_gemm16_here", {})
+        native.gemm16_here.cache_clear()
         monkeypatch.setattr(torch.cpu, "get_capabilities", lambda caps=caps: caps)
         with native.SETTINGS.override(gemm16=None):
             assert (native.uses_gemm16(torch.bfloat16), native.uses_gemm16(torch.float16)) == (bf16, fp16), caps
@@ -462,7 +482,7 @@ def test_build_key_depends_on_source_flags_torch_and_compiler_only(monkeypatch):
     assert native.build_key(SOURCE, FLAGS) == key
     assert native.build_key(SOURCE + b"\n// edited", FLAGS) != key
     assert native.build_key(SOURCE, [*FLAGS, "-DEXTRA"]) != key
-    monkeypatch.setattr(native, "_compiler_identity", lambda: b"c++\0another compiler 1.0\n")
+    monkeypatch.setenv("CXX", sys.executable)  # another program answering --version: another compiler identity
     assert native.build_key(SOURCE, FLAGS) != key
     monkeypatch.undo()
     monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
@@ -573,3 +593,224 @@ def test_eager_differentiated_calls_skip_the_custom_op_and_equal_it(small_tiles)
     assert not names, f"an eager call went through the custom ops {names}"
     assert torch.equal(out, op_out)
     assert all(torch.equal(a, b) for a, b in zip(got, op_grads, strict=True))
+
+
+# ------------------------------------------------------------------------------- position queries, wide windows
+
+
+def _position_formula(q, q_pos, k, v, rel_k, rel_v, rel_q, kk, *, scale, mask, causal, off):
+    """Float64 torch, written out independently of the kernels: ``softmax(scale * (q . k_j + q_pos . a^K[t] + k_j .
+    a^Q[t]) + mask) @ v + sum_j P_ij a^V[t]`` with t = clip(j - i - off, -K, K) + K; k, v with fewer heads are read
+    by groups of query heads; tables (Hr, 2K+1, d) or None; a row with no key gives zeros."""
+    b, h, n, _ = q.shape
+    m = k.shape[2]
+    k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
+    t = relative_position_index(n, m, kk, query_offset=off)
+    s = q @ k.transpose(-1, -2)
+    if rel_k is not None:
+        s = s + torch.einsum("bhid,hijd->bhij", q_pos, rel_k.expand(h, -1, -1)[:, t])
+    if rel_q is not None:
+        s = s + torch.einsum("bhjd,hijd->bhij", k, rel_q.expand(h, -1, -1)[:, t])
+    s = s * scale
+    if mask is not None:
+        s = s + mask
+    if causal:
+        s = s.masked_fill(torch.arange(m)[None, :] > torch.arange(n)[:, None] + off, float("-inf"))
+    empty = (s == float("-inf")).all(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+    out = p @ v
+    if rel_v is not None:
+        out = out + torch.einsum("bhij,hijd->bhid", p, rel_v.expand(h, -1, -1)[:, t])
+    return out
+
+
+# (B, H, Hkv, N, M, D, Dv, K, tables of (rel_k, rel_v, rel_q): "h" per head, "1" shared, "-" none, mask, causal, off)
+_POSITION_CASES = {
+    "xl-self-K=N-1-gqa-keypad": (2, 4, 2, 13, 13, 5, 4, 12, "h--", "keypad", False, 0),
+    "xl-all-tables-causal": (1, 2, 2, 11, 11, 4, 4, 10, "h1h", None, True, 0),
+    "K>>N-decode-offset": (1, 3, 1, 5, 19, 4, 3, 60, "11h", "per_head", True, 14),
+    "K>N-negative-offset": (1, 2, 2, 12, 7, 4, 4, 30, "hh1", None, False, -3),
+    "narrow-K-gqa": (1, 4, 2, 16, 16, 4, 4, 2, "hhh", "per_head", True, 0),
+    "K>=N-no-table-term": (1, 2, 2, 9, 9, 3, 3, 20, "-h-", None, False, 0),
+    "rel_q-keys-in-chunks": (1, 2, 1, 12, 150, 4, 4, 40, "h1h", "start", False, 100),  # KA in chunks of 64 keys
+}
+
+
+def _position_inputs(case, dtype=torch.float64, seed=51):
+    """A _POSITION_CASES entry's inputs (q, q_pos, k, v, rel_k, rel_v, rel_q), all requiring grad (q_pos None
+    without rel_k), its float mask and op keywords, and an output gradient."""
+    b, h, hkv, n, m, d, dv, kk, tables, mask_kind, causal, off = case
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+
+    q, q_pos, k, v = rnd(b, h, n, d), rnd(b, h, n, d), rnd(b, hkv, m, d), rnd(b, hkv, m, dv)
+    rows = 2 * kk + 1
+    rk, rv, rq = (None if c == "-" else rnd(1 if c == "1" else h, rows, width)
+                  for c, width in zip(tables, (d, dv, d), strict=True))
+    if rk is None:  # no key table to read them (the op never passes q_pos without one)
+        q_pos = None
+    mask = None
+    if mask_kind is not None:
+        keep = _masks(b, h, n, m, torch.Generator().manual_seed(seed + 1))[mask_kind]
+        mask = (keep if keep.dtype != torch.bool else torch.zeros(keep.shape, dtype=torch.float64).masked_fill(
+            ~keep, float("-inf"))).to(dtype)
+    go = torch.randn(b, h, n, dv, generator=torch.Generator().manual_seed(seed + 2), dtype=torch.float64).to(dtype)
+    return (q, q_pos, k, v, rk, rv, rq), mask, dict(kk=kk, causal=causal, off=off, scale=d ** -0.5), go
+
+
+def _position_run(inputs, mask, kw, go):
+    """native through the backend's run on an AttentionCall with q_pos: the output and every input's gradient."""
+    q, q_pos, k, v, rk, rv, rq = inputs
+    call = AttentionCall(q, k, v, rk, rv, kw["kk"], mask, kw["causal"], 0.0, kw["scale"], kw["off"], rel_q=rq,
+                         q_pos=q_pos)
+    out = native.BACKEND.run(call)
+    present = [t for t in inputs if t is not None]
+    return out, torch.autograd.grad(out, present, go)
+
+
+def _position_want(inputs, mask, kw, go):
+    x = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
+    q, q_pos, k, v, rk, rv, rq = x
+    out = _position_formula(q, q_pos, k, v, rk, rv, rq, kw["kk"], scale=kw["scale"],
+                            mask=None if mask is None else mask.double(), causal=kw["causal"], off=kw["off"])
+    return out, torch.autograd.grad(out, [t for t in x if t is not None], go.double())
+
+
+_NAMES = ("q", "q_pos", "k", "v", "rel_k", "rel_v", "rel_q")
+
+
+@needs_native
+@pytest.mark.parametrize(("tiles", "splits"), [((3, 5), 0), ((2, 3), 2), ((1, 1), 0), ((0, 512), 0)],
+                         ids=["tiles-3x5", "tiles-2x3-segments", "tiles-1x1", "default-tiles"])
+@pytest.mark.parametrize("case", list(_POSITION_CASES))
+def test_position_queries_and_wide_windows_match_the_formula(small_tiles, tiles, splits, case):
+    """q_pos (the queries the key table reads, apart from q) with windows as wide as the sequence (K = N - 1) and far
+    wider (K >> N), where each tile computes only the table rows it meets: the output and the gradients of q (the
+    content term's), q_pos (the key table's), k, v and every table against the float64 formula, with grouped k/v,
+    rel_q, masks, causal and query offsets; at small tiles and with the backward's key segments; the same bits from
+    one backward to the next."""
+    small_tiles(native=tiles, native_splits=splits)
+    inputs, mask, kw, go = _position_inputs(_POSITION_CASES[case])
+    want_out, want = _position_want(inputs, mask, kw, go)
+    got_out, got = _position_run(inputs, mask, kw, go)
+    assert_close(got_out, want_out, torch.float64, "out")
+    names = [name for name, t in zip(_NAMES, inputs, strict=True) if t is not None]
+    for name, a, w in zip(names, got, want, strict=True):
+        assert_close(a, w, torch.float64, f"d{name}")
+    again = _position_run(inputs, mask, kw, go)[1]
+    assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True)), "the backward is not deterministic"
+
+
+@needs_native
+@pytest.mark.parametrize("case", ["xl-self-K=N-1-gqa-keypad", "K>>N-decode-offset"])
+def test_position_queries_float32_within_the_dtype_tolerance(small_tiles, case):
+    small_tiles(native=(4, 7))
+    inputs, mask, kw, go = _position_inputs(_POSITION_CASES[case], dtype=torch.float32)
+    want_out, want = _position_want(inputs, mask, kw, go)
+    got_out, got = _position_run(inputs, mask, kw, go)
+    assert got_out.dtype == torch.float32
+    assert_close(got_out, want_out, torch.float32, "out")
+    names = [name for name, t in zip(_NAMES, inputs, strict=True) if t is not None]
+    for name, a, w in zip(names, got, want, strict=True):
+        assert a.dtype == torch.float32, name
+        assert_close(a, w, torch.float32, f"d{name}")
+
+
+@needs_native
+@pytest.mark.parametrize(("n", "kk", "off"), [(150, 200, 0), (300, 310, -20), (150, 75, 0)],
+                         ids=["padded", "window-moved-back", "whole"])
+def test_long_windows_of_a_long_table(small_tiles, n, kk, off):
+    """Windows of more than 256 table rows (their GEMMs compute a multiple of 16 columns) at the default tiles: from
+    tables padded with zero rows (a 256-query tile reaches the whole table), from an unpadded table longer than a
+    tile reaches (64-query tiles; queries at negative positions put a window at the table's end, and it moves back
+    to stay inside), and a table read whole; rel_q's KA too."""
+    small_tiles(native=(0, 512))
+    case = (1, 2, 2, n, n, 8, 8, kk, "h1h", None, False, off)
+    inputs, mask, kw, go = _position_inputs(case, dtype=torch.float32, seed=61)
+    want_out, want = _position_want(inputs, mask, kw, go)
+    got_out, got = _position_run(inputs, mask, kw, go)
+    assert_close(got_out, want_out, torch.float32, "out")
+    for name, a, w in zip(("q", "q_pos", "k", "v", "rel_k", "rel_v", "rel_q"), got, want, strict=True):
+        assert_close(a, w, torch.float32, f"d{name}")
+
+
+@needs_native
+def test_without_position_queries_q_reads_the_key_table():
+    """q_pos None is q: the same output, and dq then carries both shares (the content's and the key table's)."""
+    inputs, mask, kw, go = _position_inputs(_POSITION_CASES["xl-all-tables-causal"])
+    q, q_pos, k, v, rk, rv, rq = inputs
+    same = (q, q.detach().clone().requires_grad_(), k, v, rk, rv, rq)
+    out, (dq, dqp, *rest) = _position_run(same, mask, kw, go)
+    call = AttentionCall(q, k, v, rk, rv, kw["kk"], mask, kw["causal"], 0.0, kw["scale"], kw["off"], rel_q=rq)
+    plain = native.BACKEND.run(call)
+    plain_grads = torch.autograd.grad(plain, [t for t in (q, k, v, rk, rv, rq)], go)
+    assert_close(plain, out, torch.float64, "out")
+    assert_close(plain_grads[0], dq + dqp, torch.float64, "dq")
+    for a, w in zip(plain_grads[1:], rest, strict=True):
+        assert_close(a, w, torch.float64, "grad")
+
+
+@needs_native
+def test_position_queries_are_checked():
+    inputs, mask, kw, go = _position_inputs(_POSITION_CASES["narrow-K-gqa"])
+    q, q_pos, k, v, rk, rv, rq = (None if t is None else t.detach() for t in inputs)
+    with pytest.raises(RuntimeError, match="q_pos must have q's shape and dtype"):
+        native.forward(q, k, v, rk, rv, mask, max_relative_position=kw["kk"], is_causal=True, scale=1.0,
+                       query_offset=0, q_pos=q_pos[:, :, :-1])
+    with pytest.raises(RuntimeError, match="q_pos must have q's shape and dtype"):
+        native.forward(q, k, v, rk, rv, mask, max_relative_position=kw["kk"], is_causal=True, scale=1.0,
+                       query_offset=0, q_pos=q_pos.float())
+    assert native.BACKEND.serves.position_query
+
+
+@needs_native
+@pytest.mark.parametrize(("tiles", "splits"), [((3, 5), 2), ((0, 512), 0)], ids=["tiles-3x5-segments", "default"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_transformer_xl_through_the_op_matches_the_oracle(small_tiles, tiles, splits, causal):
+    """The op's content_bias and position_bias on native (grouped k/v, a padding mask, K = N - 1 and a window
+    wider than the sequence, which the op narrows to the call's reach): outputs and the gradients of q, k, v, the
+    key table and both biases against the float64 oracle."""
+    small_tiles(native=tiles, native_splits=splits)
+    for kk in (16, 40):
+        b, h, hkv, n, d = 2, 4, 2, 17, 6
+        q, k, v, rk, _ = random_inputs(b, h, n, n, d, d, kk, tables="keys_per_head", seed=kk)
+        k, v = k[:, :hkv].contiguous(), v[:, :hkv].contiguous()
+        g = torch.Generator().manual_seed(kk + 1)
+        u, w = (torch.randn(h, d, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+        mask = (torch.arange(n)[None, :] < torch.tensor([n, n - 4])[:, None])[:, None, None, :]
+        inputs = [t.requires_grad_() for t in (q, k, v, rk)] + [None]
+        kw = dict(max_relative_position=kk, content_bias=u, position_bias=w, attn_mask=mask, is_causal=causal,
+                  enable_gqa=True)
+        go = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+        got_out, got = grads("native", inputs, go, **kw)
+        want_out, want = oracle_grads(inputs, go, **kw)
+        assert_close(got_out, want_out, torch.float64, f"K={kk} out")
+        for name, a, x in zip(("q", "k", "v", "rel_k", "content_bias", "position_bias"), got, want, strict=True):
+            assert_close(a, x, torch.float64, f"K={kk} d{name}")
+
+
+@needs_native
+@pytest.mark.parametrize("gemm16", [True, False], ids=["gemm16", "float32-copies"])
+def test_transformer_xl_bfloat16_within_2x_of_plain_pytorch(monkeypatch, gemm16):
+    """bfloat16 with both biases (q_pos in 16 bits beside q) on both 16-bit paths, K = N - 1: the output and every
+    gradient within twice plain PyTorch's bfloat16 error against float64."""
+    monkeypatch.setattr(native, "GEMM16", gemm16)
+    b, h, n, d = 1, 2, 70, 16
+    q, k, v, rk, _ = random_inputs(b, h, n, n, d, d, n - 1, tables="keys_per_head", seed=71)
+    g = torch.Generator().manual_seed(72)
+    u, w = (torch.randn(h, d, generator=g, dtype=torch.float64) * 0.5 for _ in range(2))
+    go = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+    lo = [t.bfloat16().requires_grad_() for t in (q * 0.5, k * 0.5, v, rk * 0.5, u, w)]
+    kw = dict(max_relative_position=n - 1, is_causal=True)
+    got = fn.relative_attention(*lo[:4], None, content_bias=lo[4], position_bias=lo[5], backend="native", **kw)
+    got_grads = torch.autograd.grad(got, lo, go.bfloat16())
+    plain = attention_ref(*lo[:4], None, content_bias=lo[4], position_bias=lo[5], upcast=False, **kw)
+    plain_grads = torch.autograd.grad(plain, lo, go.bfloat16())
+    want, want_grads = oracle_grads(lo[:4] + [None], go, content_bias=lo[4], position_bias=lo[5], **kw)
+    assert_close(got, want, torch.bfloat16, "out", yardstick=plain)
+    for name, a, p, x in zip(("q", "k", "v", "rel_k", "content_bias", "position_bias"), got_grads, plain_grads,
+                             want_grads, strict=True):
+        assert a.dtype == torch.bfloat16, name
+        assert_close(a, x, torch.bfloat16, f"d{name}", yardstick=p)

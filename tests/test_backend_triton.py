@@ -240,7 +240,7 @@ def test_opcheck_and_fake_kernels(device):
         out, lse = torch.ops.relattn.triton_fwd(fq, fk, fv, None, None, None, 2, False, 0.5, 0)
         grads = torch.ops.relattn.triton_bwd(out, fq, fk, fv, None, None, None, out, lse, 2, False, 0.5, 0)
     assert out.shape == (1, 2, 7, 4) and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, (0,), (0,), (0,)]
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, (0,), (0,), (0,), (0,)]  # tables, rel_q, q_pos
 
 
 def _call(device="cpu", dtype=torch.float32, **kw):
@@ -465,4 +465,66 @@ def test_rel_q_keys_split_across_programs(device, kernel_settings):
     want_out, want = _rel_q_run("dense", inputs, 5, go, dtype=torch.float64, device="cpu", **kw)
     assert_close(got_out, want_out, torch.float32, "out")
     for name, a, w in zip("q k v rel_k rel_v rel_q".split(), got, want, strict=True):
+        assert_close(a, w, torch.float32, f"d{name}")
+
+
+# ------------------------------------------ Transformer-XL: position queries q_pos (content and position biases)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("hkv", "kk", "with_rel_q", "causal"), [(1, 19, False, False), (2, 30, True, True)],
+                         ids=["mqa-K=N-1", "gqa-wide-rel_q-causal"])
+def test_transformer_xl_biases_match_the_oracle(device, hkv, kk, with_rel_q, causal):
+    """content_bias and position_bias through the op (the key table read by q_pos, its gradient apart from dq's), a
+    window as long as the sequence and wider, with grouped k/v, rel_q, a padding mask and causal: outputs and every
+    gradient (q, k, v, the tables, rel_q, both biases) against the float64 oracle; two backwards, the same bits."""
+    b, h, n, d = 2, 2, 20, 8
+    q, k, v, rk, rv = random_inputs(b, h, n, n, d, d, kk, tables="per_head", seed=kk)
+    k, v = k[:, :hkv].contiguous(), v[:, :hkv].contiguous()
+    g = torch.Generator().manual_seed(kk)
+    kw = dict(max_relative_position=kk, is_causal=causal, enable_gqa=hkv < h,
+              content_bias=torch.randn(h, d, generator=g, dtype=torch.float64),
+              position_bias=torch.randn(h, d, generator=g, dtype=torch.float64),
+              attn_mask=(torch.arange(n)[None, :] < torch.tensor([n, n - 5])[:, None])[:, None, None, :])
+    if with_rel_q:
+        kw["rel_q"] = torch.randn(h, 2 * kk + 1, d, generator=g, dtype=torch.float64)
+    go = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+    want_out, want = oracle_grads([q, k, v, rk, rv], go, **kw)
+    names = ("content_bias", "position_bias", "rel_q")
+    x = [t.to(device).requires_grad_() for t in (q, k, v, rk, rv)]
+    extra = {name: kw[name].to(device).requires_grad_() for name in names if name in kw}
+
+    def once():
+        out = fn.relative_attention(*x, backend="triton", **{**kw, **extra, "attn_mask": kw["attn_mask"].to(device)})
+        leaves = [*x, *(extra[name] for name in ("rel_q", "content_bias", "position_bias") if name in extra)]
+        return out, torch.autograd.grad(out, leaves, go.to(device))
+
+    got_out, got = once()
+    assert_close(got_out, want_out, torch.float64, "out")
+    labels = ["q", "k", "v", "rel_k", "rel_v", *(name for name in ("rel_q", "content_bias", "position_bias")
+                                                 if name in extra)]
+    for name, a, w in zip(labels, got, want, strict=True):
+        assert_close(a, w, torch.float64, f"d{name}")
+    assert all(torch.equal(a, b) for a, b in zip(got, once()[1], strict=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_position_queries_through_the_backend(device):
+    """The kernels' q_pos on an AttentionCall (no biases: any q_pos), float32: output, dq (the content term's share
+    only) and d_q_pos (the key table's) against the float64 formula written as dense's plain autograd."""
+    b, h, n, m, d, kk = 1, 2, 9, 13, 8, 12
+    q, k, v, rk, rv = random_inputs(b, h, n, m, d, d, kk, tables="per_head", seed=3, dtype=torch.float32)
+    q_pos = torch.randn(b, h, n, d, generator=torch.Generator().manual_seed(4))
+    go = torch.randn(b, h, n, d, generator=torch.Generator().manual_seed(5))
+
+    def grads_of(backend, dtype, dev):
+        x = [t.detach().to(dev, dtype).requires_grad_() for t in (q, k, v, rk, rv, q_pos)]
+        call = AttentionCall(x[0], x[1], x[2], x[3], x[4], kk, None, True, 0.0, d ** -0.5, 4, q_pos=x[5])
+        out = BACKENDS[backend].run(call)
+        return out, torch.autograd.grad(out, x, go.to(dev, dtype))
+
+    want_out, want = grads_of("dense", torch.float64, "cpu")
+    got_out, got = grads_of("triton", torch.float32, device)
+    assert_close(got_out, want_out, torch.float32, "out")
+    for name, a, w in zip(("q", "k", "v", "rel_k", "rel_v", "q_pos"), got, want, strict=True):
         assert_close(a, w, torch.float32, f"d{name}")

@@ -23,6 +23,7 @@ EXPECTED = {  # (model, scope, length) -> variants; each in both modes
     ("bert-relative-key-query", "model (1 layers)", 48): {"v4-eager", "relattn"},
     ("deberta-v3-base", "attention", 40): {"eager", "relattn"},
     ("deberta-v3-base", "model (1 layers)", 40): {"eager", "relattn"},
+    ("parakeet-0.6b", "attention", 40): {"eager", "sdpa", "relattn"},
 }
 
 

@@ -1,6 +1,7 @@
 """The "triton" backend compiled for real GPUs without one: ``benchmarks/triton_compile.py --ci`` records the
-launcher's launches for an A100 (sm_80) and an H100 (sm_90a) on meta tensors, compiles each as Triton's JIT would
-and reads ``ptxas -v``. Fails on any spill or failed compile of a 16-bit launch."""
+launcher's launches for each served arch (sm_80, sm_86, sm_89, sm_90a, sm_100a, sm_120) on meta tensors, compiles
+each as Triton's JIT would and reads ``ptxas -v`` and the SASS. Fails on any spill, failed compile, shared memory
+past the arch's limit or missing tensor-core instruction of a 16-bit launch."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def test_gpu_tiles_are_at_least_the_floor():
     from relattn.backends import triton as tb
 
     assert {a for _, a, _ in tb.CONFIGS} == {80, 90} and {d for *_, d in tb.CONFIGS} == {64, 128}
+    assert set(tb.TABLE_OF_ARCH) == {arch for arch, _ in tb.CUDA_ARCHS}  # every served arch has its table
+    assert set(tb.TABLE_OF_ARCH.values()) <= {80, 90}
     assert set(tb.RQ_CONFIGS) <= set(tb.CONFIGS)
     for (kernel, arch, d), (bm, bn, _, _, split) in [*tb.CONFIGS.items(), *tb.RQ_CONFIGS.items()]:
         if kernel == "fwd":
@@ -51,7 +54,9 @@ def test_stage_calls_pass_grouped_arguments():
 
 
 @pytest.mark.slow
-def test_kernels_compile_for_a100_and_h100_without_spills():
+def test_kernels_compile_for_every_served_arch_without_spills_on_tensor_cores():
+    """The CI pairs (one shape per served arch, every kernel of it): no spill, shared memory within the arch's
+    limit, a tensor-core instruction in every 16-bit kernel (HMMA, HGMMA on sm_90a, UTCHMMA on sm_100a)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, os.path.join("benchmarks", "triton_compile.py"), "--ci"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
@@ -60,10 +65,16 @@ def test_kernels_compile_for_a100_and_h100_without_spills():
             or line.startswith("| fp16 ")]
     kernels = {row[1].strip() for row in rows}
     assert kernels == {"table_scores", "fwd", "dkdv", "dq"}, kernels
-    for row in rows:  # "tiles: registers / spill bytes / shared KB" per arch
-        for cell in row[2:]:
-            regs, spill, _ = cell.split(": ")[1].split(" / ")
-            assert int(spill) == 0 and 0 < int(regs) <= 255, row
+    archs = set()
+    for row in rows:  # "tiles: registers / spill bytes / shared KB / tensor-core instructions" per arch
+        for arch, cell in enumerate(row[2:]):
+            if not cell.strip():
+                continue
+            archs.add(arch)
+            regs, spill, smem, mma = cell.split(": ")[1].split(" / ")
+            assert int(spill) == 0 and 0 < int(regs) <= 255 and int(smem) <= 227, row
+            assert mma.strip() and "none" not in mma, row
+    assert len(archs) == 6  # every served arch
 
 
 def test_gpu_script_parses():

@@ -239,7 +239,7 @@ def backend_refusals(backend: str, **kinds) -> list[str]:
     return refusals(check_name(backend), **kinds)
 
 
-def _served(backend: Backend, call: AttentionCall) -> AttentionCall:
+def as_served(backend: Backend, call: AttentionCall) -> AttentionCall:
     """``call`` as ``backend`` takes it: k and v repeated to H heads unless it serves grouped key/value heads."""
     groups = call.q.shape[1] // max(call.k.shape[1], 1)
     if groups == 1 or backend.serves.grouped_kv:
@@ -323,14 +323,14 @@ def relative_attention(
                                  query_offset=query_offset, beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q,
                                  content_bias=content_bias, position_bias=position_bias))
     chosen = resolve(backend, call)
-    return _shaped_like(chosen.run(_served(chosen, call)), q)
+    return _shaped_like(chosen.run(as_served(chosen, call)), q)
 
 
 def _dense_with_weights(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
     from .backends.dense import BACKEND as DENSE
     from .backends.dense import dense_attention
 
-    return dense_attention(_served(DENSE, call), need_weights=True)
+    return dense_attention(as_served(DENSE, call), need_weights=True)
 
 
 def relative_attention_with_weights(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, rel_q=None,

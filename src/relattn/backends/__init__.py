@@ -39,7 +39,7 @@ def _serves_line(s: Serves) -> str:
     if not s.head_dims_differ:
         parts.append("D = Dv only")
     if s.cuda_archs is not None:
-        parts.append("GPUs " + "/".join(f"sm_{arch}" for arch, _ in s.cuda_archs))
+        parts.append("GPUs sm_" + ",".join(str(arch) for arch, _ in s.cuda_archs))
     if s.grouped_kv:
         parts.append("grouped k/v heads in place")
     return ", ".join(parts)

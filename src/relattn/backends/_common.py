@@ -157,7 +157,8 @@ def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.
         reasons.append("a position-to-content table rel_q (no k . a^Q term; 'native', 'triton', 'blocked' and "
                        "'dense' take it)")
     if position_query and not s.position_query:
-        reasons.append("a separate position query q_pos (content/position biases; 'dense' and 'blocked' take it)")
+        reasons.append("a separate position query q_pos (content/position biases; 'native', 'triton', 'dense' and "
+                       "'blocked' take it)")
     if chunk_pairs and not s.chunk_pairs:
         reasons.append("a context-parallel chunk pair (returns no log-sum-exp to merge by)")
     return reasons
@@ -200,8 +201,8 @@ def stats_fake(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
 
 def grads_fake(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | None, rel_v: Tensor | None,
                *rel_q: Tensor | None) -> tuple[Tensor, ...]:
-    """The fake backward: (dq, dk, dv, d_rel_k, d_rel_v[, d_rel_q]), a table's an empty tensor when the table is
-    None."""
+    """The fake backward: (dq, dk, dv, d_rel_k, d_rel_v[, d_rel_q[, d_q_pos]]), each of the optional inputs' an
+    empty tensor when the input is None."""
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             *(q.new_empty(0) if t is None else torch.empty_like(t) for t in (rel_k, rel_v, *rel_q)))
 
@@ -297,13 +298,16 @@ def traced() -> bool:
 
 class StatsOps:
     """The ops of a kernel that saves its log-sum-exp: ``forward(*leading, **scalars, rel_q) -> (out, lse)`` and
-    ``backward(grad_out, *leading, out, lse, **scalars, rel_q) -> (dq, dk, dv, d_rel_k, d_rel_v[, d_rel_q])``.
+    ``backward(grad_out, *leading, out, lse, **scalars, rel_q, q_pos) -> (dq, dk, dv, d_rel_k, d_rel_v[, d_rel_q[,
+    d_q_pos]])``: the optional tensors of :data:`TABLES` are passed by name, and only when given (a kernel that does
+    not take one is never handed it: its declaration refuses the calls that carry it).
 
     * ``relattn::{name}_fwd(q, k, v, rel_k?, rel_v?, mask?, [seed,] K, is_causal, [dropout_p,] scale, query_offset,
-      rel_q?=None) -> (out, lse)`` and ``relattn::{name}_bwd(grad_out, <the same leading tensors>, out, lse, <the
-      same scalars>, rel_q?=None) -> (dq, dk, dv, d_rel_k, d_rel_v, d_rel_q)`` (a table's gradient an empty tensor
-      when the table is None): custom ops with fake kernels and autograd, which torch.compile and torch.export see
-      as one opaque, shape-correct op each. ``dropout=True`` adds the seed tensor and ``dropout_p``.
+      rel_q?=None, q_pos?=None) -> (out, lse)`` and ``relattn::{name}_bwd(grad_out, <the same leading tensors>, out,
+      lse, <the same scalars>, rel_q?=None, q_pos?=None) -> (dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos)`` (a
+      missing tensor's gradient an empty tensor): custom ops with fake kernels and autograd, which torch.compile
+      and torch.export see as one opaque, shape-correct op each. ``dropout=True`` adds the seed tensor and
+      ``dropout_p``.
     * :meth:`run` gives a call's output: through the op when something traces the call, else through a plain
       autograd Function with the same wiring (:class:`StatsAutograd`) when autograd will ask for a backward (the
       op's dispatch and Python wrappers cost about 0.15 ms of a forward+backward, most of a short sequence's
@@ -318,7 +322,7 @@ class StatsOps:
         scalars = SCALARS[:2] + ((("dropout_p", "float"),) if dropout else ()) + SCALARS[2:]
         self.dropout, self.scalar_names = dropout, tuple(n for n, _ in scalars)
         lead, ns, nt = len(leading), len(scalars), len(TABLES)
-        self.wiring = StatsAutograd(self._backward, leading=lead, scalars=ns)
+        self.wiring = StatsAutograd(self._backward, leading=lead, scalars=ns, tables=nt)
 
         def tensor(n: str) -> str:
             return f"Tensor{'?' if n in ('rel_k', 'rel_v', 'mask') else ''} {n}"
@@ -350,7 +354,7 @@ class StatsOps:
         self.bwd = torch.library.custom_op(f"relattn::{name}_bwd", bwd, mutates_args=(), schema=bwd_schema)
         self.bwd.register_fake(lambda grad_out, *inputs, **named: grads_fake(
             *inputs[:5], *whole(inputs, named, lead + 2 + ns + nt)[lead + 2 + ns:]))
-        op_wiring = StatsAutograd(self.bwd, leading=lead, scalars=ns)
+        op_wiring = StatsAutograd(self.bwd, leading=lead, scalars=ns, tables=nt)
         self.fwd.register_autograd(op_wiring.grads, setup_context=op_wiring.setup)
         self.eager = self.wiring.function(self._forward)
         self._leading, self._scalars = lead, ns

@@ -636,9 +636,11 @@ def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
                CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-               PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr):
+               PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr, KEY_TABLE_DQ: tl.constexpr):
     """Per (query tile, batch * head): dq = scale (dS k + sum_t SB_it a^K_t), and the per-row bins of P (PB) and
-    dS (SB) per table row (zeros where no pair falls), from which the launcher forms the table gradients."""
+    dS (SB) per table row (zeros where no pair falls), from which the launcher forms the table gradients.
+    KEY_TABLE_DQ False (position queries q_pos read the key table): dq = scale dS k only, the launcher forms the
+    key table's share, the gradient of q_pos, from SB."""
     C: tl.constexpr = Meta(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
                            BAND_SPLIT=BAND_SPLIT, HAS_RK=HAS_RK, HAS_RQ=HAS_RQ, HAS_RV=HAS_RV, HAS_MASK=HAS_MASK,
                            CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PREC=PREC, ACC=ACC)
@@ -697,6 +699,7 @@ def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB,
         _store_edges(bins.P, p_left, p_right, offs_m, N, MAX_REL, EVEN_M)
     if HAS_RK:
         _store_edges(bins.DS, s_left, s_right, offs_m, N, MAX_REL, EVEN_M)
+    if KEY_TABLE_DQ:
         tl.debug_barrier()  # other threads of this program stored the bins
         for t0 in range(0, 2 * MAX_REL + 1, BLOCK_N):
             offs_t = t0 + tl.arange(0, BLOCK_N)

@@ -243,7 +243,7 @@ def blocked_attention(call: AttentionCall) -> Tensor:
     return OPS.run(call, seed=seed)
 
 
-BACKEND = Backend("blocked", blocked_attention, Serves(dropout=True, pos_to_content=True, position_query=True,
-                                                          chunk_pairs=True),
+BACKEND = Backend("blocked", blocked_attention,
+                  Serves(dropout=True, pos_to_content=True, position_query=True, chunk_pairs=True),
                   "flash algorithm in plain torch: online softmax over key blocks, O(N(D+K)) memory, any mask, dropout",
                   stats=OPS)

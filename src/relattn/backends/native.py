@@ -35,6 +35,7 @@ so the gradients are the same bits from one run to the next.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -207,17 +208,13 @@ def _require() -> None:
 
 # The CPU features (torch.cpu.get_capabilities()) that make 16-bit GEMMs faster than float32 ones, per dtype.
 _GEMM16_FEATURES = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
-_gemm16_here: dict[torch.dtype, bool] = {}
-
-
+@functools.cache
 def gemm16_here(dtype: torch.dtype) -> bool:
-    """Whether this CPU has instructions for ``dtype`` GEMMs and libtorch exports MKL's GEMM for it (cached)."""
-    if dtype not in _gemm16_here:
-        _require()
-        caps = torch.cpu.get_capabilities()
-        _gemm16_here[dtype] = (any(caps.get(f, False) for f in _GEMM16_FEATURES[dtype])
-                               and torch.ops.relattn_native.has_gemm16(dtype))
-    return _gemm16_here[dtype]
+    """Whether this CPU has instructions for ``dtype`` GEMMs and libtorch exports MKL's GEMM for it (cached:
+    ``gemm16_here.cache_clear()`` asks again)."""
+    _require()
+    caps = torch.cpu.get_capabilities()
+    return any(caps.get(f, False) for f in _GEMM16_FEATURES[dtype]) and torch.ops.relattn_native.has_gemm16(dtype)
 
 
 def uses_gemm16(dtype: torch.dtype) -> bool:
@@ -228,15 +225,18 @@ def uses_gemm16(dtype: torch.dtype) -> bool:
     return gemm16_here(dtype) if forced is None else forced
 
 
-def tile_q(n: int, causal: bool) -> int:
+def tile_q(n: int, causal: bool, rows: int = 0, keys: int = 0) -> int:
     """Queries per tile for ``n`` queries: the ``tile_q`` setting when set; else 256, and for causal calls 32 below 192
     queries and 64 below 768 (the split of PyTorch's own CPU flash attention): a tile's rows meet the keys up to its
     last row only, so smaller tiles skip more of the masked half (at N = 512, 1 thread: forward 15 ms at 64 against
-    22 ms at 256, backward 55 against 65; without causal, 64 and 256 within noise)."""
+    22 ms at 256, backward 55 against 65; without causal, 64 and 256 within noise). A table of ``rows`` rows longer
+    than a 256-query tile reaches against ``keys`` keys (DeBERTa-v3's 1013 rows at N = 512) takes 64-query tiles: a
+    tile computes only the ``tile + keys - 1`` table rows it meets (DeBERTa-v3's attention at N = 512, one thread,
+    CPU time: forward+backward about 0.9x of 256-query tiles)."""
     if (fixed := SETTINGS.current.tile_q) > 0:
         return fixed
     if not causal:
-        return 256
+        return 64 if rows > 256 + keys - 1 and n > 64 else 256
     return 32 if n < 192 else 64 if n < 768 else 256
 
 
@@ -262,31 +262,33 @@ def _tables_and_mask(rel_k, rel_v, mask, rel_q):
 
 
 def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
-            query_offset: int, rel_q=None):
+            query_offset: int, rel_q=None, q_pos=None):
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros, lse -inf.
-    k, v may have Hkv heads, H % Hkv == 0."""
+    k, v may have Hkv heads, H % Hkv == 0; q_pos (q's shape and dtype), when given, the queries rel_k reads."""
     _require()
     gemm16 = uses_gemm16(q.dtype)
-    tiles = tile_q(q.shape[-2], is_causal), SETTINGS.current.tile_k
-    out, lse = torch.ops.relattn_native.fwd(*_data(gemm16, q, k, v), *_tables_and_mask(rel_k, rel_v, mask, rel_q),
+    tiles = tile_q(q.shape[-2], is_causal, 2 * max_relative_position + 1, k.shape[-2]), SETTINGS.current.tile_k
+    q_, k_, v_, qp = _data(gemm16, q, k, v, q_pos)
+    out, lse = torch.ops.relattn_native.fwd(q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), qp,
                                             max_relative_position, is_causal, scale, query_offset, *tiles)
     return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
 
 
 def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
-             scale: float, query_offset: int, rel_q=None):
-    """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q) in their inputs' dtypes (dk, dv with k's Hkv heads); a table gradient
-    is an empty tensor when the table is None."""
+             scale: float, query_offset: int, rel_q=None, q_pos=None):
+    """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos) in their inputs' dtypes (dk, dv with k's Hkv heads); a table
+    gradient, and d_q_pos, is an empty tensor when its input is None. With q_pos, dq is the content term's share
+    only and d_q_pos the key table's."""
     _require()
     gemm16 = uses_gemm16(q.dtype)
-    go, q_, k_, v_, out_ = _data(gemm16, grad_out, q, k, v, out)
+    go, q_, k_, v_, out_, qp = _data(gemm16, grad_out, q, k, v, out, q_pos)
     settings = SETTINGS.current
-    tiles = tile_q(q.shape[-2], is_causal), settings.tile_k
-    grads = torch.ops.relattn_native.bwd(go, q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), out_, lse,
-                                         max_relative_position, is_causal, scale, query_offset, *tiles,
+    tiles = tile_q(q.shape[-2], is_causal, 2 * max_relative_position + 1, k.shape[-2]), settings.tile_k
+    grads = torch.ops.relattn_native.bwd(go, q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), qp, out_,
+                                         lse, max_relative_position, is_causal, scale, query_offset, *tiles,
                                          settings.kv_splits)
     return tuple(g if t is None or g.dtype == t.dtype else g.to(t.dtype)
-                 for g, t in zip(grads, (q, k, v, rel_k, rel_v, rel_q), strict=True))
+                 for g, t in zip(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos), strict=True))
 
 
 # relattn::native_fwd / relattn::native_bwd, the eager path and the ring's pair calls: see _common.StatsOps.
@@ -294,7 +296,8 @@ OPS = StatsOps("native", forward, backward)
 
 
 BACKEND = Backend("native", OPS.run,
-                  Serves(devices=frozenset({"cpu"}), grouped_kv=True, pos_to_content=True, chunk_pairs=True),
+                  Serves(devices=frozenset({"cpu"}), grouped_kv=True, pos_to_content=True, position_query=True,
+                         chunk_pairs=True),
                   "C++ kernel, one flash pass: the key term added per row in three runs (left, band, right), "
                   "the value term as 2K+1 weights per row; CPU, masks, grouped k/v, rel_q, no dropout (16-bit GEMMs "
                   "where the CPU has 16-bit instructions, else float32)",

@@ -22,13 +22,12 @@ TF32) and float64 (gradcheck); head dims up to 128 (D != Dv allowed); any K; the
 each optional, shared or per head; any mask that needs no gradient; no dropout.
 
 Tiles, warps and pipeline stages per kernel come from ``config`` (by GPU architecture, element size and head
-dim); ``benchmarks/triton_compile.py`` compiles every launch of this module for sm_80 and sm_90a without a GPU
-and reports registers and spills.
+dim; ``TABLE_OF_ARCH``); ``benchmarks/triton_compile.py`` compiles every launch of this module for every served
+arch without a GPU and reports registers, spills, shared memory and tensor-core instructions.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import math
 import os
@@ -296,9 +295,10 @@ def _common_args(q, k, v, max_relative_position, query_offset, scale) -> dict:
 
 
 def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
-            query_offset: int, rel_q=None) -> tuple[Tensor, Tensor]:
+            query_offset: int, rel_q=None, q_pos=None) -> tuple[Tensor, Tensor]:
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros and lse -inf.
-    k, v: (B, Hkv, M, D|Dv) with H % Hkv == 0; rel_q: the position-to-content table (Hr, 2K+1, D) or None."""
+    k, v: (B, Hkv, M, D|Dv) with H % Hkv == 0; rel_q: the position-to-content table (Hr, 2K+1, D) or None; q_pos:
+    the queries the key table reads (q's shape; None: q)."""
     b, h, n, _ = q.shape
     m, dv, kk = k.shape[2], v.shape[3], max_relative_position
     sdt = stats_dtype(q.dtype)
@@ -313,7 +313,7 @@ def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causa
         out, lse = q.new_empty(1, b, h, n, dv), q.new_empty(1, b, h, n, dtype=sdt)
     else:  # each split's normalised output, in the statistics' dtype, merged below
         out, lse = q.new_empty(splits, b, h, n, dv, dtype=sdt), q.new_empty(splits, b, h, n, dtype=sdt)
-    qa = table_scores(q, rel_k, sdt) if rel_k is not None else None
+    qa = table_scores(q if q_pos is None else q_pos, rel_k, sdt) if rel_k is not None else None
     ka, ka_group = key_scores(k, rel_q, h, sdt)
     bins = q.new_empty(b, h, n, 2 * kk + 1, dtype=sdt) if rel_v is not None else None
     scratch = qa if qa is not None else bins
@@ -340,9 +340,10 @@ def _table_grad(bins: Tensor, x: Tensor, hr: int, dtype: torch.dtype, scale: flo
 
 
 def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
-             scale: float, query_offset: int, rel_q=None) -> tuple[Tensor, ...]:
-    """(dq, dk, dv, d_rel_k | None, d_rel_v | None), and d_rel_q when rel_q is given, in their inputs' dtypes; dq,
-    dk, dv contiguous; dk, dv of a key/value head summed over its group of query heads."""
+             scale: float, query_offset: int, rel_q=None, q_pos=None) -> tuple[Tensor, ...]:
+    """(dq, dk, dv, d_rel_k | None, d_rel_v | None), d_rel_q when rel_q is given, and (with q_pos) d_rel_q | None
+    and d_q_pos, in their inputs' dtypes; dq, dk, dv contiguous; dk, dv of a key/value head summed over its group of
+    query heads. With q_pos, dq is the content term's share and d_q_pos the key table's, ``scale * SB a^K``."""
     b, h, n, _ = q.shape
     hkv, m, kk = k.shape[1], k.shape[2], max_relative_position
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -352,12 +353,15 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     d_rel_k = None if rel_k is None else torch.zeros_like(rel_k)
     d_rel_v = None if rel_v is None else torch.zeros_like(rel_v)
     more = () if rel_q is None else (torch.zeros_like(rel_q),)
+    if q_pos is not None:
+        more = (None if rel_q is None else more[0], torch.zeros_like(q_pos))
     if b * h == 0 or n == 0 or m == 0:
         return dq, dk.to(k.dtype), dv, d_rel_k, d_rel_v, *more
     grad_out = grad_out.to(q.dtype).contiguous()
     delta = (grad_out.to(sdt) * out.to(sdt)).sum(-1)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse).contiguous()  # empty rows: P = 0
-    qa = table_scores(q, rel_k, sdt) if rel_k is not None else None
+    reader = q if q_pos is None else q_pos.contiguous()  # the queries the key table reads
+    qa = table_scores(reader, rel_k, sdt) if rel_k is not None else None
     doa = table_scores(grad_out, rel_v, sdt) if rel_v is not None else None
     ka, ka_group = key_scores(k, rel_q, h, sdt)
     # per key, per table row: dS (for a^Q), written by the dk/dv kernel; zeros where no pair falls
@@ -376,15 +380,20 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
             KB=q if kb is None else kb, **_strides("kb", kb, "bhn"), H_KV=hkv, **args, **meta)
     meta = _meta("dq", q, k, v, rel_k, rel_v, mask, is_causal, rel_q)
     _launch(_kernels()._dq_kernel, (math.ceil(n / meta["BLOCK_M"]), b * h), DQ=dq, RK=q if rel_k is None else rel_k,
-            PB=q if pb is None else pb, SB=q if sb is None else sb, H=h, **_table_strides("rk", rel_k), **args, **meta)
+            PB=q if pb is None else pb, SB=q if sb is None else sb, H=h, **_table_strides("rk", rel_k), **args,
+            KEY_TABLE_DQ=rel_k is not None and q_pos is None, **meta)
     if rel_k is not None:
-        d_rel_k = _table_grad(sb, q, rel_k.shape[0], rel_k.dtype, scale)
+        d_rel_k = _table_grad(sb, reader, rel_k.shape[0], rel_k.dtype, scale)
     if rel_v is not None:
         d_rel_v = _table_grad(pb, grad_out, rel_v.shape[0], rel_v.dtype)
+    d_q_pos = ()
+    if q_pos is not None:  # the key table's share of the position queries' gradient, scale * SB a^K, per head
+        share = torch.matmul(sb, rel_k.to(sdt)) * scale if rel_k is not None else torch.zeros_like(q_pos, dtype=sdt)
+        d_q_pos = (share.to(q_pos.dtype),)
     if rel_q is None:
-        return dq, dk, dv, d_rel_k, d_rel_v
+        return (dq, dk, dv, d_rel_k, d_rel_v, *((None, *d_q_pos) if d_q_pos else ()))
     dk_q, d_rel_q = _key_table_grads(kb, k, rel_q, scale)
-    return dq, (dk + dk_q).to(k.dtype), dv, d_rel_k, d_rel_v, d_rel_q
+    return dq, (dk + dk_q).to(k.dtype), dv, d_rel_k, d_rel_v, d_rel_q, *d_q_pos
 
 
 # relattn::triton_fwd / relattn::triton_bwd, the eager path and the ring's pair calls: see _common.StatsOps.
@@ -396,16 +405,16 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.cache
-def _declaration(interpret: bool) -> Serves:
-    return Serves(devices=frozenset({"cuda", "cpu"} if interpret else {"cuda"}), cuda_archs=CUDA_ARCHS,
-                  max_head_dim=MAX_HEAD_DIM, grouped_kv=True, pos_to_content=True, chunk_pairs=True)
+_DECLARATIONS = {interpret: Serves(devices=frozenset({"cuda", "cpu"} if interpret else {"cuda"}),
+                                   cuda_archs=CUDA_ARCHS, max_head_dim=MAX_HEAD_DIM, grouped_kv=True,
+                                   pos_to_content=True, position_query=True,
+                                   chunk_pairs=True) for interpret in (False, True)}
 
 
 def serves() -> Serves:
     """What the backend serves, asked when a call or a construction asks: CUDA on the GPUs of :data:`CUDA_ARCHS`;
     CPU tensors too while ``TRITON_INTERPRET`` is set."""
-    return _declaration(interpreted())
+    return _DECLARATIONS[interpreted()]
 
 
 BACKEND = Backend("triton", OPS.run, serves,

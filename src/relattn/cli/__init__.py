@@ -4,7 +4,8 @@ Each command lives in its own module, which exposes ``register(subparsers)``; th
 subcommand's arguments and sets ``func`` to a function of the parsed arguments returning an exit code.
 An output folder that cannot be one (:class:`~relattn._io.OutputPathError`) is one line on stderr and
 exit status 2, whichever command meets it. The commands need the ``cli`` extra (matplotlib, safetensors,
-tqdm), which the op and the module do not: without it they stop before any work, saying how to install it.
+tqdm), which the op and the module do not: without it they stop before any work, saying how to install it
+(``relattn check`` needs none of it).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import sys
 from .. import __version__
 from .._io import OutputPathError
 
-COMMAND_MODULES = ("relattn.cli.demo", "relattn.bench.cli", "relattn.training.train", "relattn.training.compare")
+COMMAND_MODULES = ("relattn.cli.check", "relattn.cli.demo", "relattn.bench.cli", "relattn.training.train",
+                   "relattn.training.compare")
 CLI_EXTRA = ("matplotlib", "safetensors", "tqdm")  # pyproject.toml's "cli" extra
 
 
@@ -39,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if missing := missing_cli_packages():
+    if getattr(args, "needs_cli_extra", True) and (missing := missing_cli_packages()):
         print(f"relattn {args.command}: error: needs {', '.join(missing)} (the 'cli' extra): "
               "pip install 'relattn[cli]'", file=sys.stderr)
         return 2

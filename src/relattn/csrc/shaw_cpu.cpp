@@ -378,6 +378,31 @@ inline Runs runs_of(int64_t p, int64_t n0, int64_t width, int64_t kk, bool causa
 // R = 2K + 1 = 1025, 1.1 to 1.9 times slower than 1040 here; the extra columns come from zero table rows).
 inline int64_t gemm_columns(int64_t R) { return (R + 15) / 16 * 16; }
 
+// The table rows some (query, key) pairs can meet, as the table GEMMs compute them: `cols` consecutive rows from
+// `first`, of which `rows` lie inside the table (first + rows <= R; the others are zero rows of the padded tables,
+// or rows no pair meets). Entry t - first of a row laid out by the window holds table row t. A pair with offset
+// <= -K (table row 0) exists only where first == 0, one with offset >= K (row 2K) only where 2K < first + cols: the
+// left and right runs of a row are empty everywhere else.
+struct Window {
+  int64_t first = 0, cols = 0, rows = 0;
+};
+
+// The window of queries at positions [p0, p1] against keys [j0, j1) (causal: key j <= p only): offsets from
+// j0 - p1 to j1 - 1 - p0 (to min(0, j1 - 1 - p0) when causal), clipped to [-K, K]. Its GEMMs compute a multiple of
+// 16 columns for long windows (gemm_columns; the window moves back to stay inside the `avail` rows of the tables
+// as padded), so a call whose window is wider than its span of offsets (Transformer-XL's K = N - 1 and more)
+// costs about (tile + keys - 1) table products per query, not 2K + 1. Empty (cols 0) when there are no keys.
+inline Window window_of(int64_t kk, int64_t avail, bool causal, int64_t p0, int64_t p1, int64_t j0, int64_t j1) {
+  if (j1 <= j0 || p1 < p0) return {};
+  int64_t top = j1 - 1 - p0;
+  if (causal) top = std::min<int64_t>(top, 0);
+  const int64_t lo = std::clamp<int64_t>(j0 - p1, -kk, kk) + kk, hi = std::clamp<int64_t>(top, -kk, kk) + kk;
+  const int64_t n = std::max<int64_t>(hi - lo + 1, 1), R = 2 * kk + 1;
+  const int64_t cols = std::min(n > 256 ? gemm_columns(n) : n, avail);
+  const int64_t first = std::max<int64_t>(0, std::min(lo, avail - cols));
+  return {first, cols, std::min(cols, R - first)};
+}
+
 // The row stride of KA and of its gradient's bins for R table rows: the band is read along a diagonal, ld + 1
 // apart, so ld + 1 is made an odd number of 64-byte lines (R = 1025 would put the diagonal's lines 4104 bytes
 // apart: a few cache sets, evicted before the next row reuses them).
@@ -398,6 +423,11 @@ struct Geometry {
   int64_t ka_head(int64_t h) const { return Hq == 1 ? h / group : h; }
 };
 
+// The most columns a window of `queries` rows against `keys` keys can have (window_of; at least 1).
+inline int64_t window_cap(const Geometry& g, int64_t avail, int64_t queries, int64_t keys) {
+  return std::min(avail, gemm_columns(std::clamp<int64_t>(queries + keys - 1, 1, g.R)));
+}
+
 // I: the type q, k, v (and dO, out) are stored in; T: the compute type (I, or float for 16-bit I) of the tables,
 // the mask and everything computed.
 template <typename I, typename T>
@@ -406,16 +436,19 @@ struct Views {
   const T *tk, *tv, *mask;
   int64_t qs[3], ks[3], vs[3];  // strides of dims 0, 1, 2 (the last is 1)
   int64_t ms[4];                // the mask's strides, 0 where it broadcasts
-  // The tables with zero rows out to ldr (padded_tables): the GEMMs of q (dO) with a^K (a^V) write rows ldr
-  // apart; the kernels multiply keys with a^Q's ldr rows into KA rows ka_ld apart (key_table_rows).
+  // The tables with zero rows out to ldr (padded_tables): the table GEMMs read a window (Window) of their rows.
   const T *tk_pad = nullptr, *tv_pad = nullptr, *rq_pad = nullptr;
-  int64_t ldr = 0, ka_ld = 0;
+  int64_t ldr = 0;
   const T* rq = nullptr;  // the position-to-content table a^Q (Hq, R, D), or null
+  // The queries the key table reads (q_pos; q itself when none is given) and their strides.
+  const I* qp = nullptr;
+  int64_t qps[3] = {};
   // The additive mask of query row i, keys from n0 (its entry for key n0 + x is row[x * ms[3]]), or null.
   const T* mask_row(int64_t b, int64_t h, int64_t i, int64_t n0) const {
     return mask == nullptr ? nullptr : mask + b * ms[0] + h * ms[1] + i * ms[2] + n0 * ms[3];
   }
   const I* qh(int64_t b, int64_t h) const { return q + b * qs[0] + h * qs[1]; }
+  const I* qph(int64_t b, int64_t h) const { return qp + b * qps[0] + h * qps[1]; }
   const I* kh(int64_t b, int64_t hkv) const { return k + b * ks[0] + hkv * ks[1]; }
   const I* vh(int64_t b, int64_t hkv) const { return v + b * vs[0] + hkv * vs[1]; }
 };
@@ -437,14 +470,17 @@ Views<I, T> views(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 // The tables a^K, a^V, a^Q with zero rows out to `cols` (each undefined where its table is): gemm_columns(R) for
 // long tables (R > 256: at R = 1025 the padded GEMM takes 0.90x the time, at R = 129 1.01x, at R = 33 1.11x) with
-// enough query rows to repay the copy, else R (the tables as they are).
+// enough query rows to repay the copy, else R (the tables as they are). A table longer than a tile's reach
+// (tile_q + M - 1 rows) is never read whole: its windows move back inside it instead, and it is not copied.
 struct Padded {
   at::Tensor k, v, q;
   int64_t cols;
 };
 
-Padded padded_tables(const at::Tensor& tk, const at::Tensor& tv, const at::Tensor& tq, const Geometry& g) {
-  const int64_t cols = g.N >= 16 && g.R > 256 ? gemm_columns(g.R) : g.R;
+Padded padded_tables(const at::Tensor& tk, const at::Tensor& tv, const at::Tensor& tq, const Geometry& g,
+                     int64_t tile_q) {
+  const bool whole = g.R <= std::max(tile_q, g.N) + g.M - 1;
+  const int64_t cols = g.N >= 16 && g.R > 256 && whole ? gemm_columns(g.R) : g.R;
   const auto pad = [&](const at::Tensor& t) {
     return t.defined() && cols > g.R ? at::constant_pad_nd(t, {0, 0, 0, cols - g.R}) : t;
   };
@@ -454,7 +490,8 @@ Padded padded_tables(const at::Tensor& tk, const at::Tensor& tv, const at::Tenso
 // views() with the tables padded (padded_tables) and the position-to-content term (a^Q undefined: none).
 template <typename I, typename T>
 Views<I, T> views(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tk,
-                  const at::Tensor& tv, const at::Tensor& mask, const at::Tensor& tq, const Padded& pad) {
+                  const at::Tensor& tv, const at::Tensor& mask, const at::Tensor& tq, const at::Tensor& qp,
+                  const Padded& pad) {
   Views<I, T> w = views<I, T>(q, k, v, tk, tv, mask);
   w.ldr = pad.cols;
   if (tk.defined()) w.tk_pad = pad.k.data_ptr<T>();
@@ -462,17 +499,25 @@ Views<I, T> views(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   if (tq.defined()) {
     w.rq = tq.data_ptr<T>();
     w.rq_pad = pad.q.data_ptr<T>();
-    w.ka_ld = diagonal_ld(tq.size(1), sizeof(T));
   }
+  const at::Tensor& pq = qp.defined() ? qp : q;
+  w.qp = pq.data_ptr<I>();
+  for (int d = 0; d < 3; ++d) w.qps[d] = pq.stride(d);
   return w;
 }
 
-// KA rows of some keys for one query head: ka[x * ld + t] = scale * k_{first + x} . a^Q_t (ld = Views::ka_ld), and
-// the columns t = 0 (lo) and t = 2K (hi) again, contiguous.
+// Keys per chunk of KA: each chunk's rows hold the window of table rows its keys meet against every query (about
+// N + 64 rows, not 2K + 1 nor N + M - 1), and the band is read a chunk at a time (for_pos_band).
+constexpr int64_t kPosChunk = 64;
+
+// KA rows of some keys for one query head, chunk by chunk: for key x of chunk c (keys first + c * kPosChunk on),
+// ka[x * ld + t - wins[c].first] = scale * k_{first + x} . a^Q_t, and the columns t = 0 (lo) and t = 2K (hi) again,
+// contiguous (zeros where the chunk's window holds no such column: no pair meets it).
 template <typename T>
 struct PosRows {
   const T *ka, *lo, *hi;
-  int64_t first;
+  const Window* wins;
+  int64_t first, ld;
 };
 
 // s[0:n] += the mask row (a constant when the mask broadcasts over keys).
@@ -487,65 +532,73 @@ void add_mask(T* s, const T* row, int64_t n, int64_t key_stride) {
   }
 }
 
-// Adds the relative key term to the row's scores s[0:valid] (qa: the row's R scores, or null) and returns
-// their max (-inf if valid == 0, NaN if one is NaN).
+// Adds the relative key term to the row's scores s[0:valid] (qa: the row's scores of the table rows in the window
+// from table row `first`, or null) and returns their max (-inf if valid == 0, NaN if one is NaN). A left run
+// exists only where first == 0, a right one only where the window holds row `last` = 2K (Window).
 template <typename T>
-T add_key_term(T* s, const Runs& r, const T* qa, int64_t last) {
+T add_key_term(T* s, const Runs& r, const T* qa, int64_t first, int64_t last) {
   if (qa == nullptr) return add_const_max(s, r.valid, T(0), neg_inf<T>);
-  T mx = add_const_max(s, r.left, qa[0], neg_inf<T>);
-  mx = add_vec_max(s + r.left, qa + r.left + r.band0, r.right - r.left, mx);
-  return add_const_max(s + r.right, r.valid - r.right, qa[last], mx);
+  T mx = add_const_max(s, r.left, r.left > 0 ? qa[0] : T(0), neg_inf<T>);
+  if (r.right > r.left) mx = add_vec_max(s + r.left, qa + (r.left + r.band0 - first), r.right - r.left, mx);
+  return add_const_max(s + r.right, r.valid - r.right, r.valid > r.right ? qa[last - first] : T(0), mx);
 }
 
-// The band of the position-to-content term over a tile of rows, in chunks of keys: row a's key x meets KA[x, x +
-// band0(a)], so rows a and a + 1 read the same cache lines of a chunk's KA rows; a chunk's lines stay in L1 from one
-// row to the next, where a whole block's would not. f(s_x, ka_x) is called for every (row, band key).
-constexpr int64_t kPosChunk = 64;
-
+// The band of the position-to-content term over a tile of rows against keys n0 .. n0+width-1, chunk by chunk of KA:
+// row a's key x meets KA[x, x + band0(a)], so rows a and a + 1 read the same cache lines of a chunk's KA rows; a
+// chunk's lines stay in L1 from one row to the next, where a whole block's would not. ka: KA's rows (or its bins)
+// from key `first` in PosRows' layout; f(s_x, ka_x) is called for every (row, band key).
 template <typename T, typename F>
-void for_pos_band(T* S, int64_t ld_s, const Runs* runs, int64_t tq, int64_t width, T* ka, int64_t ld, F f) {
-  for (int64_t x0 = 0; x0 < width; x0 += kPosChunk) {
-    const int64_t x1 = std::min(width, x0 + kPosChunk);
+void for_pos_band(T* S, int64_t ld_s, const Runs* runs, int64_t tq, int64_t n0, int64_t width, T* ka,
+                  const Window* wins, int64_t first, int64_t ld, F f) {
+  T* base = ka + (n0 - first) * ld;  // key n0's row
+  for (int64_t x0 = 0; x0 < width;) {
+    const int64_t key = n0 + x0 - first, c = key / kPosChunk;
+    const int64_t x1 = std::min(width, x0 + (c + 1) * kPosChunk - key), tf = wins[c].first;
     for (int64_t a = 0; a < tq; ++a) {
       const Runs& r = runs[a];
       T* s = S + a * ld_s;
-      T* diag = ka + r.band0;  // key x of the band meets table row x + band0
-      for (int64_t x = std::max(x0, r.left), end = std::min(x1, r.right); x < end; ++x) f(s[x], diag[x * (ld + 1)]);
+      const int64_t d = r.band0 - tf;  // key x of the band meets table row x + band0: entry x * ld + x + d
+      for (int64_t x = std::max(x0, r.left), end = std::min(x1, r.right); x < end; ++x) f(s[x], base[x * (ld + 1) + d]);
     }
+    x0 = x1;
   }
 }
 
-// Adds the position-to-content term to a tile's scores S (rows ld_s apart): ka is KA's rows of the block's keys (ld
-// apart), lo and hi its columns 0 and 2K for the same keys (contiguous).
+// Adds the position-to-content term to a tile's scores S (rows ld_s apart) against keys n0 .. n0+width-1.
 template <typename T>
-void add_pos_term(T* S, int64_t ld_s, const Runs* runs, int64_t tq, int64_t width, const T* ka, const T* lo,
-                  const T* hi, int64_t ld) {
+void add_pos_term(T* S, int64_t ld_s, const Runs* runs, int64_t tq, int64_t n0, int64_t width, const PosRows<T>& pos) {
+  const T *lo = pos.lo + (n0 - pos.first), *hi = pos.hi + (n0 - pos.first);
   for (int64_t a = 0; a < tq; ++a) {
     const Runs& r = runs[a];
     add_into(S + a * ld_s, lo, r.left);
     add_into(S + a * ld_s + r.right, hi + r.right, r.valid - r.right);
   }
-  for_pos_band(S, ld_s, runs, tq, width, const_cast<T*>(ka), ld, [](T& s, T& k) { s += k; });
+  for_pos_band(S, ld_s, runs, tq, n0, width, const_cast<T*>(pos.ka), pos.wins, pos.first, pos.ld,
+               [](T& s, T& k) { s += k; });
 }
 
-// The bins of the position-to-content gradient for a tile's dS, in add_pos_term's layout.
+// The bins of the position-to-content gradient for a tile's dS, in PosRows' layout (dka, lo, hi: the bins of the
+// keys from pos.first, in pos's windows).
 template <typename T>
-void bin_pos_term(T* dS, int64_t ld_s, const Runs* runs, int64_t tq, int64_t width, T* dka, T* lo, T* hi,
-                  int64_t ld) {
+void bin_pos_term(T* dS, int64_t ld_s, const Runs* runs, int64_t tq, int64_t n0, int64_t width, T* dka, T* lo, T* hi,
+                  const PosRows<T>& pos) {
+  lo += n0 - pos.first;
+  hi += n0 - pos.first;
   for (int64_t a = 0; a < tq; ++a) {
     const Runs& r = runs[a];
     add_into(lo, dS + a * ld_s, r.left);
     add_into(hi + r.right, dS + a * ld_s + r.right, r.valid - r.right);
   }
-  for_pos_band(dS, ld_s, runs, tq, width, dka, ld, [](T& ds, T& k) { k += ds; });
+  for_pos_band(dS, ld_s, runs, tq, n0, width, dka, pos.wins, pos.first, pos.ld, [](T& ds, T& k) { k += ds; });
 }
 
-// acc[0] += lo (the left run's sum of s), acc[t] += s over the band, acc[last] += hi (the right run's sum).
+// In a row laid out by a window from table row `first`: acc[0 - first] += lo (the left run's sum of s), acc[t -
+// first] += s over the band, acc[last - first] += hi (the right run's sum), each only where its run has keys.
 template <typename T>
-void fold_runs(T* acc, const T* s, const Runs& r, int64_t last, T lo, T hi) {
-  acc[0] += lo;
-  add_into(acc + r.left + r.band0, s + r.left, r.right - r.left);
-  acc[last] += hi;
+void fold_runs(T* acc, const T* s, const Runs& r, int64_t first, int64_t last, T lo, T hi) {
+  if (r.left > 0) acc[0] += lo;
+  if (r.right > r.left) add_into(acc + (r.left + r.band0 - first), s + r.left, r.right - r.left);
+  if (r.valid > r.right) acc[last - first] += hi;
 }
 
 // The keys a tile of rows m0 .. m0+tq-1 meets: [0, kv_end) (causal: up to the last row's position).
@@ -553,19 +606,39 @@ inline int64_t kv_end(const Geometry& g, int64_t m0, int64_t tq) {
   return g.causal ? std::clamp<int64_t>(m0 + tq + g.off, 0, g.M) : g.M;
 }
 
-// KA rows of keys [j0, j1) for query head h into ka, lo and hi (PosRows' layout; kbuf holds 16-bit keys as T).
+// The row stride of KA's rows (and of their bins): room for the widest chunk's window (diagonal_ld).
+inline int64_t key_table_ld(const Geometry& g, int64_t avail, int64_t elem_size) {
+  return diagonal_ld(window_cap(g, avail, g.N, kPosChunk), elem_size);
+}
+
+// The windows of keys [j0, j1) chunk by chunk (kPosChunk keys each): the table rows each chunk meets against every
+// query.
+inline void key_windows(const Geometry& g, int64_t avail, int64_t j0, int64_t j1, std::vector<Window>& wins) {
+  wins.clear();
+  for (int64_t c0 = j0; c0 < j1; c0 += kPosChunk)
+    wins.push_back(window_of(g.kk, avail, g.causal, g.off, g.off + g.N - 1, c0, std::min(j1, c0 + kPosChunk)));
+}
+
+// KA rows of keys [j0, j1) for query head h into ka, lo and hi (PosRows' layout: a GEMM per chunk of keys, in the
+// chunks' windows `wins` from key_windows, rows ld apart from key_table_ld; kbuf holds 16-bit keys as T).
 template <typename I, typename T>
 PosRows<T> key_table_rows(const Geometry& g, const Views<I, T>& w, int64_t b, int64_t h, int64_t j0, int64_t j1,
-                          T scale, std::vector<T>& kbuf, T* ka, T* lo, T* hi) {
-  const int64_t nk = j1 - j0, hq = g.Hq == 1 ? 0 : h, ld = w.ka_ld;
+                          const std::vector<Window>& wins, int64_t ld, T scale, std::vector<T>& kbuf, T* ka, T* lo,
+                          T* hi) {
+  const int64_t nk = j1 - j0, hq = g.Hq == 1 ? 0 : h;
   int64_t ldk;
   const T* kf = rows_as<T>(w.kh(b, h / g.group) + j0 * w.ks[2], nk, g.D, w.ks[2], kbuf, ldk);
-  gemm<T>(false, true, nk, w.ldr, g.D, scale, kf, ldk, w.rq_pad + hq * w.ldr * g.D, g.D, T(0), ka, ld);
-  for (int64_t x = 0; x < nk; ++x) {
-    lo[x] = ka[x * ld];
-    hi[x] = ka[x * ld + g.R - 1];
+  for (int64_t c = 0, x0 = 0; x0 < nk; ++c, x0 += kPosChunk) {
+    const Window& win = wins[c];
+    const int64_t x1 = std::min(nk, x0 + kPosChunk), top = 2 * g.kk - win.first;
+    gemm<T>(false, true, x1 - x0, win.cols, g.D, scale, kf + x0 * ldk, ldk, w.rq_pad + (hq * w.ldr + win.first) * g.D,
+            g.D, T(0), ka + x0 * ld, ld);
+    for (int64_t x = x0; x < x1; ++x) {
+      lo[x] = win.first == 0 ? ka[x * ld] : T(0);
+      hi[x] = top < win.cols ? ka[x * ld + top] : T(0);
+    }
   }
-  return {ka, lo, hi, j0};
+  return {ka, lo, hi, wins.data(), j0, ld};
 }
 
 // Scores of one tile of rows (query head h, key/value head hkv) against keys n0 .. n0+width-1: S[a, x] =
@@ -573,20 +646,17 @@ PosRows<T> key_table_rows(const Geometry& g, const Views<I, T>& w, int64_t b, in
 // key. For each row its runs and the max of its scores (-inf if it sees no key there).
 template <typename I, typename T>
 void block_scores(const Geometry& g, const Views<I, T>& w, int64_t b, int64_t h, int64_t hkv, int64_t m0, int64_t tq,
-                  int64_t n0, int64_t width, T scale, const T* QA, const PosRows<T>* pos, T* S, int64_t ld, Runs* runs,
-                  T* rmax) {
+                  int64_t n0, int64_t width, T scale, const T* QA, const Window& win, const PosRows<T>* pos, T* S,
+                  int64_t ld, Runs* runs, T* rmax) {
   gemm_io<I, T>(false, true, tq, width, g.D, scale, w.qh(b, h) + m0 * w.qs[2], w.qs[2],
                 w.kh(b, hkv) + n0 * w.ks[2], w.ks[2], T(0), S, ld);
   for (int64_t a = 0; a < tq; ++a) runs[a] = runs_of(m0 + a + g.off, n0, width, g.kk, g.causal);
-  if (pos != nullptr) {
-    const int64_t x0 = n0 - pos->first;
-    add_pos_term(S, ld, runs, tq, width, pos->ka + x0 * w.ka_ld, pos->lo + x0, pos->hi + x0, w.ka_ld);
-  }
+  if (pos != nullptr) add_pos_term(S, ld, runs, tq, n0, width, *pos);
   for (int64_t a = 0; a < tq; ++a) {
     T* s = S + a * ld;
     const Runs& r = runs[a];
     add_mask(s, w.mask_row(b, h, m0 + a, n0), r.valid, w.ms[3]);
-    rmax[a] = add_key_term(s, r, QA == nullptr ? nullptr : QA + a * w.ldr, 2 * g.kk);
+    rmax[a] = add_key_term(s, r, QA == nullptr ? nullptr : QA + a * win.cols, win.first, 2 * g.kk);
     std::fill(s + r.valid, s + width, T(0));
   }
 }
@@ -614,10 +684,15 @@ int64_t grain_for(int64_t tasks, int64_t work) {
 template <typename I, typename T>
 void forward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile_q, int64_t tile_k, I* out, T* lse) {
   constexpr bool narrow = !std::is_same_v<I, T>;
-  const int64_t nq = (g.N + tile_q - 1) / tile_q, last = 2 * g.kk, R = g.R;
-  const int64_t grain = grain_for(g.B * g.H * nq, tile_q * (g.M + (g.has_k || g.has_v ? R : 0)) * (g.D + g.Dv));
+  const int64_t nq = (g.N + tile_q - 1) / tile_q, last = 2 * g.kk;
+  const int64_t cap = window_cap(g, w.ldr, tile_q, g.M);  // columns of a tile's table rows
+  const int64_t grain = grain_for(g.B * g.H * nq, tile_q * (g.M + (g.has_k || g.has_v ? cap : 0)) * (g.D + g.Dv));
+  // The position-to-content term: the windows of table rows each chunk of keys meets, KA's row stride.
+  const int64_t ka_ld = g.has_q ? key_table_ld(g, w.ldr, sizeof(T)) : 0;
+  std::vector<Window> ka_wins;
+  if (g.has_q) key_windows(g, w.ldr, 0, g.M, ka_wins);
   at::parallel_for(0, g.B * g.H * nq, grain, [&](int64_t begin, int64_t end) {
-    std::vector<T> S(tile_q * tile_k), QA(g.has_k ? tile_q * w.ldr : 0), PW(g.has_v ? tile_q * R : 0);
+    std::vector<T> S(tile_q * tile_k), QA(g.has_k ? tile_q * cap : 0), PW(g.has_v ? tile_q * cap : 0);
     std::vector<T> acc(tile_q * g.Dv), mx(tile_q), sm(tile_q), rmax(tile_q);
     std::vector<T> qbuf(narrow && g.has_k ? tile_q * g.D : 0);
     std::vector<I> P16(narrow ? tile_q * tile_k : 0);
@@ -625,34 +700,33 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile
     // The position-to-content term: KA rows of every key for the head of the current task (consecutive tasks share a
     // head: formed once per head and thread).
     const int64_t kam = g.has_q ? g.M : 0;
-    std::vector<T> KA(kam * w.ka_ld), klo(kam), khi(kam), kbuf(narrow ? kam * g.D : 0);
+    std::vector<T> KA(kam * ka_ld), klo(kam), khi(kam), kbuf(narrow ? kam * g.D : 0);
     PosRows<T> pos{};
     int64_t pos_of = -1;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nq, m0 = (task % nq) * tile_q, b = bh / g.H, h = bh % g.H, hkv = h / g.group;
       const int64_t hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h, tq = std::min(tile_q, g.N - m0);
       if (g.has_q && b * g.H + g.ka_head(h) != pos_of) {
-        pos = key_table_rows(g, w, b, h, 0, g.M, scale, kbuf, KA.data(), klo.data(), khi.data());
+        pos = key_table_rows(g, w, b, h, 0, g.M, ka_wins, ka_ld, scale, kbuf, KA.data(), klo.data(), khi.data());
         pos_of = b * g.H + g.ka_head(h);
       }
-      const I* qp = w.qh(b, h) + m0 * w.qs[2];
       const I* vp = w.vh(b, hkv);
-      const T* tk = g.has_k ? w.tk + hk * R * g.D : nullptr;
-      const T* tv = g.has_v ? w.tv + hv * R * g.Dv : nullptr;
+      const int64_t end = kv_end(g, m0, tq);
+      // the table rows the tile meets: QA and PW rows hold win.cols entries, from table row win.first
+      const Window win = window_of(g.kk, w.ldr, g.causal, m0 + g.off, m0 + tq - 1 + g.off, 0, end);
       if (g.has_k) {
         int64_t ldq;
-        const T* qt = rows_as<T>(qp, tq, g.D, w.qs[2], qbuf, ldq);
-        gemm<T>(false, true, tq, w.ldr, g.D, scale, qt, ldq, w.tk_pad + hk * w.ldr * g.D, g.D, T(0), QA.data(),
-                w.ldr);
+        const T* qt = rows_as<T>(w.qph(b, h) + m0 * w.qps[2], tq, g.D, w.qps[2], qbuf, ldq);
+        gemm<T>(false, true, tq, win.cols, g.D, scale, qt, ldq, w.tk_pad + (hk * w.ldr + win.first) * g.D, g.D,
+                T(0), QA.data(), win.cols);
       }
       std::fill(PW.begin(), PW.end(), T(0));
       std::fill(acc.begin(), acc.end(), T(0));
       std::fill(mx.begin(), mx.end(), neg_inf<T>);
       std::fill(sm.begin(), sm.end(), T(0));
-      const int64_t end = kv_end(g, m0, tq);
       for (int64_t n0 = 0; n0 < end; n0 += tile_k) {
         const int64_t width = std::min(tile_k, end - n0);
-        block_scores(g, w, b, h, hkv, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr,
+        block_scores(g, w, b, h, hkv, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr, win,
                      g.has_q ? &pos : nullptr, S.data(), tile_k, runs.data(), rmax.data());
         for (int64_t a = 0; a < tq; ++a) {
           T* s = S.data() + a * tile_k;
@@ -669,9 +743,9 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile
           const T lo = exp_sum(s, r.left, mnew), mid = exp_sum(s + r.left, r.right - r.left, mnew);
           const T hi = exp_sum(s + r.right, r.valid - r.right, mnew);
           if (g.has_v) {
-            T* pw = PW.data() + a * R;
-            if (alpha != T(1)) scale_row(pw, R, alpha);
-            fold_runs(pw, s, r, last, lo, hi);
+            T* pw = PW.data() + a * win.cols;
+            if (alpha != T(1)) scale_row(pw, win.cols, alpha);
+            fold_runs(pw, s, r, win.first, last, lo, hi);
           }
           sm[a] = sm[a] * alpha + lo + mid + hi;
           mx[a] = mnew;
@@ -680,7 +754,9 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile
         gemm_io<I, T>(false, false, tq, g.Dv, width, T(1), block_as<I>(S.data(), tq, width, tile_k, P16), tile_k,
                       vp + n0 * w.vs[2], w.vs[2], T(1), acc.data(), g.Dv);
       }
-      if (g.has_v) gemm<T>(false, false, tq, g.Dv, R, T(1), PW.data(), R, tv, g.Dv, T(1), acc.data(), g.Dv);
+      if (g.has_v)
+        gemm<T>(false, false, tq, g.Dv, win.rows, T(1), PW.data(), win.cols, w.tv_pad + (hv * w.ldr + win.first) * g.Dv,
+                g.Dv, T(1), acc.data(), g.Dv);
       for (int64_t a = 0; a < tq; ++a) {
         I* o = out + (bh * g.N + m0 + a) * g.Dv;
         const T* src = acc.data() + a * g.Dv;
@@ -703,30 +779,33 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile
 // The backward's tasks are (batch, key/value head, segment of key blocks): each owns its keys' dk and dv rows and
 // runs the query heads of its group in order; with more than one segment per head, each writes its share of dq
 // into its own (B*H, N, D) slab of ``dq`` (summed afterwards in segment order, so the result does not depend on
-// the threads).
+// the threads); likewise the key table's share of the position queries' gradient into ``dqp`` (null without q_pos:
+// it goes to dq).
 template <typename I, typename T>
 void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile_q, int64_t tile_k, int64_t splits,
-                   const I* dout, const int64_t* dos, const I* out, const T* lse, T* dq, T* dk, T* dv, T* drk,
+                   const I* dout, const int64_t* dos, const I* out, const T* lse, T* dq, T* dqp, T* dk, T* dv, T* drk,
                    T* drv, T* drq) {
   constexpr bool narrow = !std::is_same_v<I, T>;
   const int64_t last = 2 * g.kk, R = g.R;
   const int64_t blocks = (g.M + tile_k - 1) / tile_k, per_split = (blocks + splits - 1) / splits;
+  const int64_t seg = std::min(g.M, per_split * tile_k);
+  const int64_t cap = window_cap(g, w.ldr, tile_q, seg);  // columns of a tile's table rows
+  const int64_t ld = g.has_q ? key_table_ld(g, w.ldr, sizeof(T)) : 0;  // KA's and its bins' row stride
   at::parallel_for(0, g.B * g.Hkv * splits, 1, [&](int64_t begin, int64_t end) {
     const int64_t tid = at::get_thread_num();
     T* drk_t = g.has_k ? drk + tid * g.Hk * R * g.D : nullptr;
     T* drv_t = g.has_v ? drv + tid * g.Hv * R * g.Dv : nullptr;
     T* drq_t = g.has_q ? drq + tid * g.Hq * R * g.D : nullptr;
     // The position-to-content bins of the task's keys (one query head at a time): dKA, and its edge columns.
-    const int64_t seg = std::min(g.M, per_split * tile_k);
-    const int64_t ld = w.ka_ld;
     std::vector<T> dKA(g.has_q ? seg * ld : 0), dlo(g.has_q ? seg : 0), dhi(g.has_q ? seg : 0);
     std::vector<T> kbuf(narrow && g.has_q ? seg * g.D : 0);
-    std::vector<T> KA(g.has_q ? seg * ld : 0), klo(g.has_q ? seg : 0), khi(g.has_q ? seg : 0);  // KA rows of the keys
+    std::vector<T> KA(g.has_q ? seg * ld : 0), klo(g.has_q ? seg : 0), khi(g.has_q ? seg : 0);  // KA rows
+    std::vector<Window> ka_wins;  // the windows of the task's chunks of keys
     PosRows<T> pos{};
     std::vector<T> P(tile_q * tile_k), dP(tile_q * tile_k), dsum(tile_q), rmax(tile_q);
     std::vector<Runs> runs(tile_q);
-    std::vector<T> QA(g.has_k ? tile_q * w.ldr : 0), dQA(g.has_k ? tile_q * R : 0);
-    std::vector<T> DOA(g.has_v ? tile_q * w.ldr : 0), PW(g.has_v ? tile_q * R : 0);
+    std::vector<T> QA(g.has_k ? tile_q * cap : 0), dQA(g.has_k ? tile_q * cap : 0);
+    std::vector<T> DOA(g.has_v ? tile_q * cap : 0), PW(g.has_v ? tile_q * cap : 0);
     std::vector<T> qbuf(narrow && g.has_k ? tile_q * g.D : 0), dobuf(narrow && g.has_v ? tile_q * g.Dv : 0);
     std::vector<I> B16(narrow ? tile_q * tile_k : 0);
     for (int64_t task = begin; task < end; ++task) {
@@ -736,13 +815,14 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t til
       const I* vp = w.vh(b, hkv);
       T* dkh = dk + bkv * g.M * g.D;
       T* dvh = dv + bkv * g.M * g.Dv;
+      if (g.has_q) key_windows(g, w.ldr, keys_lo, keys_hi, ka_wins);
       for (int64_t h = hkv * g.group; h < (hkv + 1) * g.group; ++h) {
         const int64_t bh = b * g.H + h, hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h;
-        const T* tk = g.has_k ? w.tk + hk * R * g.D : nullptr;
-        const T* tv = g.has_v ? w.tv + hv * R * g.Dv : nullptr;
         T* dqh = dq + (split * g.B * g.H + bh) * g.N * g.D;
+        T* dqph = dqp == nullptr ? dqh : dqp + (split * g.B * g.H + bh) * g.N * g.D;
         if (g.has_q && (g.Hq != 1 || h == hkv * g.group) && keys_hi > keys_lo)
-          pos = key_table_rows(g, w, b, h, keys_lo, keys_hi, scale, kbuf, KA.data(), klo.data(), khi.data());
+          pos = key_table_rows(g, w, b, h, keys_lo, keys_hi, ka_wins, ld, scale, kbuf, KA.data(), klo.data(),
+                               khi.data());
         if (g.has_q) {
           std::fill(dKA.begin(), dKA.end(), T(0));
           std::fill(dlo.begin(), dlo.end(), T(0));
@@ -762,22 +842,25 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t til
               t += static_cast<T>(dot[a * dos[2] + x]) * static_cast<T>(ot[a * g.Dv + x]);
             dsum[a] = t;
           }
-          int64_t ldq = 0, ldo = 0;  // the tile's q and dO rows as T, for the GEMMs with the tables
-          const T* qf = g.has_k ? rows_as<T>(qt, tq, g.D, w.qs[2], qbuf, ldq) : nullptr;
+          // the table rows the tile meets against the segment's keys (QA, dQA, DOA, PW rows: win.cols entries)
+          const Window win = window_of(g.kk, w.ldr, g.causal, m0 + g.off, m0 + tq - 1 + g.off, keys_lo, end);
+          const int64_t wc = win.cols;
+          int64_t ldq = 0, ldo = 0;  // the tile's position queries and dO rows as T, for the GEMMs with the tables
+          const T* qf = g.has_k ? rows_as<T>(w.qph(b, h) + m0 * w.qps[2], tq, g.D, w.qps[2], qbuf, ldq) : nullptr;
           const T* dof = g.has_v ? rows_as<T>(dot, tq, g.Dv, dos[2], dobuf, ldo) : nullptr;
           if (g.has_k) {
-            gemm<T>(false, true, tq, w.ldr, g.D, scale, qf, ldq, w.tk_pad + hk * w.ldr * g.D, g.D, T(0), QA.data(),
-                    w.ldr);
-            std::fill(dQA.begin(), dQA.end(), T(0));
+            gemm<T>(false, true, tq, wc, g.D, scale, qf, ldq, w.tk_pad + (hk * w.ldr + win.first) * g.D, g.D, T(0),
+                    QA.data(), wc);
+            std::fill(dQA.begin(), dQA.begin() + tq * wc, T(0));
           }
           if (g.has_v) {
-            gemm<T>(false, true, tq, w.ldr, g.Dv, T(1), dof, ldo, w.tv_pad + hv * w.ldr * g.Dv, g.Dv, T(0),
-                    DOA.data(), w.ldr);
-            std::fill(PW.begin(), PW.end(), T(0));
+            gemm<T>(false, true, tq, wc, g.Dv, T(1), dof, ldo, w.tv_pad + (hv * w.ldr + win.first) * g.Dv, g.Dv,
+                    T(0), DOA.data(), wc);
+            std::fill(PW.begin(), PW.begin() + tq * wc, T(0));
           }
           for (int64_t n0 = keys_lo; n0 < end; n0 += tile_k) {
             const int64_t width = std::min(tile_k, end - n0);
-            block_scores(g, w, b, h, hkv, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr,
+            block_scores(g, w, b, h, hkv, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr, win,
                          g.has_q ? &pos : nullptr, P.data(), tile_k, runs.data(), rmax.data());
             for (int64_t a = 0; a < tq; ++a) {  // P = exp(S - lse)
               T* s = P.data() + a * tile_k;
@@ -788,12 +871,13 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t til
                 const T p = lt[a] == lt[a] || r.valid == 0 ? T(0) : lt[a];
                 std::fill(s, s + r.valid, p);
                 std::fill(s + r.valid, s + width, T(0));
-                if (g.has_v && p != T(0)) fold_runs(PW.data() + a * R, s, r, last, p, p);
+                if (g.has_v && p != T(0)) fold_runs(PW.data() + a * wc, s, r, win.first, last, p, p);
                 continue;
               }
               exp_shift(s, r.valid, -lt[a]);
               if (g.has_v)
-                fold_runs(PW.data() + a * R, s, r, last, sum(s, r.left), sum(s + r.right, r.valid - r.right));
+                fold_runs(PW.data() + a * wc, s, r, win.first, last, sum(s, r.left),
+                          sum(s + r.right, r.valid - r.right));
             }
             // dv += P.T @ dO;  dP = dO @ v.T (+ the value term)
             gemm_io<I, T>(true, false, width, g.Dv, tq, T(1), block_as<I>(P.data(), tq, width, tile_k, B16), tile_k,
@@ -804,44 +888,51 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t til
               T* ds = dP.data() + a * tile_k;
               const T* p = P.data() + a * tile_k;
               const Runs& r = runs[a];
-              if (g.has_v) add_key_term(ds, r, DOA.data() + a * w.ldr, last);
+              if (g.has_v) add_key_term(ds, r, DOA.data() + a * wc, win.first, last);
               const T d = dsum[a];
               const T lo = softmax_grad_sum(ds, p, r.left, d);
               softmax_grad_sum(ds + r.left, p + r.left, r.right - r.left, d);
               const T hi = softmax_grad_sum(ds + r.right, p + r.right, r.valid - r.right, d);
               std::fill(ds + r.valid, ds + width, T(0));
-              if (g.has_k) fold_runs(dQA.data() + a * R, ds, r, last, lo, hi);
+              if (g.has_k) fold_runs(dQA.data() + a * wc, ds, r, win.first, last, lo, hi);
             }
-            if (g.has_q) {
-              const int64_t x0 = n0 - keys_lo;
-              bin_pos_term(dP.data(), tile_k, runs.data(), tq, width, dKA.data() + x0 * ld, dlo.data() + x0,
-                           dhi.data() + x0, ld);
-            }
+            if (g.has_q)
+              bin_pos_term(dP.data(), tile_k, runs.data(), tq, n0, width, dKA.data(), dlo.data(), dhi.data(), pos);
             // dq += scale dS @ k;  dk += scale dS.T @ q
             const I* dS = block_as<I>(dP.data(), tq, width, tile_k, B16);
             gemm_io<I, T>(false, false, tq, g.D, width, scale, dS, tile_k, kp + n0 * w.ks[2], w.ks[2], T(1),
                           dqh + m0 * g.D, g.D);
             gemm_io<I, T>(true, false, width, g.D, tq, scale, dS, tile_k, qt, w.qs[2], T(1), dkh + n0 * g.D, g.D);
           }
+          // dq (or dq_pos) += scale dQA @ a^K;  d a^K += scale dQA.T @ q_pos;  d a^V += PW.T @ dO: the window's rows
           if (g.has_k) {
-            gemm<T>(false, false, tq, g.D, R, scale, dQA.data(), R, tk, g.D, T(1), dqh + m0 * g.D, g.D);
-            gemm<T>(true, false, R, g.D, tq, scale, dQA.data(), R, qf, ldq, T(1), drk_t + hk * R * g.D, g.D);
+            gemm<T>(false, false, tq, g.D, win.rows, scale, dQA.data(), wc, w.tk_pad + (hk * w.ldr + win.first) * g.D,
+                    g.D, T(1), dqph + m0 * g.D, g.D);
+            gemm<T>(true, false, win.rows, g.D, tq, scale, dQA.data(), wc, qf, ldq, T(1),
+                    drk_t + (hk * R + win.first) * g.D, g.D);
           }
           if (g.has_v) {
-            gemm<T>(true, false, R, g.Dv, tq, T(1), PW.data(), R, dof, ldo, T(1), drv_t + hv * R * g.Dv, g.Dv);
+            gemm<T>(true, false, win.rows, g.Dv, tq, T(1), PW.data(), wc, dof, ldo, T(1),
+                    drv_t + (hv * R + win.first) * g.Dv, g.Dv);
           }
         }
         if (g.has_q && keys_hi > keys_lo) {  // dk += scale dKA @ a^Q;  d a^Q += scale dKA.T @ k (the task's keys)
           const int64_t nk = keys_hi - keys_lo, hq = g.Hq == 1 ? 0 : h;
-          for (int64_t x = 0; x < nk; ++x) {
-            dKA[x * ld] += dlo[x];
-            dKA[x * ld + last] += dhi[x];
-          }
-          const T* tq = w.rq + hq * R * g.D;
-          gemm<T>(false, false, nk, g.D, R, scale, dKA.data(), ld, tq, g.D, T(1), dkh + keys_lo * g.D, g.D);
           int64_t ldk;
           const T* kf = rows_as<T>(kp + keys_lo * w.ks[2], nk, g.D, w.ks[2], kbuf, ldk);
-          gemm<T>(true, false, R, g.D, nk, scale, dKA.data(), ld, kf, ldk, T(1), drq_t + hq * R * g.D, g.D);
+          for (int64_t c = 0, x0 = 0; x0 < nk; ++c, x0 += kPosChunk) {  // chunk by chunk, in the chunk's window
+            const Window& win = ka_wins[c];
+            const int64_t x1 = std::min(nk, x0 + kPosChunk), top = last - win.first;
+            for (int64_t x = x0; x < x1; ++x) {
+              if (win.first == 0) dKA[x * ld] += dlo[x];
+              if (top < win.cols) dKA[x * ld + top] += dhi[x];
+            }
+            const T* tq = w.rq + (hq * R + win.first) * g.D;
+            gemm<T>(false, false, x1 - x0, g.D, win.rows, scale, dKA.data() + x0 * ld, ld, tq, g.D, T(1),
+                    dkh + (keys_lo + x0) * g.D, g.D);
+            gemm<T>(true, false, win.rows, g.D, x1 - x0, scale, dKA.data() + x0 * ld, ld, kf + x0 * ldk, ldk, T(1),
+                    drq_t + (hq * R + win.first) * g.D, g.D);
+          }
         }
       }
     }
@@ -890,6 +981,16 @@ Geometry geometry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return g;
 }
 
+// The position queries (q_pos, the queries the key table reads), checked against q: its shape and dtype, rows
+// contiguous; undefined when none is given (q is read instead).
+at::Tensor checked_position_queries(const std::optional<at::Tensor>& q_pos, const at::Tensor& q) {
+  if (!q_pos.has_value()) return at::Tensor();
+  TORCH_CHECK(q_pos->sizes() == q.sizes() && q_pos->scalar_type() == q.scalar_type(),
+              "relattn native: q_pos must have q's shape and dtype; got ", q_pos->sizes(), " ",
+              q_pos->scalar_type(), " for q ", q.sizes(), " ", q.scalar_type());
+  return rows_contiguous(*q_pos);
+}
+
 // Tiles no larger than the problem: the same tiles and blocks, but a decoding step (N = 1) no longer allocates and
 // zeroes (tile_q, tile_k) score buffers per thread.
 void clamp_tiles(const Geometry& g, int64_t& tile_q, int64_t& tile_k) {
@@ -927,33 +1028,37 @@ std::tuple<at::Tensor, at::Tensor> shaw_fwd(const at::Tensor& q_, const at::Tens
                                             const std::optional<at::Tensor>& rel_k,
                                             const std::optional<at::Tensor>& rel_v,
                                             const std::optional<at::Tensor>& mask_,
-                                            const std::optional<at::Tensor>& rel_q, int64_t kk, bool is_causal,
+                                            const std::optional<at::Tensor>& rel_q,
+                                            const std::optional<at::Tensor>& q_pos, int64_t kk, bool is_causal,
                                             double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k) {
   at::Tensor q = rows_contiguous(q_), k = rows_contiguous(k_), v = rows_contiguous(v_);
   at::Tensor tk = opt(rel_k), tv = opt(rel_v), tq = opt(rel_q), mask = checked_mask(opt(mask_), q, k);
+  at::Tensor qp = checked_position_queries(q_pos, q);
   const Geometry g = geometry(q, k, v, tk, tv, tq, kk, is_causal, query_offset);
   clamp_tiles(g, tile_q, tile_k);
   at::Tensor out = at::empty({g.B, g.H, g.N, g.Dv}, q.options());
   at::Tensor lse = at::empty({g.B, g.H, g.N}, q.options().dtype(compute_type(q)));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
-  const Padded pad = padded_tables(tk, tv, tq, g);
+  const Padded pad = padded_tables(tk, tv, tq, g, tile_q);
   dispatch_types(q.scalar_type(), [&]<typename I, typename T>() {
-    forward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, pad), static_cast<T>(scale), tile_q, tile_k,
+    forward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, qp, pad), static_cast<T>(scale), tile_q, tile_k,
                        out.data_ptr<I>(), lse.data_ptr<T>());
   });
   return {out, lse};
 }
 
-// Gradients in the compute type (float32 for 16-bit inputs); dk, dv (B, Hkv, M, D|Dv).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> shaw_bwd(
+// Gradients in the compute type (float32 for 16-bit inputs); dk, dv (B, Hkv, M, D|Dv); the seventh, d q_pos (the key
+// table's share of the position queries' gradient, apart from dq's content share), empty without q_pos.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> shaw_bwd(
     const at::Tensor& grad_out_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
     const std::optional<at::Tensor>& rel_k, const std::optional<at::Tensor>& rel_v,
-    const std::optional<at::Tensor>& mask_, const std::optional<at::Tensor>& rel_q, const at::Tensor& out_,
-    const at::Tensor& lse_, int64_t kk, bool is_causal, double scale, int64_t query_offset, int64_t tile_q,
-    int64_t tile_k, int64_t kv_splits) {
+    const std::optional<at::Tensor>& mask_, const std::optional<at::Tensor>& rel_q,
+    const std::optional<at::Tensor>& q_pos, const at::Tensor& out_, const at::Tensor& lse_, int64_t kk,
+    bool is_causal, double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k, int64_t kv_splits) {
   at::Tensor q = rows_contiguous(q_), k = rows_contiguous(k_), v = rows_contiguous(v_);
   at::Tensor grad_out = rows_contiguous(grad_out_), out = out_.contiguous(), lse = lse_.contiguous();
   at::Tensor tk = opt(rel_k), tv = opt(rel_v), tq = opt(rel_q), mask = checked_mask(opt(mask_), q, k);
+  at::Tensor qp = checked_position_queries(q_pos, q);
   const Geometry g = geometry(q, k, v, tk, tv, tq, kk, is_causal, query_offset);
   TORCH_CHECK(grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type() &&
                   lse.scalar_type() == compute_type(q),
@@ -968,6 +1073,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const int64_t splits = std::max<int64_t>(1, std::min(blocks, wanted));
   const auto opts = q.options().dtype(compute_type(q));
   at::Tensor dq = at::zeros({splits, g.B, g.H, g.N, g.D}, opts);
+  at::Tensor dqp = qp.defined() ? at::zeros({splits, g.B, g.H, g.N, g.D}, opts) : at::empty({0}, opts);
   at::Tensor dk = at::zeros({g.B, g.Hkv, g.M, g.D}, opts);
   at::Tensor dv = at::zeros({g.B, g.Hkv, g.M, g.Dv}, opts);
   at::Tensor drk = g.has_k ? at::zeros({threads, g.Hk, g.R, g.D}, opts) : at::empty({0}, opts);
@@ -975,26 +1081,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor drq = g.has_q ? at::zeros({threads, g.Hq, g.R, g.D}, opts) : at::empty({0}, opts);
   if (g.N > 0 && g.M > 0) {
     const int64_t dos[3] = {grad_out.stride(0), grad_out.stride(1), grad_out.stride(2)};
-    const Padded pad = padded_tables(tk, tv, tq, g);
+    const Padded pad = padded_tables(tk, tv, tq, g, tile_q);
     dispatch_types(q.scalar_type(), [&]<typename I, typename T>() {
-      backward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, pad), static_cast<T>(scale), tile_q, tile_k,
+      backward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, qp, pad), static_cast<T>(scale), tile_q, tile_k,
                           splits, grad_out.data_ptr<I>(), dos, out.data_ptr<I>(), lse.data_ptr<T>(), dq.data_ptr<T>(),
-                          dk.data_ptr<T>(), dv.data_ptr<T>(), g.has_k ? drk.data_ptr<T>() : nullptr,
-                          g.has_v ? drv.data_ptr<T>() : nullptr, g.has_q ? drq.data_ptr<T>() : nullptr);
+                          qp.defined() ? dqp.data_ptr<T>() : nullptr, dk.data_ptr<T>(), dv.data_ptr<T>(),
+                          g.has_k ? drk.data_ptr<T>() : nullptr, g.has_v ? drv.data_ptr<T>() : nullptr,
+                          g.has_q ? drq.data_ptr<T>() : nullptr);
     });
   }
-  return {splits == 1 ? dq[0] : dq.sum(0), dk, dv, g.has_k ? drk.sum(0) : drk, g.has_v ? drv.sum(0) : drv,
-          g.has_q ? drq.sum(0) : drq};
+  const auto slabs = [&](const at::Tensor& t) { return splits == 1 ? t[0] : t.sum(0); };
+  return {slabs(dq), dk, dv, g.has_k ? drk.sum(0) : drk, g.has_v ? drv.sum(0) : drv, g.has_q ? drq.sum(0) : drq,
+          qp.defined() ? slabs(dqp) : dqp};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(relattn_native, m) {
-  m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, Tensor? rel_q, int K, "
-        "bool is_causal, float scale, int query_offset, int tile_q, int tile_k) -> (Tensor, Tensor)");
+  m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, Tensor? rel_q, "
+        "Tensor? q_pos, int K, bool is_causal, float scale, int query_offset, int tile_q, int tile_k) -> "
+        "(Tensor, Tensor)");
   m.def("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, "
-        "Tensor? rel_q, Tensor out, Tensor lse, int K, bool is_causal, float scale, int query_offset, int tile_q, "
-        "int tile_k, int kv_splits) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? rel_q, Tensor? q_pos, Tensor out, Tensor lse, int K, bool is_causal, float scale, int query_offset, "
+        "int tile_q, int tile_k, int kv_splits) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("has_gemm16(ScalarType dtype) -> bool", [](at::ScalarType dtype) { return has_gemm16(dtype); });
 }
 

@@ -3,6 +3,8 @@ projections as heads and back, the dropout a module applies."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -44,4 +46,32 @@ def dropout_p(module: nn.Module, p: float) -> float:
     return float(p) if module.training else 0.0
 
 
-__all__ = ["as_attn_mask", "dropout_p", "heads", "merge", "qkv"]
+def attentions_recorded(name: str) -> bool:
+    """Whether the running transformers-5 model records its attention modules' weights (``output_attentions``):
+    its output-capturing hooks collect them. False, with one warning per module class ``name``, when this
+    transformers does not say."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        if name not in _WARNED:
+            _WARNED.add(name)
+            warnings.warn(f"relattn-patched {name} cannot tell whether output_attentions was asked for with this "
+                          "transformers version: it returns no attention weights", stacklevel=3)
+        return False
+    collected = _active_collector.get()
+    return collected is not None and "attentions" in collected
+
+
+_WARNED: set[str] = set()
+
+
+def compact_mask(mask):
+    """A 4-D mask whose query rows are all the same (a padding mask, as transformers builds it for encoders) as its
+    (B|1, H|1, 1, M) first row, else itself: the op then holds no (N, M) mask. An O(N M) comparison."""
+    if mask is None or mask.dim() != 4 or mask.shape[2] <= 1:
+        return mask
+    first = mask[:, :, :1]
+    return first if torch.equal(mask, first.expand_as(mask)) else mask
+
+
+__all__ = ["as_attn_mask", "attentions_recorded", "compact_mask", "dropout_p", "heads", "merge", "qkv"]

@@ -13,6 +13,9 @@ class, its parameters and its ``state_dict`` names; only its ``forward`` is repl
   ``embed_positions`` hands the (2L, D) table to the layers.
 - VITS: key and value tables ``emb_rel_k``, ``emb_rel_v`` (1, 2W+1, D), window ``W``, zero beyond it.
 - DeBERTa (v1) and DeBERTa-v2/v3: disentangled attention, :mod:`relattn.integrations.deberta`.
+- Transformer-XL relative attention (content and position biases, a window as long as the sequence): Parakeet,
+  Wav2Vec2-Conformer, SeamlessM4T v1's speech encoder and Wav2Vec2-BERT (``position_embeddings_type="relative"``),
+  FastSpeech2-Conformer, :mod:`relattn.integrations.conformer`.
 
 With ``output_attentions=True`` patched modules return the weights, from :func:`relative_attention_weights`, as
 the unpatched modules do (Wav2Vec2-BERT and SeamlessM4T-v2 whenever the model records attentions).
@@ -28,12 +31,15 @@ from torch import nn
 
 from ..backends import check_name
 from ..functional import relative_attention, relative_attention_weights
+from .conformer import HANDLERS as _CONFORMER
+from .conformer import SUPPORTED as _CONFORMER_SUPPORTED
+from .conformer import wav2vec2_forward, wav2vec2_reason
 from .deberta import HANDLERS as _DEBERTA
 from .deberta import SUPPORTED as _DEBERTA_SUPPORTED
-from .hf_common import as_attn_mask, dropout_p, merge, qkv
+from .hf_common import as_attn_mask, attentions_recorded, dropout_p, merge, qkv
 
 SUPPORTED = ("Wav2Vec2-BERT (relative_key)", "SeamlessM4T-v2 speech encoder (relative_key)", "SpeechT5 encoder",
-             "VITS", *_DEBERTA_SUPPORTED)
+             "VITS", *_DEBERTA_SUPPORTED, *_CONFORMER_SUPPORTED)
 
 
 @dataclass
@@ -49,17 +55,6 @@ class PatchReport:
 # ------------------------------------------------------------------------------------------ the patched forwards
 
 
-def _attentions_recorded() -> bool | None:
-    """Whether the running transformers-5 model records its attention modules' weights (``output_attentions``):
-    its output-capturing hooks collect them; None when this transformers does not say."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:
-        return None
-    collected = _active_collector.get()
-    return collected is not None and "attentions" in collected
-
-
 def _conformer_forward(self, hidden_states, attention_mask=None, relative_position_embeddings=None, **kwargs):
     """Wav2Vec2BertSelfAttention / SeamlessM4Tv2ConformerSelfAttention with position_embeddings_type="relative_key";
     the weights too when the model records them (``output_attentions=True``)."""
@@ -67,23 +62,17 @@ def _conformer_forward(self, hidden_states, attention_mask=None, relative_positi
     args = dict(max_relative_position=(self.left_max_position_embeddings, self.right_max_position_embeddings),
                 attn_mask=as_attn_mask(attention_mask), scale=self.scaling)
     table = self.distance_embedding.weight.to(q.dtype)
-    recorded = _attentions_recorded()
-    if recorded is None:
-        _warn_no_weights(type(self).__name__)
+    recorded = attentions_recorded(type(self).__name__)
     out = relative_attention(q, k, v, table, None, dropout_p=dropout_p(self, self.dropout.p),
                              backend=self._relattn_backend, **args)
     weights = relative_attention_weights(q, k, table, **args) if recorded else None
     return self.linear_out(merge(out)), weights
 
 
-_WARNED: set[str] = set()
-
-
-def _warn_no_weights(name: str) -> None:
-    if name not in _WARNED:
-        _WARNED.add(name)
-        warnings.warn(f"relattn-patched {name} cannot tell whether output_attentions was asked for with this "
-                      "transformers version: it returns no attention weights", stacklevel=3)
+def _w2v_bert_forward(self, hidden_states, attention_mask=None, relative_position_embeddings=None, **kwargs):
+    """Wav2Vec2BertSelfAttention: Shaw's ``relative_key`` or Transformer-XL's ``relative``."""
+    forward = wav2vec2_forward if self.position_embeddings_type == "relative" else _conformer_forward
+    return forward(self, hidden_states, attention_mask, relative_position_embeddings, **kwargs)
 
 
 def _speecht5_positions_forward(self, hidden_states):
@@ -124,13 +113,19 @@ def _vits_forward(self, hidden_states, key_value_states=None, attention_mask=Non
 
 
 def _conformer_reason(module) -> str | None:
+    """SeamlessM4Tv2ConformerSelfAttention: ``relative_key`` only (transformers 5 has no other position type
+    there: with any other it attends without positions)."""
     kind = module.position_embeddings_type
     if kind == "relative_key":
         return None
     if kind is None:
         return "no relative positions (adapter or position-free attention): plain attention, left as it is"
-    return (f"position_embeddings_type={kind!r} is not Shaw attention (relattn patches 'relative_key'; "
-            "'relative' is Transformer-XL style, 'rotary' is RoPE)")
+    return (f"position_embeddings_type={kind!r}: SeamlessM4T-v2's attention computes no positions for it (only "
+            "'relative_key' has any), plain attention, left as it is")
+
+
+def _w2v_bert_reason(module) -> str | None:
+    return None if module.position_embeddings_type == "relative_key" else wav2vec2_reason(module)
 
 
 def _vits_reason(module) -> str | None:
@@ -146,11 +141,12 @@ def _speecht5_reason(module) -> str | None:
 
 _HANDLERS = {
     "transformers.models.wav2vec2_bert.modeling_wav2vec2_bert.Wav2Vec2BertSelfAttention":
-        (_conformer_forward, _conformer_reason),
+        (_w2v_bert_forward, _w2v_bert_reason),
     "transformers.models.seamless_m4t_v2.modeling_seamless_m4t_v2.SeamlessM4Tv2ConformerSelfAttention":
         (_conformer_forward, _conformer_reason),
     "transformers.models.vits.modeling_vits.VitsAttention": (_vits_forward, _vits_reason),
     **_DEBERTA,  # DeBERTa v1, v2/v3: integrations/deberta.py
+    **_CONFORMER,  # Transformer-XL relative attention: integrations/conformer.py
 }
 _SPEECHT5 = "transformers.models.speecht5.modeling_speecht5."
 
@@ -179,9 +175,11 @@ def patch(model: nn.Module, *, backend: str = "auto") -> PatchReport:
     :func:`relative_attention` on the module's own parameters (``state_dict`` unchanged).
 
     Supported: Wav2Vec2-BERT and SeamlessM4T-v2 speech-encoder attention with ``relative_key`` positions, the
-    SpeechT5 encoder, VITS, DeBERTa (v1) and DeBERTa-v2/v3 (every ``Deberta*`` / ``DebertaV2*`` model class).
-    Other attention modules (rotary, Transformer-XL ``relative``, absolute positions, SpeechT5's decoder, DeBERTa's
-    talking heads) are left untouched and listed in ``skipped`` with the reason; a warning names the
+    SpeechT5 encoder, VITS, DeBERTa (v1) and DeBERTa-v2/v3 (every ``Deberta*`` / ``DebertaV2*`` model class), and
+    Transformer-XL's relative attention: Parakeet (``ParakeetEncoder`` and its CTC, RNN-T, TDT heads),
+    Wav2Vec2-Conformer, SeamlessM4T v1's speech encoder and Wav2Vec2-BERT with ``relative`` positions,
+    FastSpeech2-Conformer. Other attention modules (rotary, absolute positions, SpeechT5's decoder, DeBERTa's
+    talking heads, adapters) are left untouched and listed in ``skipped`` with the reason; a warning names the
     unsupported position types, and one is raised when nothing could be patched.
 
     Args:
@@ -220,7 +218,7 @@ def patch(model: nn.Module, *, backend: str = "auto") -> PatchReport:
             report.patched.append(name)
         else:
             report.skipped[name] = reason
-    odd = sorted({r for r in report.skipped.values() if "not Shaw attention" in r})
+    odd = sorted({r for r in report.skipped.values() if "position_embeddings_type=" in r})
     if odd:
         warnings.warn("relattn.patch left attention untouched: " + "; ".join(odd), stacklevel=2)
     if not report.patched:
