@@ -793,10 +793,10 @@ def test_transformer_xl_through_the_op_matches_the_oracle(small_tiles, tiles, sp
 
 @needs_native
 @pytest.mark.parametrize("gemm16", [True, False], ids=["gemm16", "float32-copies"])
-def test_transformer_xl_bfloat16_within_2x_of_plain_pytorch(monkeypatch, gemm16):
+def test_transformer_xl_bfloat16_within_2x_of_plain_pytorch(kernel_settings, gemm16):
     """bfloat16 with both biases (q_pos in 16 bits beside q) on both 16-bit paths, K = N - 1: the output and every
     gradient within twice plain PyTorch's bfloat16 error against float64."""
-    monkeypatch.setattr(native, "GEMM16", gemm16)
+    kernel_settings(native, gemm16=gemm16)
     b, h, n, d = 1, 2, 70, 16
     q, k, v, rk, _ = random_inputs(b, h, n, n, d, d, n - 1, tables="keys_per_head", seed=71)
     g = torch.Generator().manual_seed(72)
