@@ -132,6 +132,8 @@ class SDPAAttention(RelativeMultiheadAttention):
 
     def forward(self, query, key=None, value=None, key_padding_mask=None, need_weights=False, attn_mask=None,
                 average_attn_weights=True, is_causal=False, *, kv_cache=None, context_parallel=None):
+        if context_parallel is not None:
+            raise ValueError("SDPAAttention (the benchmark's baseline) runs in one process: context_parallel=None")
         q, k, v = (self._heads(p(query)) for p in (self.q_proj, self.k_proj, self.v_proj))
         offset = 0
         if kv_cache is not None:

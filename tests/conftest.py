@@ -8,6 +8,11 @@ import torch
 # under Triton's interpreter on CPU tensors (set before relattn is imported, which reads it for what it serves).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# torch.compile's on-disk caches are keyed by the traced graph, not by what relattn's custom ops are: a cache that
+# another checkout (another version of the ops) filled can hand back code calling them with other arguments. The
+# suite keeps its own, in this checkout.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), ".pytest_cache", "torchinductor"))
 
 from hypothesis import HealthCheck, settings
 

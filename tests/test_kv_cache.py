@@ -146,6 +146,11 @@ def test_a_call_refused_for_gradients_leaves_the_cache_free_for_cross_attention(
         got = mod(x, mem, mem, kv_cache=cache)[0]
         assert cache.kind == "cross"
         assert_close(got, mod(x, mem, mem)[0], torch.float64)
+        small = KVCache(max_len=3)  # and the other way: a memory too long refused, then self-attention served
+        with pytest.raises(ValueError, match=r"cannot hold a memory of 5 positions"):
+            mod(x, mem, mem, kv_cache=small)
+        assert small.kind is None and len(small) == 0
+        assert_close(mod(x, kv_cache=small)[0], mod(x)[0], torch.float64)
 
 
 

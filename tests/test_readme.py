@@ -36,7 +36,7 @@ def test_documentation_has_python_blocks():
     assert DOCS, "no ```python block found in README.md or docs/*.md"
 
 
-SLOW_DOCS = {"training.md"}  # (trains a model: over ten seconds)
+SLOW_DOCS = {"training.md", "usage.md"}  # (a model trained; compiles and exports: over ten seconds each)
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.slow] if p.name in SLOW_DOCS else [])

@@ -281,6 +281,18 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path, case, capsys):
     assert "--grad-clip" not in err[0]  # (no such flag)
 
 
+@pytest.mark.slow
+def test_torchrun_prints_a_bad_input_once(tmp_path):
+    """Two ranks under torchrun meet the same bad input: one line says it, and both exit 2 (torchrun's own report
+    of the failed ranks follows, as for any failing command)."""
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "relattn", "train",
+           "--out", str(tmp_path / "o"), "--weight-decay", "-1"]
+    res = subprocess.run(cmd, env=env1(), capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    said = [line for line in res.stderr.splitlines() if line.startswith("relattn train: error:")]
+    assert said == ["relattn train: error: --weight-decay must be >= 0, got -1.0"], res.stderr[-2000:]
+
+
 def test_under_torchrun_a_bad_input_is_said_by_rank_0_alone(tmp_path, monkeypatch, capsys):
     """Every rank meets the same bad input (setup checks it before any process group) and exits 2; only rank 0
     prints the line."""

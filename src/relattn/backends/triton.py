@@ -418,7 +418,7 @@ def serves() -> Serves:
 
 
 BACKEND = Backend("triton", OPS.run, serves,
-                  "Triton flash kernels, forward and backward: key loops in three stages (left of the band, band, "
-                  "right), the key term gathered from q a^K^T, the position-to-content term (rel_q) from k a^Q^T, "
-                  "the value term as per-row bins times a^V; CUDA (CPU under TRITON_INTERPRET=1), no dropout",
+                  "Triton flash kernels: key loops in three stages (left of the band, band, right), the key term "
+                  "gathered from q a^K^T, the position-to-content term (rel_q) from k a^Q^T, the value term as "
+                  "per-row bins times a^V (the CPU only under TRITON_INTERPRET=1)",
                   unavailable=unavailable, stats=OPS)
