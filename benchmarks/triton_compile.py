@@ -84,8 +84,8 @@ SHAPES = [
           tables="xl", kk=2047, mask=True, position_query=True),
     Shape("fp16 D=64 Transformer-XL causal: keys table + q_pos, K = N - 1", dtype=torch.float16, causal=True,
           tables="keys", kk=2047, position_query=True),
-    Shape("fp32 D=128 Transformer-XL: keys table per head + q_pos", dtype=torch.float32, d=128, tables="xl",
-          kk=2047, position_query=True),
+    Shape("fp32 D=128 Transformer-XL causal: keys table per head + q_pos", dtype=torch.float32, d=128, causal=True,
+          tables="xl", kk=2047, position_query=True),
 ]
 CI_SHAPES = ["bf16 D=64", "fp16 D=128 padding mask", "bf16 D=64 decoding 1 x 4096",
              "bf16 D=64 DeBERTa: keys + rel_q per head, padding mask",
