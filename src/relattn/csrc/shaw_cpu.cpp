@@ -479,7 +479,7 @@ struct Padded {
 
 Padded padded_tables(const at::Tensor& tk, const at::Tensor& tv, const at::Tensor& tq, const Geometry& g,
                      int64_t tile_q) {
-  const bool whole = g.R <= std::max(tile_q, g.N) + g.M - 1;
+  const bool whole = g.R <= tile_q + g.M - 1;  // tile_q: as clamped to N
   const int64_t cols = g.N >= 16 && g.R > 256 && whole ? gemm_columns(g.R) : g.R;
   const auto pad = [&](const at::Tensor& t) {
     return t.defined() && cols > g.R ? at::constant_pad_nd(t, {0, 0, 0, cols - g.R}) : t;
