@@ -102,8 +102,8 @@ SHAPES = [
           tables="xl", kk=2047, mask=True, position_query=True),
     Shape("fp16 D=64 Transformer-XL causal: keys table + q_pos, K = N - 1", dtype=torch.float16, causal=True,
           tables="keys", kk=2047, position_query=True),
-    Shape("fp32 D=128 Transformer-XL: keys table per head + q_pos", dtype=torch.float32, d=128, tables="xl",
-          kk=2047, position_query=True),
+    Shape("fp32 D=128 Transformer-XL causal: keys table per head + q_pos", dtype=torch.float32, d=128, causal=True,
+          tables="xl", kk=2047, position_query=True),
 ]
 # the CI subset: one or two shapes per arch, every kernel, so that each arch and each kind of launch is compiled
 CI_PAIRS = [("bf16 D=64", 80), ("fp16 D=128 padding mask", 90), ("bf16 D=96 padding mask", 86),

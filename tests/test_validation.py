@@ -138,15 +138,16 @@ def test_position_bias_without_a_key_table_is_refused_naming_it():
                            position_bias=torch.randn(3, 4))
 
 
-@pytest.mark.parametrize("backend", ["native", "triton"])
-def test_a_backend_without_position_queries_refuses_the_biases_by_name(backend):
-    from relattn.backends import BACKENDS, refusals
+def test_a_backend_without_position_queries_refuses_the_biases_by_name(monkeypatch):
+    """Every built-in backend takes q_pos; one declaring no position queries is refused the biases by name, at
+    construction (refusals) and at the call."""
+    from relattn.backends import BACKENDS, Backend, Serves, refusals
 
-    if BACKENDS[backend].serves.position_query:
-        pytest.skip(f"{backend} serves the biases")
+    assert all(b.serves.position_query for b in BACKENDS.values())
+    monkeypatch.setitem(BACKENDS, "without", Backend("without", lambda c: c.q, Serves(), "declares no q_pos"))
     t = base()
-    assert any("q_pos" in r for r in refusals(backend, position_query=True))
-    with pytest.raises(ValueError, match=rf"backend '{backend}' cannot serve these inputs: .*a separate position "
+    assert any("q_pos" in r for r in refusals("without", position_query=True))
+    with pytest.raises(ValueError, match=r"backend 'without' cannot serve these inputs: .*a separate position "
                                          r"query q_pos \(content/position biases"):
         relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], max_relative_position=2,
-                           content_bias=torch.randn(3, 4), backend=backend)
+                           content_bias=torch.randn(3, 4), backend="without")

@@ -157,8 +157,8 @@ def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.
         reasons.append("a position-to-content table rel_q (no k . a^Q term; 'native', 'triton', 'blocked' and "
                        "'dense' take it)")
     if position_query and not s.position_query:
-        reasons.append("a separate position query q_pos (content/position biases; 'native', 'triton', 'dense' and "
-                       "'blocked' take it)")
+        reasons.append("a separate position query q_pos (content/position biases; 'native', 'triton', 'blocked' and "
+                       "'dense' take it)")
     if chunk_pairs and not s.chunk_pairs:
         reasons.append("a context-parallel chunk pair (returns no log-sum-exp to merge by)")
     return reasons

@@ -479,7 +479,7 @@ struct Padded {
 
 Padded padded_tables(const at::Tensor& tk, const at::Tensor& tv, const at::Tensor& tq, const Geometry& g,
                      int64_t tile_q) {
-  const bool whole = g.R <= std::max(tile_q, g.N) + g.M - 1;
+  const bool whole = g.R <= tile_q + g.M - 1;  // tile_q: as clamped to N
   const int64_t cols = g.N >= 16 && g.R > 256 && whole ? gemm_columns(g.R) : g.R;
   const auto pad = [&](const at::Tensor& t) {
     return t.defined() && cols > g.R ? at::constant_pad_nd(t, {0, 0, 0, cols - g.R}) : t;
@@ -784,7 +784,8 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile
 template <typename I, typename T>
 void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile_q, int64_t tile_k, int64_t splits,
                    const I* dout, const int64_t* dos, const I* out, const T* lse, T* dq, T* dqp, T* dk, T* dv, T* drk,
-                   T* drv, T* drq) {
+                   T* drv, T* drq,
+                   const bool* own) {
   constexpr bool narrow = !std::is_same_v<I, T>;
   const int64_t last = 2 * g.kk, R = g.R;
   const int64_t blocks = (g.M + tile_k - 1) / tile_k, per_split = (blocks + splits - 1) / splits;
@@ -793,9 +794,10 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t til
   const int64_t ld = g.has_q ? key_table_ld(g, w.ldr, sizeof(T)) : 0;  // KA's and its bins' row stride
   at::parallel_for(0, g.B * g.Hkv * splits, 1, [&](int64_t begin, int64_t end) {
     const int64_t tid = at::get_thread_num();
-    T* drk_t = g.has_k ? drk + tid * g.Hk * R * g.D : nullptr;
-    T* drv_t = g.has_v ? drv + tid * g.Hv * R * g.Dv : nullptr;
-    T* drq_t = g.has_q ? drq + tid * g.Hq * R * g.D : nullptr;
+    // the thread's table gradients (one buffer for all threads where each head's rows have one writer: own)
+    T* drk_t = g.has_k ? drk + (own[0] ? 0 : tid) * g.Hk * R * g.D : nullptr;
+    T* drv_t = g.has_v ? drv + (own[1] ? 0 : tid) * g.Hv * R * g.Dv : nullptr;
+    T* drq_t = g.has_q ? drq + (own[2] ? 0 : tid) * g.Hq * R * g.D : nullptr;
     // The position-to-content bins of the task's keys (one query head at a time): dKA, and its edge columns.
     std::vector<T> dKA(g.has_q ? seg * ld : 0), dlo(g.has_q ? seg : 0), dhi(g.has_q ? seg : 0);
     std::vector<T> kbuf(narrow && g.has_q ? seg * g.D : 0);
@@ -1076,9 +1078,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor dqp = qp.defined() ? at::zeros({splits, g.B, g.H, g.N, g.D}, opts) : at::empty({0}, opts);
   at::Tensor dk = at::zeros({g.B, g.Hkv, g.M, g.D}, opts);
   at::Tensor dv = at::zeros({g.B, g.Hkv, g.M, g.Dv}, opts);
-  at::Tensor drk = g.has_k ? at::zeros({threads, g.Hk, g.R, g.D}, opts) : at::empty({0}, opts);
-  at::Tensor drv = g.has_v ? at::zeros({threads, g.Hv, g.R, g.Dv}, opts) : at::empty({0}, opts);
-  at::Tensor drq = g.has_q ? at::zeros({threads, g.Hq, g.R, g.D}, opts) : at::empty({0}, opts);
+  // Table gradients: one copy per thread, summed in thread order afterwards; a single copy where each head's rows
+  // have one writer (per-head tables, one batch entry, one key segment: the task of a key/value head writes only
+  // its group's heads), which saves (threads - 1) tables (Transformer-XL's per-head (2N - 1)-row tables).
+  const bool single = g.B == 1 && splits == 1;
+  const bool own[3] = {single && g.Hk == g.H, single && g.Hv == g.H, single && g.Hq == g.H};
+  at::Tensor drk = g.has_k ? at::zeros({own[0] ? 1 : threads, g.Hk, g.R, g.D}, opts) : at::empty({0}, opts);
+  at::Tensor drv = g.has_v ? at::zeros({own[1] ? 1 : threads, g.Hv, g.R, g.Dv}, opts) : at::empty({0}, opts);
+  at::Tensor drq = g.has_q ? at::zeros({own[2] ? 1 : threads, g.Hq, g.R, g.D}, opts) : at::empty({0}, opts);
   if (g.N > 0 && g.M > 0) {
     const int64_t dos[3] = {grad_out.stride(0), grad_out.stride(1), grad_out.stride(2)};
     const Padded pad = padded_tables(tk, tv, tq, g, tile_q);
@@ -1087,11 +1094,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                           splits, grad_out.data_ptr<I>(), dos, out.data_ptr<I>(), lse.data_ptr<T>(), dq.data_ptr<T>(),
                           qp.defined() ? dqp.data_ptr<T>() : nullptr, dk.data_ptr<T>(), dv.data_ptr<T>(),
                           g.has_k ? drk.data_ptr<T>() : nullptr, g.has_v ? drv.data_ptr<T>() : nullptr,
-                          g.has_q ? drq.data_ptr<T>() : nullptr);
+                          g.has_q ? drq.data_ptr<T>() : nullptr, own);
     });
   }
   const auto slabs = [&](const at::Tensor& t) { return splits == 1 ? t[0] : t.sum(0); };
-  return {slabs(dq), dk, dv, g.has_k ? drk.sum(0) : drk, g.has_v ? drv.sum(0) : drv, g.has_q ? drq.sum(0) : drq,
+  const auto copies = [](const at::Tensor& t) { return t.size(0) == 1 ? t[0] : t.sum(0); };
+  return {slabs(dq), dk, dv, g.has_k ? copies(drk) : drk, g.has_v ? copies(drv) : drv, g.has_q ? copies(drq) : drq,
           qp.defined() ? slabs(dqp) : dqp};
 }
 
