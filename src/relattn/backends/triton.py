@@ -71,11 +71,12 @@ RQ_CONFIGS = {
 # Launches with grouped k/v and rel_q (dkdv loops over the group's query heads, each with its own per-key bins) where
 # the entries above spill (44 bytes on sm_80, 540 on sm_90a at D = 64, Triton 3.9): their own, compiled without.
 GQA_RQ_CONFIGS = {("dkdv", 80, 64): (64, 32, 8, 1, 2), ("dkdv", 90, 64): (32, 64, 8, 2, 2)}
-# One arch's own entries where the table it takes (TABLE_OF_ARCH) spills there: sm_100a's forward at D = 128 without
-# a causal mask (144 bytes at 128 x 64, Triton 3.9; 0 at 64 x 64).
-ARCH_CONFIGS = {("fwd", 100, 128): (64, 64, 8, 2, 2)}
+# One arch's own entries where the table it takes (TABLE_OF_ARCH) spills there: the forward at D = 128 without a
+# causal mask on sm_100a (144 bytes at 128 x 64, Triton 3.9) and sm_120 (16 bytes); 0 at 64 x 64 on both.
+ARCH_CONFIGS = {("fwd", 100, 128): (64, 64, 8, 2, 2), ("fwd", 120, 128): (64, 64, 8, 2, 2)}
 # Which table each served arch uses. The A100's (at most 64 KB of shared memory per launch) fits the 99 KB of
-# sm_86, sm_89 and sm_120; sm_100 (B200) takes it too, with its own forward at D = 128 (ARCH_CONFIGS). Each pairing
+# sm_86, sm_89 and sm_120; sm_100 (B200) takes it too. sm_100 and sm_120 have their own forward at D = 128
+# (ARCH_CONFIGS). Each pairing
 # compiles without spills and on tensor cores (benchmarks/triton_compile.py); none is timed on its GPU yet.
 TABLE_OF_ARCH = {80: 80, 86: 80, 89: 80, 90: 90, 100: 80, 120: 80}
 # The GPUs the kernels serve, as data: (compute capability, the dtypes served there). Each is compiled by
