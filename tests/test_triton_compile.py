@@ -24,8 +24,11 @@ def test_gpu_tiles_are_at_least_the_floor():
     assert {a for _, a, _ in tb.CONFIGS} == {80, 90} and {d for *_, d in tb.CONFIGS} == {64, 128}
     assert set(tb.TABLE_OF_ARCH) == {arch for arch, _ in tb.CUDA_ARCHS}  # every served arch has its table
     assert set(tb.TABLE_OF_ARCH.values()) <= {80, 90}
-    assert set(tb.RQ_CONFIGS) <= set(tb.CONFIGS)
-    for (kernel, arch, d), (bm, bn, _, _, split) in [*tb.CONFIGS.items(), *tb.RQ_CONFIGS.items()]:
+    assert set(tb.RQ_CONFIGS) <= set(tb.CONFIGS) and set(tb.GQA_RQ_CONFIGS) <= set(tb.CONFIGS)
+    assert {(kernel, d) for kernel, _, d in tb.ARCH_CONFIGS} <= {(kernel, d) for kernel, _, d in tb.CONFIGS}
+    assert {arch for _, arch, _ in tb.ARCH_CONFIGS} <= set(tb.TABLE_OF_ARCH)
+    entries = [*tb.CONFIGS.items(), *tb.RQ_CONFIGS.items(), *tb.GQA_RQ_CONFIGS.items(), *tb.ARCH_CONFIGS.items()]
+    for (kernel, arch, d), (bm, bn, _, _, split) in entries:
         if kernel == "fwd":
             assert bm >= 64 and bn >= 64, (kernel, arch, d)
         else:

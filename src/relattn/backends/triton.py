@@ -67,10 +67,16 @@ RQ_CONFIGS = {
     ("fwd", 80, 64): (128, 64, 8, 2, 4), ("dkdv", 80, 64): (64, 32, 8, 2, 2),
     ("fwd", 80, 128): (64, 64, 8, 2, 2),
 }
+# Launches with grouped k/v and rel_q (dkdv loops over the group's query heads, each with its own per-key bins) where
+# the entries above spill (44 bytes on sm_80, 540 on sm_90a at D = 64, Triton 3.9): their own, compiled without.
+GQA_RQ_CONFIGS = {("dkdv", 80, 64): (64, 32, 8, 1, 2), ("dkdv", 90, 64): (32, 64, 8, 2, 2)}
+# One arch's own entries where the table it takes (TABLE_OF_ARCH) spills there: the forward at D = 128 without a
+# causal mask on sm_100a (144 bytes at 128 x 64, Triton 3.9) and sm_120 (16 bytes); 0 at 64 x 64 on both.
+ARCH_CONFIGS = {("fwd", 100, 128): (64, 64, 8, 2, 2), ("fwd", 120, 128): (64, 64, 8, 2, 2)}
 # Which table each served arch uses. The A100's (at most 64 KB of shared memory per launch) fits the 99 KB of
-# sm_86, sm_89 and sm_120. sm_100 (B200) has the H100's 227 KB, but the H100's forward at D = 128 spills there
-# (144 bytes, Triton 3.9): it takes the A100's too. Each pairing compiles without spills and on tensor cores
-# (benchmarks/triton_compile.py); none is timed on its GPU yet.
+# sm_86, sm_89 and sm_120; sm_100 (B200) takes it too. sm_100 and sm_120 have their own forward at D = 128
+# (ARCH_CONFIGS). Each pairing
+# compiles without spills and on tensor cores (benchmarks/triton_compile.py); none is timed on its GPU yet.
 TABLE_OF_ARCH = {80: 80, 86: 80, 89: 80, 90: 90, 100: 80, 120: 80}
 # The GPUs the kernels serve, as data: (compute capability, the dtypes served there). Each is compiled by
 # benchmarks/triton_compile.py (docs/backends-triton.md, its table); elsewhere "auto" takes the next backend
@@ -164,23 +170,30 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def config(kernel: str, dtype: torch.dtype, head_dim: int, arch: int | None,
-           rel_q: bool = False) -> tuple[int, int, int, int, int]:
+def config(kernel: str, dtype: torch.dtype, head_dim: int, arch: int | None, rel_q: bool = False,
+           grouped: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, BAND_SPLIT) of ``kernel`` ("fwd", "dkdv", "dq") for a padded head
-    dim on a GPU of compute capability ``arch`` (None: interpreted), with or without the ``rel_q`` term."""
+    dim on a GPU of compute capability ``arch`` (None: interpreted), with or without the ``rel_q`` term and grouped
+    k/v heads."""
     if arch is None:
         return (*INTERPRETED_TILES, 4, 1, 1)
     if dtype not in LOW_PRECISION:
         return FP32_CONFIGS[kernel]
-    key = (kernel, TABLE_OF_ARCH.get(arch, 80), 64 if head_dim <= 64 else 128)
-    return RQ_CONFIGS.get(key, CONFIGS[key]) if rel_q else CONFIGS[key]
+    dim = 64 if head_dim <= 64 else 128
+    key = (kernel, TABLE_OF_ARCH.get(arch, 80), dim)
+    if rel_q and grouped and key in GQA_RQ_CONFIGS:
+        return GQA_RQ_CONFIGS[key]
+    if rel_q and key in RQ_CONFIGS:
+        return RQ_CONFIGS[key]
+    return ARCH_CONFIGS.get((kernel, arch, dim), CONFIGS[key])
 
 
 def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None):
     """The constexprs and launch options of one kernel for these inputs."""
     n, m = q.shape[2], k.shape[2]
     dp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
-    bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device), rel_q is not None)
+    bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device), rel_q is not None,
+                                          k.shape[1] != q.shape[1])
     settings = SETTINGS.current
     override = settings.fwd_tiles if kernel == "fwd" else settings.bwd_tiles
     if override is not None:
