@@ -215,7 +215,7 @@ def patch(model: nn.Module, *, backend: str = "auto") -> PatchReport:
             report.patched.append(name)
         else:
             report.skipped[name] = reason
-    odd = sorted({r for r in report.skipped.values() if "position_embeddings_type=" in r})
+    odd = sorted({r for r in report.skipped.values() if "not Shaw attention" in r or "position_embeddings_type=" in r})
     if odd:
         warnings.warn("relattn.patch left attention untouched: " + "; ".join(odd), stacklevel=2)
     if not report.patched:
