@@ -441,26 +441,21 @@ def test_build_failure_is_a_reason_not_an_error(monkeypatch):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setenv("CXX", sys.executable)  # some existing program: the toolchain check passes, the build fails
-    monkeypatch.setattr(native, "_state", {})
-    monkeypatch.setattr(native, "_build", no_compiler)
-    assert native.unavailable() == ("the native kernel could not be built (RuntimeError: Ninja is required to load "
-                                    "C++ extensions)")
+    assert native.availability(no_compiler) == ("the native kernel could not be built (RuntimeError: Ninja is "
+                                                "required to load C++ extensions)")
 
     def no_cxx():
         raise RuntimeError("Error building extension 'relattn_native_x': [1/2] c++ -O3 -c shaw_cpu.cpp\n"
                            "FAILED: [code=127] shaw_cpu.o\n/bin/sh: 1: c++: not found\n"
                            "ninja: build stopped: subcommand failed.\n")
 
-    monkeypatch.setattr(native, "_state", {})
-    monkeypatch.setattr(native, "_build", no_cxx)
-    assert native.unavailable() == "the native kernel could not be built (RuntimeError: /bin/sh: 1: c++: not found)"
-    monkeypatch.setattr(native, "_state", {})
+    assert native.availability(no_cxx) == ("the native kernel could not be built (RuntimeError: /bin/sh: 1: c++: not "
+                                           "found)")
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    assert native.unavailable() == ("the native kernel cannot be built: no C++ compiler ('/nonexistent/c++' not "
-                                    "found; set CXX or install g++)")
-    monkeypatch.setattr(native, "_state", {})
+    assert native.availability(no_cxx) == ("the native kernel cannot be built: no C++ compiler ('/nonexistent/c++' "
+                                           "not found; set CXX or install g++)")
     monkeypatch.setenv("RELATTN_NATIVE", "0")
-    assert native.unavailable() == "disabled by RELATTN_NATIVE=0"
+    assert native.availability(no_cxx) == "disabled by RELATTN_NATIVE=0"
 
 
 # ----------------------------------------------------------------------------------------- the build and its key
@@ -499,20 +494,19 @@ def _refuse_to_compile(*args, **kwargs):
 
 @needs_native
 def test_build_loads_the_cached_library_wherever_the_source_is_and_whatever_path(monkeypatch, tmp_path):
-    """With the library already built, ``_build()`` loads it and compiles nothing (``cpp_extension.load`` raises
+    """With the library already built, ``build()`` loads it and compiles nothing (``cpp_extension.load`` raises
     here), from a copy of the package elsewhere and with the interpreter's bin directory off PATH."""
     assert native.unavailable() is None  # built (or loaded) once in this session
     loaded = []
     monkeypatch.setattr(torch.utils.cpp_extension, "load", _refuse_to_compile)
     monkeypatch.setattr(torch.ops, "load_library", loaded.append)
-    native._build()
+    native.build()
     (library,) = loaded
     assert os.path.basename(library) == f"relattn_native_{native.build_key(SOURCE, FLAGS)}.so"
     elsewhere = tmp_path / "site-packages" / "relattn"
     shutil.copytree(Path(str(resources.files("relattn").joinpath("csrc"))), elsewhere / "csrc")
-    monkeypatch.setattr(native.resources, "files", lambda package: elsewhere)
     monkeypatch.setenv("PATH", _path_without_interpreter_bin())
-    native._build()
+    native.build(elsewhere)
     assert loaded == [library, library]
 
 
@@ -549,15 +543,15 @@ def test_a_second_process_loads_the_cached_library(tmp_path):
 
 
 def test_every_build_says_it_is_compiling(monkeypatch, tmp_path, caplog):
-    """No library under the key (a fresh extensions directory): each ``_build()`` logs the "compiling" line with
+    """No library under the key (a fresh extensions directory): each ``build()`` logs the "compiling" line with
     the build directory, then compiles a copy of the source kept in that directory -- the second build too."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     builds = []
     monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda name, sources, **kw: builds.append((name, sources,
                                                                                                       kw)))
     with caplog.at_level(logging.WARNING, logger="relattn"):
-        native._build()
-        native._build()
+        native.build()
+        native.build()
     name = f"relattn_native_{native.build_key(SOURCE, FLAGS)}"
     build_dir = tmp_path / name
     compiling = [r.getMessage() for r in caplog.records if "compiling the native CPU kernel" in r.getMessage()]

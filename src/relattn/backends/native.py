@@ -132,13 +132,16 @@ def build_key(source: bytes, flags: list[str]) -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
 
 
-def _build() -> None:
+def build(package=None) -> None:
+    """Build (or load from the cache) the kernel whose source is ``csrc/shaw_cpu.cpp`` of ``package`` (a folder or
+    ``importlib.resources`` traversable; default: the installed relattn's) and load it into torch."""
     from torch.utils.cpp_extension import (
         _get_build_directory,  # imported here: slow to import
         load,
     )
 
-    text = resources.files("relattn").joinpath("csrc", _SOURCE).read_bytes()
+    package = resources.files("relattn") if package is None else package
+    text = package.joinpath("csrc", _SOURCE).read_bytes()
     flags = ["-O3", "-fopenmp", *_capability_flags()]
     name = f"relattn_native_{build_key(text, flags)}"
     build_dir = _get_build_directory(name, verbose=False)
@@ -178,25 +181,32 @@ def toolchain_missing() -> str | None:
     return None
 
 
+def availability(builder=build) -> str | None:
+    """Why the kernel cannot run here, found now (``RELATTN_NATIVE=0``, no compiler, a build ``builder()`` that
+    fails), else None once ``builder()`` has loaded it. :func:`unavailable` asks this once and keeps the answer."""
+    if os.environ.get("RELATTN_NATIVE", "1") == "0":
+        return "disabled by RELATTN_NATIVE=0"
+    if (missing := toolchain_missing()) is not None:
+        reason = f"the native kernel cannot be built: {missing}"
+    else:
+        try:
+            builder()
+            return None
+        except Exception as exc:  # no compiler, no ninja, a BLAS symbol missing: fall back
+            reason = f"the native kernel could not be built ({type(exc).__name__}: {_cause(exc)})"
+    log.warning("relattn: %s; 'auto' uses the other backends", reason)
+    return reason
+
+
 @torch.compiler.assume_constant_result  # traced first (torch.compile as the first call): run eagerly, a constant
 def unavailable() -> str | None:
-    """None once the kernel is loaded (building it on the first call), else why it cannot be."""
+    """None once the kernel is loaded (building it on the first call), else why it cannot be (:func:`availability`,
+    asked once per process)."""
     if "error" in _state:
         return _state["error"]
     with _lock:
         if "error" not in _state:
-            if os.environ.get("RELATTN_NATIVE", "1") == "0":
-                _state["error"] = "disabled by RELATTN_NATIVE=0"
-            elif (missing := toolchain_missing()) is not None:
-                _state["error"] = f"the native kernel cannot be built: {missing}"
-                log.warning("relattn: %s; 'auto' uses the other backends", _state["error"])
-            else:
-                try:
-                    _build()
-                    _state["error"] = None
-                except Exception as exc:  # no compiler, no ninja, a BLAS symbol missing: fall back
-                    _state["error"] = f"the native kernel could not be built ({type(exc).__name__}: {_cause(exc)})"
-                    log.warning("relattn: %s; 'auto' uses the other backends", _state["error"])
+            _state["error"] = availability()
     return _state["error"]
 
 
