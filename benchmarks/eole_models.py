@@ -152,6 +152,32 @@ def _median(xs):
     return statistics.median(xs)
 
 
+def _against_eole(model, call, args, *, case: str, tokens: int) -> list[dict]:
+    """``call`` timed (interleaved rounds) and its peak extra memory measured on ``model`` patched and unpatched
+    (eole's own code: unpatched for each of its calls), one row per variant; ``tokens`` per call."""
+    def unpatched():
+        unpatch(model)
+        try:
+            return call()
+        finally:
+            patch(model)
+
+    patch(model)
+    calls = {"eole": unpatched, "relattn": call}
+    times = time_interleaved(calls, args.reps, warmup=1)
+    mem = {name: peak_extra_bytes(fn, torch.device("cpu")) for name, fn in calls.items()}
+    rows = []
+    for name in calls:
+        ms = _median(times[name])
+        rows.append(dict(case=case, variant=name, batch=args.batch, length=args.length,
+                         attention_dropout=args.attention_dropout, ms=ms, min_ms=min(times[name]), all_ms=times[name],
+                         tokens_per_s=tokens / ms * 1e3, peak_mb=mem[name] / 2**20))
+    for r in rows:
+        r["speedup"] = rows[0]["ms"] / r["ms"]
+        r["memory_ratio"] = rows[0]["peak_mb"] / max(r["peak_mb"], 1e-9)
+    return rows
+
+
 def run_train(args) -> list[dict]:
     torch.manual_seed(0)
     shape = dict(hidden=64, heads=4, layers=1, ff=96, k=4, vocab=200) if args.quick else {}
@@ -169,31 +195,7 @@ def run_train(args) -> list[dict]:
         grads = torch.autograd.grad(loss, params)
         return loss, grads
 
-    def patched():
-        return step()
-
-    def unpatched():
-        unpatch(model)
-        try:
-            return step()
-        finally:
-            patch(model)
-
-    patch(model)
-    times = time_interleaved({"eole": unpatched, "relattn": patched}, args.reps, warmup=1)
-    mem = {"eole": peak_extra_bytes(unpatched, torch.device("cpu")),
-           "relattn": peak_extra_bytes(patched, torch.device("cpu"))}
-    tokens = 2 * args.batch * args.length
-    rows = []
-    for name in ("eole", "relattn"):
-        ms = _median(times[name])
-        rows.append(dict(case="train", variant=name, batch=args.batch, length=args.length,
-                         attention_dropout=args.attention_dropout, ms=ms, min_ms=min(times[name]), all_ms=times[name],
-                         tokens_per_s=tokens / ms * 1e3, peak_mb=mem[name] / 2**20))
-    for r in rows:
-        r["speedup"] = rows[0]["ms"] / r["ms"]
-        r["memory_ratio"] = rows[0]["peak_mb"] / max(r["peak_mb"], 1e-9)
-    return rows
+    return _against_eole(model, step, args, case="train", tokens=2 * args.batch * args.length)
 
 
 def run_layer(args) -> list[dict]:
@@ -211,26 +213,7 @@ def run_layer(args) -> list[dict]:
         out, _ = attention(x, attn_mask=mask)
         return torch.autograd.grad(out, params, go)
 
-    def unpatched():
-        unpatch(model)
-        try:
-            return call()
-        finally:
-            patch(model)
-
-    patch(model)
-    times = time_interleaved({"eole": unpatched, "relattn": call}, args.reps, warmup=1)
-    mem = {"eole": peak_extra_bytes(unpatched, torch.device("cpu")),
-           "relattn": peak_extra_bytes(call, torch.device("cpu"))}
-    rows = []
-    for name in ("eole", "relattn"):
-        ms = _median(times[name])
-        rows.append(dict(case="layer", variant=name, batch=args.batch, length=args.length,
-                         attention_dropout=args.attention_dropout, ms=ms, min_ms=min(times[name]), all_ms=times[name],
-                         tokens_per_s=args.batch * args.length / ms * 1e3, peak_mb=mem[name] / 2**20))
-    for r in rows:
-        r["speedup"] = rows[0]["ms"] / r["ms"]
-    return rows
+    return _against_eole(model, call, args, case="layer", tokens=args.batch * args.length)
 
 
 def run_decode(args) -> list[dict]:
