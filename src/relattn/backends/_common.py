@@ -296,8 +296,14 @@ def traced() -> bool:
             or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active())
 
 
+def _padded(grads: tuple) -> tuple:
+    """A kernel backward's gradients as (dq, dk, dv, d_rel_k, d_rel_v, *one per TABLES): None for those it left out
+    (a kernel returns d_rel_q and d_q_pos only when given them)."""
+    return (*grads, *(None,) * len(TABLES))[:5 + len(TABLES)]
+
+
 class StatsOps:
-    """The ops of a kernel that saves its log-sum-exp: ``forward(*leading, **scalars, rel_q) -> (out, lse)`` and
+    """The ops of a kernel that saves its log-sum-exp: ``forward(*leading, **scalars, rel_q, q_pos) -> (out, lse)`` and
     ``backward(grad_out, *leading, out, lse, **scalars, rel_q, q_pos) -> (dq, dk, dv, d_rel_k, d_rel_v[, d_rel_q[,
     d_q_pos]])``: the optional tensors of :data:`TABLES` are passed by name, and only when given (a kernel that does
     not take one is never handed it: its declaration refuses the calls that carry it).
@@ -373,9 +379,8 @@ class StatsOps:
     def _backward(self, grad_out, *inputs):
         """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos) from ``(*leading, out, lse, *scalars, *tables)``."""
         lead, ns = self._leading, self._scalars
-        grads = self.kernel_backward(grad_out, *inputs[:lead + 2],
-                                     **self._keywords(inputs[lead + 2:lead + 2 + ns], inputs[lead + 2 + ns:]))
-        return (*grads, *(None,) * len(TABLES))[:5 + len(TABLES)]
+        return _padded(self.kernel_backward(grad_out, *inputs[:lead + 2],
+                                            **self._keywords(inputs[lead + 2:lead + 2 + ns], inputs[lead + 2 + ns:])))
 
     def _inputs(self, call: AttentionCall, seed: Tensor | None) -> tuple:
         lead = (call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask)
@@ -394,23 +399,20 @@ class StatsOps:
             return self.eager.apply(*inputs)
         return self._forward(*inputs)[0]
 
-    def _pair(self, q, mask_lead, tables, scalars: dict):
-        lead = (q, *mask_lead)
+    def _pair(self, q, k, v, rel_k, rel_v, mask, tables, scalars: dict) -> tuple[tuple, dict]:
+        """The kernel's positional inputs and keywords for one chunk pair (no dropout: a zero seed)."""
+        lead = (q, k, v, rel_k, rel_v, mask)
         if self.dropout:
             lead, scalars = (*lead, torch.zeros((), dtype=torch.int64, device=q.device)), {**scalars, "dropout_p": 0.0}
-        return lead, self._keywords([scalars[n] for n in self.scalar_names], tables)
+        return lead, {**scalars, **{n: t for n, t in zip(TABLES, tables, strict=True) if t is not None}}
 
-    def pair_forward(self, q, k, v, rel_k, rel_v, mask, tables, *, max_relative_position: int, is_causal: bool,
-                     scale: float, query_offset: int) -> tuple[Tensor, Tensor]:
-        """(out, lse) of one call, no dropout; ``tables``: the optional tensors of :data:`TABLES` (or None)."""
-        lead, kw = self._pair(q, (k, v, rel_k, rel_v, mask), tables, dict(
-            max_relative_position=max_relative_position, is_causal=is_causal, scale=scale, query_offset=query_offset))
+    def pair_forward(self, q, k, v, rel_k, rel_v, mask, tables, **scalars) -> tuple[Tensor, Tensor]:
+        """(out, lse) of one call, no dropout; ``tables``: the optional tensors of :data:`TABLES` (or None);
+        ``scalars``: ``max_relative_position``, ``is_causal``, ``scale``, ``query_offset``."""
+        lead, kw = self._pair(q, k, v, rel_k, rel_v, mask, tables, scalars)
         return self.kernel_forward(*lead, **kw)
 
-    def pair_backward(self, grad_out, q, k, v, rel_k, rel_v, mask, tables, out, lse, *, max_relative_position: int,
-                      is_causal: bool, scale: float, query_offset: int) -> tuple:
+    def pair_backward(self, grad_out, q, k, v, rel_k, rel_v, mask, tables, out, lse, **scalars) -> tuple:
         """(dq, dk, dv, d_rel_k, d_rel_v, *d tables) of one call given the merged ``out`` and ``lse`` of its rows."""
-        lead, kw = self._pair(q, (k, v, rel_k, rel_v, mask), tables, dict(
-            max_relative_position=max_relative_position, is_causal=is_causal, scale=scale, query_offset=query_offset))
-        grads = self.kernel_backward(grad_out, *lead, out, lse, **kw)
-        return (*grads, *(None,) * len(TABLES))[:5 + len(TABLES)]
+        lead, kw = self._pair(q, k, v, rel_k, rel_v, mask, tables, scalars)
+        return _padded(self.kernel_backward(grad_out, *lead, out, lse, **kw))
