@@ -45,7 +45,7 @@ from helpers import (
 )
 from relattn import BACKENDS, relative_attention
 from relattn import reference as ref
-from relattn.functional import validate, within_reach
+from relattn.functional import validate
 
 pytestmark = pytest.mark.usefixtures("small_tiles")
 
@@ -466,16 +466,16 @@ def test_a_window_wider_than_the_call_reads_only_the_offsets_it_reaches():
     """K = 4096 on 100 tokens: the call the backends receive has K = 99 and 199-row views of the tables (the
     rows of offsets -99 .. 99); decoding 1 query after 30 keys reaches offsets -30 .. 0, so K = 30."""
     q, k, v, rk, rv = random_inputs(1, 2, 100, 100, 4, 4, 4096, tables="keys_per_head")
-    call = within_reach(validate(q, k, v, rk, rv, max_relative_position=4096, attn_mask=None, is_causal=False,
-                                 dropout_p=0.0, scale=None, query_offset=0))
+    call = validate(q, k, v, rk, rv, max_relative_position=4096, attn_mask=None, is_causal=False, dropout_p=0.0,
+                    scale=None, query_offset=0)
     assert call.max_relative_position == 99 and call.rel_k.shape == (2, 199, 4) and call.rel_v.shape == (1, 199, 4)
     assert call.rel_k.data_ptr() == rk[:, 4096 - 99].data_ptr()  # a view: no copy of the table
     assert torch.equal(call.rel_v[0], rv[4096 - 99:4096 + 100])
-    decode = within_reach(validate(q[:, :, :1], k[:, :, :31], v[:, :, :31], rk, rv, max_relative_position=4096,
-                                   attn_mask=None, is_causal=True, dropout_p=0.0, scale=None, query_offset=30))
+    decode = validate(q[:, :, :1], k[:, :, :31], v[:, :, :31], rk, rv, max_relative_position=4096, attn_mask=None,
+                      is_causal=True, dropout_p=0.0, scale=None, query_offset=30)
     assert decode.max_relative_position == 30 and decode.rel_k.shape[-2] == 61
-    narrow = within_reach(validate(q, k, v, rk[:, 4096 - 50:4096 + 51], None, max_relative_position=50,
-                                   attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, query_offset=0))
+    narrow = validate(q, k, v, rk[:, 4096 - 50:4096 + 51], None, max_relative_position=50, attn_mask=None,
+                      is_causal=False, dropout_p=0.0, scale=None, query_offset=0)
     assert narrow.max_relative_position == 50  # a window inside the reach is left as it is
 
 

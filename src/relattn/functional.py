@@ -110,14 +110,15 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
 
     Transformer-XL's biases are folded in here: ``call.q`` is ``q + content_bias``, ``call.q_pos`` the queries
     of the key table (``q + position_bias``; ``q`` itself when only ``content_bias`` is given and ``rel_k`` is),
-    plain torch additions autograd carries back to q and the biases. The op's entry points then narrow a window
-    wider than the call's offsets (:func:`within_reach`); a caller whose keys span more than this call's (the
-    context-parallel ring) keeps the window as validated.
+    plain torch additions autograd carries back to q and the biases.
 
     ``offsets`` (lowest, highest): the offsets ``j - i - query_offset`` the tables must serve, by default those of
     this call's N queries and M keys; a call that is one part of a longer sequence (context parallelism) passes
     the whole sequence's, so that a :class:`~relattn.positions.LogBuckets` or zero-beyond table is expanded for
-    every offset of the sequence.
+    every offset of the sequence. A window wider than them is narrowed to them: the tables sliced (views) to the
+    rows of ``[-R, R]``, ``R = max(-lowest, highest, 0)``, and ``K = R``. Exact, since no row outside is ever read
+    (a Transformer-XL call with ``K >= N`` costs ``2N - 1`` rows, not ``2K + 1``); gradients reach the whole tables
+    (zeros in the rows no offset reads). Symbolic sizes (torch.export) keep the window as it is.
 
     Every call pays for this, a decoding step too: each check is a cheap comparison first, and an error's
     message is built only when it is raised."""
@@ -172,6 +173,12 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if isinstance(query_offset, bool) or not isinstance(query_offset, int):
         raise TypeError(f"query_offset must be an int, got {type(query_offset).__name__}")
+    lowest, highest = offsets if offsets is not None else (-(n - 1) - query_offset, m - 1 - query_offset)
+    if type(lowest) is int and type(highest) is int and kk > (reach := max(-lowest, highest, 0)):
+        # a window wider than the offsets the call reaches: the tables' rows of [-reach, reach] (views), K = reach
+        rows = slice(kk - reach, kk + reach + 1)
+        rel_k, rel_v, rel_q = (None if t is None else t[:, rows] for t in (rel_k, rel_v, rel_q))
+        kk = reach
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if scale is None:
@@ -207,23 +214,6 @@ def _check_bias(name, bias, *, heads, dim, like) -> torch.Tensor | None:
     if bias.dtype != like.dtype or bias.device != like.device:
         _check_like(name, bias, like)
     return bias
-
-
-def within_reach(call: AttentionCall) -> AttentionCall:
-    """``call`` with a window wider than the offsets it can reach narrowed to them: the tables sliced (views) to
-    the rows of ``[-R, R]``, ``R = max(N - 1 + query_offset, M - 1 - query_offset, 0)``, and ``K = R``. Exact:
-    no offset ``j - i - query_offset`` of the call lies beyond ``R``, so no row outside is ever read (a
-    Transformer-XL call with ``K >= N`` then costs ``2N - 1`` rows, not ``2K + 1``). Gradients reach the whole
-    tables (zeros in the rows no offset reads)."""
-    n, m, kk = call.q.shape[-2], call.k.shape[-2], call.max_relative_position
-    if not (isinstance(n, int) and isinstance(m, int)):  # symbolic sizes (torch.export): keep the call's window
-        return call
-    reach = max(n - 1 + call.query_offset, m - 1 - call.query_offset, 0)
-    if kk <= reach:
-        return call
-    rows = slice(kk - reach, kk + reach + 1)
-    rel_k, rel_v, rel_q = (None if t is None else t[:, rows] for t in (call.rel_k, call.rel_v, call.rel_q))
-    return dataclasses.replace(call, rel_k=rel_k, rel_v=rel_v, rel_q=rel_q, max_relative_position=reach)
 
 
 def _k_message(q, k, d, extra="") -> str:
@@ -318,10 +308,10 @@ def relative_attention(
         zeros (and zero gradients); a NaN in the inputs reaches the rows it touches, as in the reference.
         Under ``torch.autocast`` the inputs are cast as autocast casts SDPA's (tables included).
     """
-    call = within_reach(validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position,
+    call = validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position,
                                  attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
                                  query_offset=query_offset, beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q,
-                                 content_bias=content_bias, position_bias=position_bias))
+                                 content_bias=content_bias, position_bias=position_bias)
     chosen = resolve(backend, call)
     return _shaped_like(chosen.run(as_served(chosen, call)), q)
 
@@ -340,10 +330,10 @@ def relative_attention_with_weights(q, k, v, rel_k=None, rel_v=None, *, max_rela
     """:func:`relative_attention`'s output and its attention weights ``w`` (before dropout), ``(out, w)``:
     out (B, H, N, Dv) and w (B, H, N, M), in q's leading dims. Computed by the "dense" backend, the one that
     forms the weights; the arguments are :func:`relative_attention`'s."""
-    call = within_reach(validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position,
+    call = validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position,
                                  attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
                                  query_offset=query_offset, beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q,
-                                 content_bias=content_bias, position_bias=position_bias))
+                                 content_bias=content_bias, position_bias=position_bias)
     out, weights = _dense_with_weights(call)
     return _shaped_like(out, q), _shaped_like(weights, q)
 
@@ -353,8 +343,8 @@ def relative_attention_weights(q, k, rel_k=None, *, max_relative_position, rel_q
                                attn_mask=None, is_causal=False, scale=None, query_offset=0,
                                enable_gqa=False) -> torch.Tensor:
     """The (B, H, N, M) attention weights ``w`` of :func:`relative_attention` (no dropout), in q's leading dims."""
-    call = within_reach(validate(q, k, k[..., :0], rel_k, None, max_relative_position=max_relative_position,
+    call = validate(q, k, k[..., :0], rel_k, None, max_relative_position=max_relative_position,
                                  attn_mask=attn_mask, is_causal=is_causal, dropout_p=0.0, scale=scale,
                                  query_offset=query_offset, beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q,
-                                 content_bias=content_bias, position_bias=position_bias))
+                                 content_bias=content_bias, position_bias=position_bias)
     return _shaped_like(_dense_with_weights(call)[1], q)
