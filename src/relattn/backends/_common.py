@@ -40,6 +40,15 @@ class AttentionCall:
     ``q_pos`` (B,H,N,D) or None: the queries the key table ``rel_k`` reads, apart from the content queries ``q``
     (Transformer-XL's biases: ``q = q + content_bias``, ``q_pos = q + position_bias``); None means ``q`` itself.
     Only backends declaring ``Serves(position_query=True)`` ever see one; they return its gradient apart from q's.
+
+    A packed call (:func:`relattn.relative_attention_varlen`) has ``cu_seqlens_q`` and ``cu_seqlens_k``: q is
+    (1, H, T, D) and k, v (1, Hkv, T_k, D|Dv) (views of the packed (T, H, D) tensors), sequence ``s`` holding the
+    query rows ``cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1`` (``n_s`` of them) and the key rows of ``cu_seqlens_k``
+    likewise (``m_s``); both int32 or int64 1-D tensors of S + 1 entries on q's device, checked (0 first, never
+    decreasing, T last). Positions count within each sequence, and a sequence's queries sit at the end of its keys:
+    the sequence is the dense call with ``query_offset = m_s - n_s`` (plus ``query_offset``, 0 from the op), causal
+    bottom-right. ``max_seqlen_q`` and ``max_seqlen_k`` are the longest ``n_s`` and ``m_s``. ``mask`` is None.
+    Backends declaring ``Serves(varlen=True)`` take the packed call whole; the op runs the others sequence by sequence.
     """
 
     q: Tensor
@@ -55,6 +64,10 @@ class AttentionCall:
     query_offset: int
     rel_q: Tensor | None = None
     q_pos: Tensor | None = None
+    cu_seqlens_q: Tensor | None = None
+    cu_seqlens_k: Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,7 @@ class Serves:
     position_query: bool = False  # takes q_pos, queries for the key table apart from q (Transformer-XL's biases)
     chunk_pairs: bool = False  # computes one chunk pair of a larger softmax (its log-sum-exp, and its gradients
     # given the merged output and log-sum-exp): what context parallelism's ring runs; such a backend has ``stats``
+    varlen: bool = False  # takes a packed call (cu_seqlens) whole, in one launch (the op runs others per sequence)
     # CUDA: the GPUs served, as ((compute capability 10 * major + minor, the dtypes served there), ...); None: every
     # GPU in every dtype of ``dtypes``
     cuda_archs: tuple[tuple[int, frozenset[torch.dtype]], ...] | None = None
@@ -228,6 +242,10 @@ def grads_laid_out(inputs, grads) -> tuple[Tensor, ...]:
 LEADING = ("q", "k", "v", "rel_k", "rel_v", "mask")
 SCALARS = (("max_relative_position", "int"), ("is_causal", "bool"), ("scale", "float"), ("query_offset", "int"))
 TABLES = ("rel_q", "q_pos")
+# What a packed call adds (``StatsOps(varlen=True)``): the cumulative lengths after the leading tensors, the longest
+# lengths after the scalars (:class:`AttentionCall`).
+VARLEN_LEADING = ("cu_seqlens_q", "cu_seqlens_k")
+VARLEN_SCALARS = (("max_seqlen_q", "int"), ("max_seqlen_k", "int"))
 
 
 class StatsAutograd:
@@ -313,7 +331,8 @@ class StatsOps:
       lse, <the same scalars>, rel_q?=None, q_pos?=None) -> (dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos)`` (a
       missing tensor's gradient an empty tensor): custom ops with fake kernels and autograd, which torch.compile
       and torch.export see as one opaque, shape-correct op each. ``dropout=True`` adds the seed tensor and
-      ``dropout_p``.
+      ``dropout_p``; ``varlen=True`` (a packed call) the tensors ``cu_seqlens_q, cu_seqlens_k`` after the leading
+      ones and the scalars ``max_seqlen_q, max_seqlen_k`` after the others.
     * :meth:`run` gives a call's output: through the op when something traces the call, else through a plain
       autograd Function with the same wiring (:class:`StatsAutograd`) when autograd will ask for a backward (the
       op's dispatch and Python wrappers cost about 0.15 ms of a forward+backward, most of a short sequence's
@@ -322,11 +341,14 @@ class StatsOps:
       ``out`` and ``lse`` of a larger softmax, what a context-parallel chunk pair needs (no dropout).
     """
 
-    def __init__(self, name: str, forward: Callable, backward: Callable, *, dropout: bool = False):
+    def __init__(self, name: str, forward: Callable, backward: Callable, *, dropout: bool = False,
+                 varlen: bool = False):
         self.name, self.kernel_forward, self.kernel_backward = name, forward, backward
-        leading = LEADING + (("seed",) if dropout else ())
-        scalars = SCALARS[:2] + ((("dropout_p", "float"),) if dropout else ()) + SCALARS[2:]
-        self.dropout, self.scalar_names = dropout, tuple(n for n, _ in scalars)
+        leading = LEADING + (("seed",) if dropout else ()) + (VARLEN_LEADING if varlen else ())
+        scalars = (SCALARS[:2] + ((("dropout_p", "float"),) if dropout else ()) + SCALARS[2:]
+                   + (VARLEN_SCALARS if varlen else ()))
+        self.dropout, self.varlen, self.scalar_names = dropout, varlen, tuple(n for n, _ in scalars)
+        self.leading_names = leading
         lead, ns, nt = len(leading), len(scalars), len(TABLES)
         self.wiring = StatsAutograd(self._backward, leading=lead, scalars=ns, tables=nt)
 
@@ -383,12 +405,9 @@ class StatsOps:
                                             **self._keywords(inputs[lead + 2:lead + 2 + ns], inputs[lead + 2 + ns:])))
 
     def _inputs(self, call: AttentionCall, seed: Tensor | None) -> tuple:
-        lead = (call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask)
-        if not self.dropout:
-            return (*lead, call.max_relative_position, call.is_causal, call.scale, call.query_offset, call.rel_q,
-                    call.q_pos)
-        return (*lead, seed, call.max_relative_position, call.is_causal, call.dropout_p, call.scale,
-                call.query_offset, call.rel_q, call.q_pos)
+        """The op's inputs from ``call``: each leading tensor and scalar is the call's field of that name."""
+        return (*(seed if n == "seed" else getattr(call, n) for n in self.leading_names),
+                *(getattr(call, n) for n in self.scalar_names), call.rel_q, call.q_pos)
 
     def run(self, call: AttentionCall, *, seed: Tensor | None = None) -> Tensor:
         """The output (B, H, N, Dv) of ``call`` (``seed``: the dropout seed, for a kernel with dropout)."""
