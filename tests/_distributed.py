@@ -251,11 +251,14 @@ def _module_cases(rank: int, world: int) -> dict:
         x = torch.randn(2, n, 16, dtype=torch.float64)
         padding = torch.zeros(2, n, dtype=torch.bool)
         padding[1, -3:] = True
-        want = module(x, key_padding_mask=padding, is_causal=True)[0]
+        # real positions only: the single-process call runs packed (zeros at the padding), the ring masked
+        real = (~padding)[..., None].double()
+        want = module(x, key_padding_mask=padding, is_causal=True)[0] * real
         want.square().sum().backward()
         full = {k: p.grad.clone() for k, p in module.named_parameters()}
         module.zero_grad()
         got = module(cp.shard(x, dim=1), key_padding_mask=padding, is_causal=True, context_parallel=cp)[0]
+        got = got * cp.shard(real, dim=1)
         got.square().sum().backward()
         errors = {"out": _err(got, cp.shard(want, dim=1))}
         for k, p in module.named_parameters():

@@ -264,7 +264,9 @@ def test_upgrades_torch_transformer_layers_in_place(training):
     assert_close(got, want, torch.float64)
     for a, b in zip(got_grads, want_grads, strict=True):
         assert_close(a, b, torch.float64)
-    assert_close(inference(), want_inference, torch.float64)
+    # the encoder's own output at its padded positions differs (the packed self-attention gives zeros there; no
+    # real position reads them, so the decoder's output and every gradient above are the same)
+    assert_close(inference()[~pad], want_inference[~pad], torch.float64)
     with torch.no_grad():
         enc.layers[0].self_attn.rel_k.normal_()
     assert (run()[0] - want).abs().max() > 1e-3

@@ -36,11 +36,13 @@ def test_masks_of_both_kinds_still_combine():
     pad = torch.zeros(2, 5, dtype=torch.bool)
     pad[0, 3:] = True
     causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
-    want, _ = mod(x, key_padding_mask=pad, is_causal=True)
+    want, _ = mod(x, key_padding_mask=pad, is_causal=True)  # packed: zeros at the padded positions
+    assert torch.equal(want[0, 3:], torch.zeros(2, 8, dtype=torch.float64))
     added = torch.zeros(5, 5, dtype=torch.float64).masked_fill(causal, float("-inf"))
     for attn_mask in (causal, added, added[None, None].expand(2, 2, 5, 5)):
-        got, _ = mod(x, key_padding_mask=pad, attn_mask=attn_mask)
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        got, _ = mod(x, key_padding_mask=pad, attn_mask=attn_mask)  # masked: a padded query attends the real keys
+        torch.testing.assert_close(got[~pad], want[~pad], rtol=1e-12, atol=1e-12)
+        assert got[0, 3:].abs().min() > 0
 
 
 @pytest.mark.parametrize(("window", "beyond", "tie"), [((3, 1), "zero", True), (2, "clip", False)])

@@ -243,7 +243,8 @@ def xl_formula(mod, x, *, pad=None, causal=False):
     """Transformer-XL's attention (Dai et al., 2019, appendix B; NeMo's and ESPnet's RelPositionMultiHeadAttention)
     written out in float64 from ``mod``'s parameters: ``p_r`` the sinusoid of position ``r = i - j`` (``sin``/``cos``
     of ``r / 10000^(2c/E)``) through ``pos_proj``, scores ``((q_i + u) . k_j + (q_i + v) . p_{i-j}) / sqrt(D)``,
-    ``r`` clipped to ``[-K, K]`` when the module has an int window. ``pad`` (B, N) True = padding key."""
+    ``r`` clipped to ``[-K, K]`` when the module has an int window. ``pad`` (B, N) True = padding key, right-aligned
+    (the module's output is zero at padded positions)."""
     b, n, e = x.shape
     h, d = mod.num_heads, mod.head_dim
 
@@ -268,8 +269,8 @@ def xl_formula(mod, x, *, pad=None, causal=False):
         scores = scores.masked_fill(pad[:, None, None, :], -math.inf)
     if causal:
         scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
-    out = (torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(b, n, e)
-    return mod.out_proj(out)
+    out = mod.out_proj((torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(b, n, e))
+    return out if pad is None else out.masked_fill(pad[..., None], 0.0)  # right-aligned padding: zeros there
 
 
 def xl_module(**kw):

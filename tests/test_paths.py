@@ -179,7 +179,8 @@ STEPS = ((0, 3), (3, 4), (4, 7))
 def test_the_module_whole_and_decoding_through_both_caches(name):
     """The module on the whole sequence, then one chunk at a time through a growing KVCache (outputs and the
     gradients of every parameter and of the input) and a static one (outputs, under no_grad): each chunk's queries
-    against the keys so far, at their positions."""
+    against the keys so far, at their positions. (With a key padding mask the whole call is packed, zeros at the
+    padded positions; the cached calls attend each padded query to the real keys, as nn.MultiheadAttention.)"""
     causal = CASES[name][4]
     n = STEPS[-1][1]
     mod = _module(name)
@@ -190,6 +191,8 @@ def test_the_module_whole_and_decoding_through_both_caches(name):
     params = [x, *mod.parameters()]
 
     want = _module_oracle(mod, x, op_mask, causal, 0, n)
+    if "key_padding_mask" in masks:  # right-aligned: the whole call runs packed, zeros at padded positions
+        want = want.masked_fill(masks["key_padding_mask"][..., None], 0.0)
     want_grads = torch.autograd.grad(want, params, go)
     got = mod(x, **masks, is_causal=causal)[0]
     assert_close(got, want, torch.float64, "module")

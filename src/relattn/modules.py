@@ -8,7 +8,14 @@ import torch
 from torch import nn
 
 from .cache import KVCache
-from .functional import additive_mask, backend_refusals, relative_attention, relative_attention_with_weights
+from .functional import (
+    additive_mask,
+    backend_refusals,
+    relative_attention,
+    relative_attention_varlen,
+    relative_attention_with_weights,
+)
+from .padding import Packing, right_padding
 from .positions import LogBuckets, check_beyond, check_positions, table_rows
 
 _MASKS = {  # argument -> what its bool and float forms mean, as nn.MultiheadAttention takes them
@@ -144,6 +151,12 @@ class RelativeMultiheadAttention(nn.Module):
     9. ``attn_mask`` may also be (B, H, N, M); ``forward`` takes a keyword-only ``kv_cache``; ``num_kv_heads``
        gives grouped-query attention.
     10. No nested-tensor fast path, and dropout draws different random numbers.
+    11. Self-attention with a right-aligned ``key_padding_mask`` (each row its tokens first, then padding, as
+       tokenizers pad) and no ``attn_mask``, cache or weights runs packed (:func:`relattn.relative_attention_varlen`
+       on the real tokens only, projections included): the output is **zero at the padded positions** (no
+       ``out_proj.bias`` either) and no gradient flows from them, as ``nn.TransformerEncoder``'s nested-tensor path
+       gives zeros there; nn.MultiheadAttention lets a padded query attend the real keys. Every real position gets
+       what the masked call gives. Other padding (left-aligned, holes) keeps nn.MultiheadAttention's behaviour.
     """
 
     def __init__(
@@ -376,6 +389,43 @@ class RelativeMultiheadAttention(nn.Module):
             mask = _combine(mask, _allowed_or_added(_attn_mask_4d(attn_mask, b, self.num_heads, n, m)), dtype)
         return mask
 
+    @staticmethod
+    def _packing(key_padding_mask, batched: bool, bf: bool) -> Packing | None:
+        """The :class:`Packing` of a right-aligned ``key_padding_mask`` (bool True, or an added ``-inf``, at padding
+        only) with at least one padded position; else None. Not while tracing (the lengths are data)."""
+        if key_padding_mask is None or not batched or key_padding_mask.dim() != 2 or torch.compiler.is_compiling():
+            return None
+        if key_padding_mask.dtype == torch.bool:
+            padding = key_padding_mask
+        elif key_padding_mask.is_floating_point():
+            padding = key_padding_mask == float("-inf")
+            if not torch.equal(padding, key_padding_mask != 0):
+                return None
+        else:
+            return None
+        packing = right_padding(padding, batch_first=bf)
+        return packing if packing is not None and packing.padded else None
+
+    def _packed_forward(self, query: torch.Tensor, packing: Packing, is_causal: bool) -> torch.Tensor:
+        """Self-attention of the real tokens of ``query`` (B, N, E) ((N, B, E) sequence-first) as one packed call,
+        the projections on those rows only; the output in the padded layout, zeros at padding."""
+        x = packing.pack(query)
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        k, v = (p(x).unflatten(-1, (self.num_kv_heads, self.head_dim)) for p in (self.k_proj, self.v_proj))
+        rel_k, rel_v, rel_q = (None if t is None else t.to(q.dtype) for t in (self.rel_k, self.rel_v, self.rel_q))
+        args = dict(max_relative_position=self.max_relative_position, rel_q=rel_q, beyond=self.beyond,
+                    is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0,
+                    enable_gqa=self.num_kv_heads != self.num_heads)
+        if self.transformer_xl:
+            n = packing.max_seqlen
+            kk, table = self._position_table(n, n, 0, q)
+            args.update(max_relative_position=kk, content_bias=self.content_bias.to(q.dtype),
+                        position_bias=self.position_bias.to(q.dtype))
+            rel_k = table
+        out = relative_attention_varlen(q, k, v, rel_k, rel_v, cu_seqlens_q=packing.cu_seqlens,
+                                        max_seqlen_q=packing.max_seqlen, backend=self.backend, **args)
+        return packing.unpack(self.out_proj(out.flatten(1)))
+
     def _keys_values(self, key, value, kv_cache: KVCache | None, bf: bool, self_attention: bool):
         """This call's keys and values (B, Hkv, M, D|Dv), projected or from ``kv_cache``, and the position of its
         first query (``self_attention``: the caller's key was its query, before unbatched inputs got a batch dim).
@@ -476,6 +526,13 @@ class RelativeMultiheadAttention(nn.Module):
         if context_parallel is not None:
             self._check_context_parallel(self_attention, value is key, kv_cache, need_weights)
         batched = self._check_inputs(query, key, value)
+        if self_attention and value is key and kv_cache is None and context_parallel is None and not need_weights \
+                and attn_mask is None and key_padding_mask is not None:
+            b, n = (query.shape[:2] if self.batch_first else query.shape[1::-1]) if batched else (1, query.shape[0])
+            self._masks(key_padding_mask, None, batched=batched, b=b, n=n, m=n, dtype=query.dtype)  # its checks
+            packing = self._packing(key_padding_mask, batched, self.batch_first)
+            if packing is not None:
+                return self._packed_forward(query, packing, is_causal), None
         if not batched:
             query, key, value = query[None], key[None], value[None]
         bf = self.batch_first or not batched
