@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 import relattn.integrations.deberta as deberta  # noqa: E402
 from relattn.integrations.transformers import is_patched, patch, unpatch  # noqa: E402
+from relattn.padding import Packing  # noqa: E402
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 N = 23
@@ -144,14 +145,22 @@ def test_multiple_choice_matches_unpatched():
 
 
 def test_padding_is_masked_and_no_pairwise_mask_or_positions_reach_the_layers():
+    """Without padding the layers get a (B, 1, 1, N) mask; with right-aligned padding the encoder runs packed: its
+    layers get the real tokens as one (1, T, E) sequence and the lengths, and its outputs are zeros at padding."""
     _, patched, _ = _pair("v3", torch.float64)
     ids, mask = _inputs()
     seen = []
     for layer in patched.encoder.layer:
         layer.attention.self.register_forward_pre_hook(
-            lambda m, args, kwargs: seen.append((args[1].shape, kwargs.get("relative_pos"))), with_kwargs=True)
+            lambda m, args, kwargs: seen.append((args[0].shape, args[1], kwargs.get("relative_pos"))),
+            with_kwargs=True)
+    patched(input_ids=ids, attention_mask=torch.ones_like(mask))
+    assert seen and all(x == (2, N, 16) and m.shape == (2, 1, 1, N) and pos is None for x, m, pos in seen)
+    seen.clear()
     out = patched(input_ids=ids, attention_mask=mask).last_hidden_state
-    assert seen and all(shape == (2, 1, 1, N) and pos is None for shape, pos in seen)
+    assert seen and all(x == (1, N + 15, 16) and isinstance(m, Packing) and m.cu_seqlens.tolist() == [0, N, N + 15]
+                        and pos is None for x, m, pos in seen)
+    assert torch.equal(out[1, 15:], torch.zeros(N - 15, 16, dtype=torch.float64))
     other = ids.clone()
     other[1, 15:] = 3  # different padding tokens: the real tokens do not see them
     again = patched(input_ids=other, attention_mask=mask).last_hidden_state

@@ -91,7 +91,8 @@ def test_the_position_terms_are_there():
     out = both(input_ids=ids, attention_mask=mask).last_hidden_state
     for layer in both.encoder.layer:
         layer.attention.self.pos_att_type = ["c2p", "c2p"]  # same scale, no p2c
-    assert _rel(both(input_ids=ids, attention_mask=mask).last_hidden_state, out) > 1e-3
+    real = mask.bool()  # (the padded positions are zeros in both)
+    assert _rel(both(input_ids=ids, attention_mask=mask).last_hidden_state[real], out[real]) > 1e-4
 
 
 @pytest.mark.parametrize("cls", ["DebertaForSequenceClassification", "DebertaForMaskedLM",
@@ -102,18 +103,29 @@ def test_every_head_class_matches_unpatched(cls):
 
 
 def test_no_pairwise_mask_or_positions_reach_the_layers(monkeypatch):
+    """Without padding each layer gets a (B, 1, 1, N) mask; with right-aligned padding the layers run packed, the
+    window the longest sequence's."""
     _, patched = _pair("base", torch.float64)
     ids, mask = _inputs()
     seen = []
-    real = deberta.relative_attention
+    real, real_varlen = deberta.relative_attention, deberta.relative_attention_varlen
 
     def spy(q, k, v, *args, **kwargs):
         seen.append((kwargs["attn_mask"].shape, kwargs["max_relative_position"]))
         return real(q, k, v, *args, **kwargs)
 
+    def spy_varlen(q, k, v, *args, **kwargs):
+        seen.append((tuple(q.shape), kwargs["cu_seqlens_q"].tolist(), kwargs["max_relative_position"]))
+        return real_varlen(q, k, v, *args, **kwargs)
+
     monkeypatch.setattr(deberta, "relative_attention", spy)
-    patched(input_ids=ids, attention_mask=mask)
+    monkeypatch.setattr(deberta, "relative_attention_varlen", spy_varlen)
+    patched(input_ids=ids, attention_mask=torch.ones_like(mask))
     assert seen == [((2, 1, 1, N), deberta.LogBuckets(N))] * 2
+    seen.clear()
+    patched(input_ids=ids[:, :N - 1], attention_mask=mask[:, :N - 1])
+    heads = patched.config.num_attention_heads
+    assert seen == [((N - 1 + 15, heads, 16 // heads), [0, N - 1, N - 1 + 15], deberta.LogBuckets(N - 1))] * 2
 
 
 def test_attention_dropout_is_applied_in_training():

@@ -30,10 +30,13 @@ q, k, v from one ``in_proj`` (per head ``[q | k | v]``) plus ``q_bias`` and ``v_
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
-from ..functional import relative_attention, relative_attention_weights
+from ..functional import relative_attention, relative_attention_varlen, relative_attention_weights
+from ..padding import Packing, right_padding
 from ..positions import LogBuckets
 
 _MODULE = "transformers.models.deberta_v2.modeling_deberta_v2."
@@ -81,6 +84,15 @@ def _keep_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def _packed(self, q, k, v, rel_k, packing: Packing, args: dict) -> torch.Tensor:
+    """A packed encoder's attention: q, k, v (1, H, T, D) of the real tokens, one packed call; (1, T, H*D)."""
+    q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
+    out = relative_attention_varlen(q, k, v, rel_k, None, cu_seqlens_q=packing.cu_seqlens,
+                                    max_seqlen_q=packing.max_seqlen, dropout_p=self.dropout.p if self.training else 0.0,
+                                    backend=self._relattn_backend, **args)
+    return out.flatten(1)[None]
+
+
 def _deberta_forward(self, hidden_states, attention_mask, output_attentions=False, query_states=None,
                      relative_pos=None, rel_embeddings=None):
     """DisentangledSelfAttention's forward on :func:`relative_attention`."""
@@ -103,7 +115,10 @@ def _deberta_forward(self, hidden_states, attention_mask, output_attentions=Fals
             rel_q = _heads(self.query_proj(table) if self.share_att_key else self.pos_query_proj(table), heads)
     terms = 1 + c2p + p2c  # as transformers counts them: with relative_attention=False too
     args = dict(max_relative_position=positions(self) if self.relative_attention else 0, rel_q=rel_q,
-                attn_mask=_keep_mask(attention_mask), scale=1.0 / _scale(q.shape[-1], terms))
+                scale=1.0 / _scale(q.shape[-1], terms))
+    if isinstance(attention_mask, Packing):
+        return _packed(self, q, k, v, rel_k, attention_mask, args), None
+    args["attn_mask"] = _keep_mask(attention_mask)
     out = relative_attention(q, k, v, rel_k, None, dropout_p=self.dropout.p if self.training else 0.0,
                              backend=self._relattn_backend, **args)
     weights = relative_attention_weights(q, k, rel_k, **args) if output_attentions else None
@@ -118,9 +133,51 @@ def _padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return attention_mask.unsqueeze(1) if attention_mask.dim() == 3 else attention_mask
 
 
+def _encoder_packing(self, hidden_states, attention_mask, args, kwargs) -> Packing | None:
+    """The :class:`Packing` of an encoder call that can run packed: a (B, N) padding mask, right-aligned with some
+    padding, self-attention (no ``query_states``, no ``relative_pos``), no weights asked for, no convolution
+    (DeBERTa-v2's ``conv_kernel_size`` layer reads neighbouring positions); else None."""
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 or \
+            not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or \
+            getattr(self, "conv", None) is not None or torch.compiler.is_compiling():
+        return None
+    bound = inspect.signature(type(self).forward).bind(self, hidden_states, attention_mask, *args, **kwargs)
+    bound.apply_defaults()
+    call = bound.arguments
+    if call["output_attentions"] or call["query_states"] is not None or call["relative_pos"] is not None:
+        return None
+    packing = right_padding(attention_mask == 0)
+    return packing if packing is not None and packing.padded else None
+
+
+def _packed_encoder(self, hidden_states, attention_mask, packing: Packing, positions_marker, args, kwargs):
+    """The encoder on the real tokens only, as one (1, T, E) sequence whose layers get ``packing`` as their mask
+    (and ``positions_marker`` as their positions); its outputs back in the padded layout, zeros at the padding."""
+    self.get_attention_mask = lambda mask: packing
+    self.get_rel_pos = lambda hidden, query_states=None, relative_pos=None: positions_marker
+    try:
+        out = type(self).forward(self, packing.pack(hidden_states)[None], attention_mask, *args, **kwargs)
+    finally:
+        del self.get_attention_mask, self.get_rel_pos
+    unpack = packing.unpack
+    if isinstance(out, tuple):
+        last, *rest = out
+        layers = rest[0] if rest and isinstance(rest[0], tuple) else None
+        if layers is not None:
+            rest[0] = (hidden_states, *(unpack(h[0]) for h in layers[1:]))
+        return (unpack(last[0]), *rest)
+    out.last_hidden_state = unpack(out.last_hidden_state[0])
+    if out.hidden_states is not None:
+        out.hidden_states = (hidden_states, *(unpack(h[0]) for h in out.hidden_states[1:]))
+    return out
+
+
 def _encoder_forward(self, hidden_states, attention_mask, *args, **kwargs):
     """DebertaV2Encoder's forward handing its layers a padding mask and no (N, N) positions (the patched layers
-    compute the positions they need)."""
+    compute the positions they need); with right-aligned padding, on the real tokens only (packed)."""
+    packing = _encoder_packing(self, hidden_states, attention_mask, args, kwargs)
+    if packing is not None:
+        return _packed_encoder(self, hidden_states, attention_mask, packing, None, args, kwargs)
     self.get_attention_mask = _padding_mask
     self.get_rel_pos = lambda hidden, query_states=None, relative_pos=None: relative_pos
     try:
@@ -177,16 +234,19 @@ def _v1_forward(self, hidden_states, attention_mask, output_attentions=False, qu
     v = v + self.v_bias.view(heads, 1, -1)
     rel_k = rel_q = None
     window: int | LogBuckets = 0
+    packing = attention_mask if isinstance(attention_mask, Packing) else None
     if self.relative_attention and rel_embeddings is not None and relative_pos is not None:
-        span = min(n, self.max_relative_positions)
+        span = min(n if packing is None else packing.max_seqlen, self.max_relative_positions)
         window = LogBuckets(span)
         table = self.pos_dropout(rel_embeddings)[self.max_relative_positions - span: self.max_relative_positions + span]
         if "c2p" in self.pos_att_type:
             rel_k = _heads(self.pos_proj(table), heads)
         if "p2c" in self.pos_att_type:
             rel_q = _heads(self.pos_q_proj(table), heads)
-    args = dict(max_relative_position=window, rel_q=rel_q, attn_mask=_keep_mask(attention_mask),
-                scale=1.0 / _scale(q.shape[-1], 1 + len(self.pos_att_type)))
+    args = dict(max_relative_position=window, rel_q=rel_q, scale=1.0 / _scale(q.shape[-1], 1 + len(self.pos_att_type)))
+    if packing is not None:
+        return _packed(self, q, k, v, rel_k, packing, args), None
+    args["attn_mask"] = _keep_mask(attention_mask)
     out = relative_attention(q, k, v, rel_k, None, dropout_p=self.dropout.p if self.training else 0.0,
                              backend=self._relattn_backend, **args)
     weights = relative_attention_weights(q, k, rel_k, **args) if output_attentions else None
@@ -194,7 +254,12 @@ def _v1_forward(self, hidden_states, attention_mask, output_attentions=False, qu
 
 
 def _v1_encoder_forward(self, hidden_states, attention_mask, *args, **kwargs):
-    """DebertaEncoder's forward handing its layers a padding mask and, for self-attention, no (N, N) positions."""
+    """DebertaEncoder's forward handing its layers a padding mask and, for self-attention, no (N, N) positions;
+    with right-aligned padding, on the real tokens only (packed)."""
+    packing = _encoder_packing(self, hidden_states, attention_mask, args, kwargs)
+    if packing is not None:
+        marker = _ENCODER_POSITIONS if self.relative_attention else None
+        return _packed_encoder(self, hidden_states, attention_mask, packing, marker, args, kwargs)
     self.get_attention_mask = _padding_mask
     original = type(self).get_rel_pos
 
