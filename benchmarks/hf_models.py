@@ -17,7 +17,9 @@ Cases (defaults; ``--quick`` shrinks every size to seconds):
   log buckets, max 512, shared keys, c2p and p2c) at 512, 2048 and 8192 tokens, with what its encoder hands it
   (unpatched: the (B, 1, N, N) mask and (1, N, N) positions it builds, timed with it; patched: a padding mask);
   ``deberta-v3-base/model``: ``DebertaV2Model`` with ``--layers`` layers; ``--batch`` sequences per call (1).
-  Unpatched: transformers' eager path (DeBERTa has no sdpa).
+  Unpatched: transformers' eager path (DeBERTa has no sdpa). ``--ragged 64-512``: instead, the model on one padded
+  batch of ``--batch`` (8) sequences of lengths spread evenly over 64..512, right-padded to 512 (the patched encoder
+  runs it packed), its output at the real tokens.
 - ``parakeet-0.6b/attention``: one Parakeet (FastConformer) attention layer of parakeet-0.6B's shape (hidden 1024,
   8 heads; Transformer-XL's biases and a (2N - 1)-row table), with what its encoder hands it (its own position
   module's (1, 2N - 1, E) output, one sequence, no padding mask) at 1500 and 8192 frames (2 min and 11 min of
@@ -33,6 +35,7 @@ A variant predicted to need more than ``--max-gb`` is skipped and says so.
     PYTHONPATH=src python benchmarks/hf_models.py --out hf_models.json
     PYTHONPATH=src python benchmarks/hf_models.py --quick --out /tmp/hf_quick.json
     PYTHONPATH=src python benchmarks/hf_models.py --only w2v-bert --lengths 1500 --layers 1 --reps 3
+    PYTHONPATH=src python benchmarks/hf_models.py --only deberta --ragged 64-512 --threads 2 --out /tmp/ragged.json
 """
 
 from __future__ import annotations
@@ -230,7 +233,13 @@ def bert_cases(quick: bool, layers: int, lengths: list[int], kind: str = "relati
     return cases
 
 
-def deberta_cases(quick: bool, layers: int, lengths: list[int], batch: int = 1) -> list[Case]:
+def ragged_lengths(lo: int, hi: int, batch: int) -> list[int]:
+    """``batch`` lengths spread evenly over ``lo .. hi`` (both included)."""
+    return [round(lo + (hi - lo) * i / max(batch - 1, 1)) for i in range(batch)]
+
+
+def deberta_cases(quick: bool, layers: int, lengths: list[int], batch: int = 1,
+                  ragged: tuple[int, int] | None = None) -> list[Case]:
     import transformers
 
     from relattn.integrations.transformers import is_patched
@@ -247,6 +256,8 @@ def deberta_cases(quick: bool, layers: int, lengths: list[int], batch: int = 1) 
     unpatched, patched = _states(model)
     encoder, heads = model.encoder, shape["num_attention_heads"]
     variants = {"eager": unpatched(None), "relattn": patched}
+    if ragged is not None:
+        return [_ragged_deberta(model, variants, layers, ragged, batch, heads)]
     cases = []
     for n in lengths:
         g = torch.Generator().manual_seed(n)
@@ -272,6 +283,26 @@ def deberta_cases(quick: bool, layers: int, lengths: list[int], batch: int = 1) 
                           lambda ids=ids: model(input_ids=ids).last_hidden_state, variants, list(model.parameters()),
                           {"eager": est["eager"] * layers}))
     return cases
+
+
+def _ragged_deberta(model, variants, layers: int, ragged: tuple[int, int], batch: int, heads: int) -> Case:
+    """The model on a padded batch: ``batch`` sequences of lengths spread over ``ragged`` = (lo, hi), right-padded to
+    hi (as a tokenizer pads), its output at the real tokens (the padding's output multiplied by 0: the loss of a
+    training step reads real tokens only)."""
+    lo, hi = ragged
+    lengths = ragged_lengths(lo, hi, batch)
+    g = torch.Generator().manual_seed(hi)
+    ids = torch.randint(1, 1000, (batch, hi), generator=g)
+    mask = (torch.arange(hi)[None, :] < torch.tensor(lengths)[:, None]).long()
+    ids = ids * mask  # padding token 0
+    keep = mask[..., None].float()
+
+    def run():
+        return model(input_ids=ids, attention_mask=mask).last_hidden_state * keep
+
+    est = batch * hi * hi * 4 / 1e9 * 7 * heads * layers
+    return Case("deberta-v3-base", f"model ({layers} layers) ragged {lo}-{hi} x{batch}", hi, run, variants,
+                list(model.parameters()), {"eager": est})
 
 
 def parakeet_cases(quick: bool, lengths: list[int]) -> list[Case]:
@@ -380,15 +411,15 @@ FAMILIES = ("w2v-bert", "vits", "speecht5", "bert", "deberta", "parakeet")
 
 
 def build_cases(quick: bool, layers: int, only=FAMILIES, lengths: list[int] | None = None,
-                batch: int = 1) -> list[Case]:
+                batch: int = 1, ragged: tuple[int, int] | None = None) -> list[Case]:
     """The cases of the families in ``only``, at their lengths (or at ``lengths``, for all of them); DeBERTa's with
-    ``batch`` sequences."""
+    ``batch`` sequences, or (``ragged`` = (lo, hi)) its model on one padded batch of lengths spread over lo..hi."""
     at = {f: lengths or n for f, n in plan(quick, layers).items()}
     builders = {"w2v-bert": lambda: w2v_cases(quick, layers, at["w2v-bert"]),
                 "vits": lambda: vits_cases(quick, at["vits"]),
                 "speecht5": lambda: speecht5_cases(quick, layers, at["speecht5"]),
                 "bert": lambda: bert_cases(quick, layers, at["bert"]),
-                "deberta": lambda: deberta_cases(quick, layers, at["deberta"], batch),
+                "deberta": lambda: deberta_cases(quick, layers, at["deberta"], batch, ragged),
                 "parakeet": lambda: parakeet_cases(quick, at["parakeet"])}
     return [case for family in only for case in builders[family]()]
 
@@ -416,7 +447,9 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="model families to run")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="lengths for every family run "
                    "(default: each family's own)")
-    p.add_argument("--batch", type=int, default=1, help="sequences per DeBERTa call (default 1)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per DeBERTa call (default 1; --ragged 8)")
+    p.add_argument("--ragged", default=None, metavar="LO-HI", help="DeBERTa's model on one right-padded batch of "
+                   "--batch sequences, lengths spread evenly over LO..HI (e.g. 64-512), patched vs eager")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="what to time")
     p.add_argument("--scopes", nargs="+", default=None, help="only the cases whose scope starts with one of these "
                    "(e.g. attention, model)")
@@ -429,9 +462,18 @@ def main(argv=None) -> int:
     layers = args.layers or (1 if args.quick else 2)
     reps = args.reps or (1 if args.quick else 5)
     max_gb = args.max_gb or _available_gb() / 2
+    ragged = None
+    if args.ragged is not None:
+        try:
+            ragged = tuple(int(x) for x in args.ragged.split("-"))
+            if len(ragged) != 2 or not 0 < ragged[0] <= ragged[1]:
+                raise ValueError
+        except ValueError:
+            p.error(f"--ragged must be LO-HI with 0 < LO <= HI, got {args.ragged!r}")
+    batch = args.batch or (8 if ragged else 1)
     torch.manual_seed(0)
     rows = []
-    for case in build_cases(args.quick, layers, args.only, args.lengths, args.batch):
+    for case in build_cases(args.quick, layers, args.only, args.lengths, batch, ragged):
         if args.scopes is None or case.scope.startswith(tuple(args.scopes)):
             rows.extend(measure(case, reps, args.warmup, max_gb, args.modes))
     result = {"machine": _machine(), "torch": torch.__version__, "transformers": transformers.__version__,

@@ -25,9 +25,9 @@ def test_relative_key_query_runs_blocked_with_the_table_as_rel_q(tmp_path, monke
     got = _bert_out(model, "BertModel", *inputs)
     assert _rel(got, want) <= 1e-10
     assert len(calls) == 2
-    for call in calls:  # the key-query term as the table; the mask only the model's padding mask, no scores in it
+    for call in calls:  # the key-query term as the table; the padded batch packed: no mask, no scores in one
         assert call.rel_q is not None and torch.equal(call.rel_q, call.rel_k)
-        assert not call.mask.requires_grad and bool(((call.mask == 0) | (call.mask == float("-inf"))).all())
+        assert call.mask is None and call.cu_seqlens_q.tolist() == [0, 11, 17]
     cotangent = torch.randn_like(want)
     (want * cotangent).sum().backward()
     (got * cotangent).sum().backward()

@@ -197,8 +197,11 @@ def _last_hidden(model, inputs):
 
 
 def _speecht5_out(model, inputs):
+    """The decoder's output and the encoder's at its real frames (the patched encoder runs a right-padded batch
+    packed: zeros at its padded frames, which the decoder never reads)."""
     out = model(**inputs)
-    return torch.cat([out.encoder_last_hidden_state.flatten(), out.last_hidden_state.flatten()])
+    encoder = out.encoder_last_hidden_state * inputs["attention_mask"][..., None]
+    return torch.cat([encoder.flatten(), out.last_hidden_state.flatten()])
 
 
 def _vits_text(model, inputs):
@@ -511,10 +514,11 @@ def _v4_reference(state, kind, arch, ids, token_types, mask):
         x = ln(lin(ctx, f"{at}attention.output.dense") + x, f"{at}attention.output.LayerNorm")
         inner = f.gelu(lin(x, f"{at}intermediate.dense"))
         x = ln(lin(inner, f"{at}output.dense") + x, f"{at}output.LayerNorm")
+    keep = mask[..., None]  # the real tokens, as _bert_out
     if arch == "BertModel":
-        return x
+        return x * keep
     t = ln(f.gelu(lin(x, "cls.predictions.transform.dense")), "cls.predictions.transform.LayerNorm")
-    return t @ w("embeddings.word_embeddings.weight").T + state["cls.predictions.bias"]
+    return (t @ w("embeddings.word_embeddings.weight").T + state["cls.predictions.bias"]) * keep
 
 
 def _bert_inputs():
@@ -527,8 +531,9 @@ def _bert_inputs():
 
 
 def _bert_out(model, arch, ids, token_types, mask):
+    """The output at the real tokens (relattn runs a right-padded batch packed: its padded positions differ)."""
     out = model(input_ids=ids, token_type_ids=token_types, attention_mask=mask)
-    return out.last_hidden_state if arch == "BertModel" else out.logits
+    return (out.last_hidden_state if arch == "BertModel" else out.logits) * mask[..., None]
 
 
 @pytest.mark.parametrize("arch", ["BertModel", "BertForMaskedLM"])

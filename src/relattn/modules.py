@@ -15,7 +15,7 @@ from .functional import (
     relative_attention_varlen,
     relative_attention_with_weights,
 )
-from .padding import Packing, right_padding
+from .padding import Packing, remembered, right_padding
 from .positions import LogBuckets, check_beyond, check_positions, table_rows
 
 _MASKS = {  # argument -> what its bool and float forms mean, as nn.MultiheadAttention takes them
@@ -59,6 +59,19 @@ def _combine(a: torch.Tensor | None, b: torch.Tensor | None, dtype) -> torch.Ten
     if a.dtype == torch.bool and b.dtype == torch.bool:
         return a & b
     return additive_mask(a, dtype) + additive_mask(b, dtype)
+
+
+def _right_packing(key_padding_mask: torch.Tensor, bf: bool) -> Packing | None:
+    if key_padding_mask.dtype == torch.bool:
+        padding = key_padding_mask
+    elif key_padding_mask.is_floating_point():
+        padding = key_padding_mask == float("-inf")
+        if not torch.equal(padding, key_padding_mask != 0):
+            return None
+    else:
+        return None
+    packing = right_padding(padding, batch_first=bf)
+    return packing if packing is not None and packing.padded else None
 
 
 def sinusoids(positions: torch.Tensor, dim: int) -> torch.Tensor:
@@ -395,16 +408,7 @@ class RelativeMultiheadAttention(nn.Module):
         only) with at least one padded position; else None. Not while tracing (the lengths are data)."""
         if key_padding_mask is None or not batched or key_padding_mask.dim() != 2 or torch.compiler.is_compiling():
             return None
-        if key_padding_mask.dtype == torch.bool:
-            padding = key_padding_mask
-        elif key_padding_mask.is_floating_point():
-            padding = key_padding_mask == float("-inf")
-            if not torch.equal(padding, key_padding_mask != 0):
-                return None
-        else:
-            return None
-        packing = right_padding(padding, batch_first=bf)
-        return packing if packing is not None and packing.padded else None
+        return remembered(key_padding_mask, ("key_padding_mask", bf), lambda mask: _right_packing(mask, bf))
 
     def _packed_forward(self, query: torch.Tensor, packing: Packing, is_causal: bool) -> torch.Tensor:
         """Self-attention of the real tokens of ``query`` (B, N, E) ((N, B, E) sequence-first) as one packed call,

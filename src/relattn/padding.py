@@ -8,8 +8,8 @@ tokens at positions ``0 .. n_b - 1`` and padding after them, as tokenizers and f
 them. ``Packing.pack`` gathers the real rows ``(T, ...)``; ``Packing.unpack`` scatters packed rows back into the
 padded layout with **zeros at the padded positions** (and so no gradient reaches a padded position).
 
-Reading the lengths is a host synchronisation (the longest length is a Python int); :func:`right_padding` keeps its
-last answer, so the layers of one model, which are handed the same mask tensor, read it once.
+Reading the lengths is a host synchronisation (the longest length is a Python int); the answers are
+:func:`remembered` per mask tensor, so the layers of one model, which are handed the same mask, read it once.
 """
 
 from __future__ import annotations
@@ -74,7 +74,22 @@ class Packing:
         return out.view(*lead, *x.shape[1:])
 
 
-_LAST: tuple | None = None  # (weakref to the mask, its version, batch_first, the answer): the last call's
+_REMEMBERED: dict = {}  # (id of a mask, tag) -> (weakref to the mask, its version, the answer)
+_KEEP = 8  # answers kept: a model's masks of one batch
+
+
+def remembered(mask: torch.Tensor, tag, compute):
+    """``compute(mask)``, remembered for ``(mask, tag)`` while that tensor is alive and unchanged (its version): the
+    layers of a model are handed the same mask, and reading the lengths is a host synchronisation."""
+    key = (id(mask), tag)
+    hit = _REMEMBERED.get(key)
+    if hit is not None and hit[0]() is mask and hit[1] == mask._version:
+        return hit[2]
+    answer = compute(mask)
+    if len(_REMEMBERED) >= _KEEP:
+        _REMEMBERED.pop(next(iter(_REMEMBERED)))
+    _REMEMBERED[key] = (weakref.ref(mask), mask._version, answer)
+    return answer
 
 
 def right_padding(padding: torch.Tensor, *, batch_first: bool = True) -> Packing | None:
@@ -83,18 +98,12 @@ def right_padding(padding: torch.Tensor, *, batch_first: bool = True) -> Packing
     padding is right-aligned too (``Packing.padded`` is then False).
 
     ``batch_first`` says which layout the padded tensors given to ``pack`` and ``unpack`` have; the mask is
-    (B, N) in both. The answer for the last mask asked about is kept (while that tensor is alive and unchanged)."""
-    global _LAST
+    (B, N) in both. The answer is :func:`remembered` for this mask."""
     if not isinstance(padding, torch.Tensor) or padding.dtype != torch.bool or padding.dim() != 2:
         got = f"{padding.dtype} of shape {tuple(padding.shape)}" if isinstance(padding, torch.Tensor) else \
             type(padding).__name__
         raise TypeError(f"padding must be a (B, N) bool tensor (True = padding); got {got}")
-    last = _LAST
-    if last is not None and last[0]() is padding and last[1] == padding._version and last[2] == batch_first:
-        return last[3]
-    packing = _packing(padding, batch_first)
-    _LAST = (weakref.ref(padding), padding._version, batch_first, packing)
-    return packing
+    return remembered(padding, ("right", batch_first), lambda p: _packing(p, batch_first))
 
 
 def _packing(padding: torch.Tensor, batch_first: bool) -> Packing | None:
@@ -113,4 +122,4 @@ def _packing(padding: torch.Tensor, batch_first: bool) -> Packing | None:
     return Packing(index, lengths, cu_seqlens, longest, b, n, batch_first)
 
 
-__all__ = ["Packing", "right_padding"]
+__all__ = ["Packing", "remembered", "right_padding"]

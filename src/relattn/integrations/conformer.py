@@ -38,7 +38,15 @@ import torch
 from torch import nn
 
 from ..functional import relative_attention, relative_attention_weights
-from .hf_common import as_attn_mask, attentions_recorded, compact_mask, dropout_p, merge
+from .hf_common import (
+    as_attn_mask,
+    attentions_recorded,
+    compact_mask,
+    dropout_p,
+    merge,
+    packed_attention,
+    right_packing,
+)
 
 _W2V_CONFORMER = "transformers.models.wav2vec2_conformer.modeling_wav2vec2_conformer.Wav2Vec2ConformerSelfAttention"
 _SEAMLESS = "transformers.models.seamless_m4t.modeling_seamless_m4t.SeamlessM4TConformerSelfAttention"
@@ -72,14 +80,31 @@ def wav2vec2_forward(self, hidden_states, attention_mask=None, relative_position
     if pe is None or pe.dim() != 3 or pe.shape[0] != 1 or pe.shape[1] != 2 * n - 1:
         return type(self).forward(self, hidden_states, attention_mask=attention_mask,
                                   relative_position_embeddings=relative_position_embeddings, **kwargs)
+    recorded = _recorded(self)
+    packing = right_packing(attention_mask, hidden_states, self) \
+        if not recorded and type(self).__name__ in _MASKED_CONVOLUTION else None
+    if packing is not None:
+        dtype = hidden_states.dtype
+        longest = packing.max_seqlen  # the table's middle 2 L - 1 rows serve sequences up to L long
+        return packed_attention(
+            packing, hidden_states, (self.linear_q, self.linear_k, self.linear_v), self.num_heads, self.linear_out,
+            rel_k=position_table(self.linear_pos, pe[0, n - longest: n + longest - 1], self.num_heads, dtype),
+            max_relative_position=longest - 1, scale=self.scaling, content_bias=self.pos_bias_u.to(dtype),
+            position_bias=self.pos_bias_v.to(dtype), dropout_p=dropout_p(self, self.dropout.p),
+            backend=self._relattn_backend), None
     q, k, v = (_heads(proj(hidden_states), self.head_size) for proj in (self.linear_q, self.linear_k, self.linear_v))
     table = position_table(self.linear_pos, pe[0], self.num_heads, q.dtype)
     args = dict(max_relative_position=n - 1, attn_mask=compact_mask(as_attn_mask(attention_mask)), scale=self.scaling,
                 content_bias=self.pos_bias_u.to(q.dtype), position_bias=self.pos_bias_v.to(q.dtype))
     out = relative_attention(q, k, v, table, None, dropout_p=dropout_p(self, self.dropout.p),
                              backend=self._relattn_backend, **args)
-    weights = relative_attention_weights(q, k, table, **args) if _recorded(self) else None
+    weights = relative_attention_weights(q, k, table, **args) if recorded else None
     return self.linear_out(merge(out)), weights
+
+
+# Whose layers mask padded frames before their convolution (Wav2Vec2-Conformer's does not: the frames after a
+# sequence's end reach its last real frames there, so its padded positions are computed as transformers does).
+_MASKED_CONVOLUTION = ("Wav2Vec2BertSelfAttention", "SeamlessM4TConformerSelfAttention")
 
 
 def wav2vec2_reason(module) -> str | None:

@@ -29,13 +29,13 @@ from torch import nn
 
 from ..backends import check_name
 from ..functional import relative_attention, relative_attention_weights
-from ._patching import PatchReport, is_patched, swap, unpatch
+from ._patching import PatchReport, is_patched, patched_here, swap, unpatch
 from .conformer import HANDLERS as _CONFORMER
 from .conformer import SUPPORTED as _CONFORMER_SUPPORTED
 from .conformer import wav2vec2_forward, wav2vec2_reason
 from .deberta import HANDLERS as _DEBERTA
 from .deberta import SUPPORTED as _DEBERTA_SUPPORTED
-from .hf_common import as_attn_mask, attentions_recorded, dropout_p, merge, qkv
+from .hf_common import as_attn_mask, attentions_recorded, dropout_p, merge, packed_attention, qkv, right_packing
 
 SUPPORTED = ("Wav2Vec2-BERT (relative_key)", "SeamlessM4T-v2 speech encoder (relative_key)", "SpeechT5 encoder",
              "VITS", *_DEBERTA_SUPPORTED, *_CONFORMER_SUPPORTED)
@@ -47,11 +47,18 @@ SUPPORTED = ("Wav2Vec2-BERT (relative_key)", "SeamlessM4T-v2 speech encoder (rel
 def _conformer_forward(self, hidden_states, attention_mask=None, relative_position_embeddings=None, **kwargs):
     """Wav2Vec2BertSelfAttention / SeamlessM4Tv2ConformerSelfAttention with position_embeddings_type="relative_key";
     the weights too when the model records them (``output_attentions=True``)."""
-    q, k, v = qkv(hidden_states, (self.linear_q, self.linear_k, self.linear_v), self.num_heads)
-    args = dict(max_relative_position=(self.left_max_position_embeddings, self.right_max_position_embeddings),
-                attn_mask=as_attn_mask(attention_mask), scale=self.scaling)
-    table = self.distance_embedding.weight.to(q.dtype)
+    window = (self.left_max_position_embeddings, self.right_max_position_embeddings)
     recorded = attentions_recorded(type(self).__name__)
+    packing = None if recorded else right_packing(attention_mask, hidden_states, self)
+    if packing is not None:
+        projections = (self.linear_q, self.linear_k, self.linear_v)
+        return packed_attention(packing, hidden_states, projections, self.num_heads, self.linear_out,
+                                rel_k=self.distance_embedding.weight.to(hidden_states.dtype),
+                                max_relative_position=window, scale=self.scaling,
+                                dropout_p=dropout_p(self, self.dropout.p), backend=self._relattn_backend), None
+    q, k, v = qkv(hidden_states, (self.linear_q, self.linear_k, self.linear_v), self.num_heads)
+    args = dict(max_relative_position=window, attn_mask=as_attn_mask(attention_mask), scale=self.scaling)
+    table = self.distance_embedding.weight.to(q.dtype)
     out = relative_attention(q, k, v, table, None, dropout_p=dropout_p(self, self.dropout.p),
                              backend=self._relattn_backend, **args)
     weights = relative_attention_weights(q, k, table, **args) if recorded else None
@@ -77,9 +84,14 @@ def _speecht5_forward(self, hidden_states, key_value_states=None, cache=None, at
                                   attention_mask=attention_mask, position_bias=position_bias,
                                   output_attentions=output_attentions, **kwargs)
     half = position_bias.shape[0] // 2  # rows r = (i - j) + L for i - j in [-L, L - 1]: flipped, window (L-1, L)
+    rel_k = position_bias.flip(0).to(hidden_states.dtype)
+    packing = None if output_attentions else right_packing(attention_mask, hidden_states, self)
+    if packing is not None:
+        return packed_attention(packing, hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.num_heads,
+                                self.out_proj, rel_k=rel_k, max_relative_position=(half - 1, half), scale=self.scaling,
+                                dropout_p=dropout_p(self, self.dropout), backend=self._relattn_backend), None
     q, k, v = qkv(hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.num_heads)
     args = dict(max_relative_position=(half - 1, half), attn_mask=as_attn_mask(attention_mask), scale=self.scaling)
-    rel_k = position_bias.flip(0).to(q.dtype)
     out = relative_attention(q, k, v, rel_k, None, dropout_p=dropout_p(self, self.dropout),
                              backend=self._relattn_backend, **args)
     weights = relative_attention_weights(q, k, rel_k, **args) if output_attentions else None
@@ -88,10 +100,17 @@ def _speecht5_forward(self, hidden_states, key_value_states=None, cache=None, at
 
 def _vits_forward(self, hidden_states, key_value_states=None, attention_mask=None, output_attentions=False):
     """VitsAttention: key and value tables in window ``window_size``, zero beyond it."""
+    rel_k, rel_v = self.emb_rel_k.to(hidden_states.dtype), self.emb_rel_v.to(hidden_states.dtype)
+    packing = None if output_attentions or key_value_states is not None else \
+        right_packing(attention_mask, hidden_states, self)
+    if packing is not None:
+        return packed_attention(packing, hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.num_heads,
+                                self.out_proj, rel_k=rel_k, rel_v=rel_v, max_relative_position=self.window_size,
+                                beyond="zero", scale=self.scaling, dropout_p=dropout_p(self, self.dropout),
+                                backend=self._relattn_backend), None
     q, k, v = qkv(hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.num_heads)
     args = dict(max_relative_position=self.window_size, beyond="zero", attn_mask=as_attn_mask(attention_mask),
                 scale=self.scaling)
-    rel_k, rel_v = self.emb_rel_k.to(q.dtype), self.emb_rel_v.to(q.dtype)
     out = relative_attention(q, k, v, rel_k, rel_v, dropout_p=dropout_p(self, self.dropout),
                              backend=self._relattn_backend, **args)
     weights = relative_attention_weights(q, k, rel_k, **args) if output_attentions else None
@@ -138,6 +157,14 @@ _HANDLERS = {
     **_CONFORMER,  # Transformer-XL relative attention: integrations/conformer.py
 }
 _SPEECHT5 = "transformers.models.speecht5.modeling_speecht5."
+
+
+def _reads_padding(module: nn.Module) -> bool:
+    """Whether ``module`` reads the encoder's outputs at padded positions into real ones (the speech encoders'
+    strided adapters and the x-vector head's TDNN convolve them unmasked): its model then keeps every padded
+    position computed as transformers computes it (no packed calls)."""
+    name = type(module).__name__
+    return name.endswith("ConformerAdapter") or name in ("Wav2Vec2BertAdapter", "TDNNLayer")
 
 
 def _qualname(module: nn.Module) -> str:
@@ -193,6 +220,10 @@ def patch(model: nn.Module, *, backend: str = "auto") -> PatchReport:
             report.patched.append(name)
         else:
             report.skipped[name] = reason
+    if any(_reads_padding(module) for module in model.modules()):
+        for module in model.modules():
+            if patched_here(module):
+                module._relattn_pack = False
     odd = sorted({r for r in report.skipped.values() if "position_embeddings_type=" in r or "not Shaw attention" in r})
     if odd:
         warnings.warn("relattn.patch left attention untouched: " + "; ".join(odd), stacklevel=2)
