@@ -116,3 +116,23 @@ def test_the_module_keeps_the_masked_call_for_other_padding_and_masks():
         assert other[1, 3:].abs().min() > 0
     left = right.flip(1)
     assert mod(x, key_padding_mask=left)[0][1, :3].abs().min() > 0
+
+
+def test_little_padding_runs_masked_and_gives_the_same_zeros(monkeypatch):
+    """Below PACK_FROM padded positions the masked call runs (no packed op), and its output is zeroed at the padding:
+    the same answer as the packed call's."""
+    import relattn.modules as modules
+    from relattn.padding import PACK_FROM
+
+    torch.manual_seed(0)
+    mod = RelativeMultiheadAttention(E, H, 3, position_to_content=True, dtype=torch.float64)
+    x = torch.randn(2, 20, E, dtype=torch.float64, requires_grad=True)
+    pad = _padding((20, 19), 20)
+    assert pad.float().mean() < PACK_FROM
+    calls = []
+    monkeypatch.setattr(modules, "relative_attention_varlen", lambda *a, **k: calls.append(1))
+    out = mod(x, key_padding_mask=pad)[0]
+    assert not calls and torch.equal(out[1, 19], torch.zeros(E, dtype=torch.float64))
+    assert_close(out[1, :19], mod(x[1:, :19])[0][0], torch.float64)
+    (grad,) = torch.autograd.grad(out.square().sum(), x)
+    assert torch.equal(grad[1, 19], torch.zeros(E, dtype=torch.float64))

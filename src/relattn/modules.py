@@ -165,11 +165,13 @@ class RelativeMultiheadAttention(nn.Module):
        gives grouped-query attention.
     10. No nested-tensor fast path, and dropout draws different random numbers.
     11. Self-attention with a right-aligned ``key_padding_mask`` (each row its tokens first, then padding, as
-       tokenizers pad) and no ``attn_mask``, cache or weights runs packed (:func:`relattn.relative_attention_varlen`
-       on the real tokens only, projections included): the output is **zero at the padded positions** (no
+       tokenizers pad) and no ``attn_mask``, cache or weights: the output is **zero at the padded positions** (no
        ``out_proj.bias`` either) and no gradient flows from them, as ``nn.TransformerEncoder``'s nested-tensor path
        gives zeros there; nn.MultiheadAttention lets a padded query attend the real keys. Every real position gets
-       what the masked call gives. Other padding (left-aligned, holes) keeps nn.MultiheadAttention's behaviour.
+       what the masked call gives. When at least ``relattn.padding.PACK_FROM`` (10%) of the positions are padding
+       the call runs packed (:func:`relattn.relative_attention_varlen` on the real tokens only, projections
+       included), below that masked (then zeroed). Other padding (left-aligned, holes) keeps nn.MultiheadAttention's
+       behaviour.
     """
 
     def __init__(
@@ -530,13 +532,15 @@ class RelativeMultiheadAttention(nn.Module):
         if context_parallel is not None:
             self._check_context_parallel(self_attention, value is key, kv_cache, need_weights)
         batched = self._check_inputs(query, key, value)
+        zero_at = None
         if self_attention and value is key and kv_cache is None and context_parallel is None and not need_weights \
                 and attn_mask is None and key_padding_mask is not None:
             b, n = (query.shape[:2] if self.batch_first else query.shape[1::-1]) if batched else (1, query.shape[0])
             self._masks(key_padding_mask, None, batched=batched, b=b, n=n, m=n, dtype=query.dtype)  # its checks
             packing = self._packing(key_padding_mask, batched, self.batch_first)
-            if packing is not None:
+            if packing is not None and packing.worth_packing:
                 return self._packed_forward(query, packing, is_causal), None
+            zero_at = packing  # little padding: the masked call below, then zeros at the padding all the same
         if not batched:
             query, key, value = query[None], key[None], value[None]
         bf = self.batch_first or not batched
@@ -569,6 +573,8 @@ class RelativeMultiheadAttention(nn.Module):
             out = attend(q, k, v, rel_k, rel_v, backend=self.backend, **args)
         out = out.transpose(1, 2) if bf else out.permute(2, 0, 1, 3)
         out = self.out_proj(out.flatten(2))
+        if zero_at is not None:
+            out = zero_at.zero_padding(out)
         return (out if batched else out[0]), weights
 
 

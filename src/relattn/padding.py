@@ -52,6 +52,22 @@ class Packing:
         """Whether any position is padding (``T < B N``)."""
         return self.total < self.batch * self.length
 
+    @property
+    def worth_packing(self) -> bool:
+        """Whether a packed call beats the masked one here: at least :data:`PACK_FROM` of the positions are padding
+        (below that, gathering and scattering the rows costs more than the padded rows do)."""
+        return self.total <= (1 - PACK_FROM) * self.batch * self.length
+
+    def padding(self) -> torch.Tensor:
+        """(B, N) bool, True at the padded positions."""
+        return torch.arange(self.length, device=self.lengths.device)[None, :] >= self.lengths[:, None]
+
+    def zero_padding(self, x: torch.Tensor) -> torch.Tensor:
+        """The padded-layout ``x`` (B, N, ...) ((N, B, ...) sequence-first) with zeros at the padded positions."""
+        self._check(x)
+        padding = self.padding() if self.batch_first else self.padding().T
+        return x.masked_fill(padding.view(*padding.shape, *(1,) * (x.dim() - 2)), 0)
+
     def _check(self, x: torch.Tensor) -> None:
         want = (self.batch, self.length) if self.batch_first else (self.length, self.batch)
         if x.dim() < 2 or tuple(x.shape[:2]) != want:
@@ -73,6 +89,8 @@ class Packing:
         lead = (self.batch, self.length) if self.batch_first else (self.length, self.batch)
         return out.view(*lead, *x.shape[1:])
 
+
+PACK_FROM = 0.1  # the padded fraction from which the packed call is faster (benchmarks/padding.py measures it)
 
 _REMEMBERED: dict = {}  # (id of a mask, tag) -> (weakref to the mask, its version, the answer)
 _KEEP = 8  # answers kept: a model's masks of one batch
@@ -122,4 +140,4 @@ def _packing(padding: torch.Tensor, batch_first: bool) -> Packing | None:
     return Packing(index, lengths, cu_seqlens, longest, b, n, batch_first)
 
 
-__all__ = ["Packing", "remembered", "right_padding"]
+__all__ = ["PACK_FROM", "Packing", "remembered", "right_padding"]

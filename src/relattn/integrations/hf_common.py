@@ -30,16 +30,18 @@ def as_attn_mask(attention_mask):
 
 def right_packing(attention_mask, hidden_states: torch.Tensor, module: nn.Module) -> Packing | None:
     """The :class:`Packing` of a self-attention layer's transformers mask when it masks right-aligned padded keys
-    only, with some padding: a 2-D (B, N) keep mask (nonzero = token), or a 4-D (B, 1, N | 1, N) mask whose query
-    rows are all the same, bool (True = may attend) or additive float (0 at tokens; ``finfo.min`` or ``-inf`` at
-    padding, as transformers builds them). None otherwise (no mask, other masks, left padding, while tracing, or a
+    only, at least ``relattn.padding.PACK_FROM`` of the positions padding (``Packing.worth_packing``): a 2-D
+    (B, N) keep mask (nonzero = token), or a 4-D (B, 1, N | 1, N) mask whose query rows are all the same, bool
+    (True = may attend) or additive float (0 at tokens; ``finfo.min`` or ``-inf`` at padding, as transformers
+    builds them). None otherwise (no mask, other masks, left padding, while tracing, or a
     patched ``module`` of a model that reads its padded positions, ``_relattn_pack`` False): the layer keeps its
     masked call. Remembered per mask tensor (every layer of a model is handed the same one)."""
     if not isinstance(attention_mask, torch.Tensor) or not isinstance(hidden_states, torch.Tensor) or \
             hidden_states.dim() != 3 or not getattr(module, "_relattn_pack", True) or torch.compiler.is_compiling():
         return None
     packing = remembered(attention_mask, "transformers", _mask_packing)
-    if packing is None or (packing.batch, packing.length) != tuple(hidden_states.shape[:2]):
+    if packing is None or not packing.worth_packing or \
+            (packing.batch, packing.length) != tuple(hidden_states.shape[:2]):
         return None
     return packing
 
