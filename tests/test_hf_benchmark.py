@@ -47,3 +47,19 @@ def test_hf_models_quick_writes_every_case(tmp_path):
             assert math.isfinite(ratio) and ratio > 0
         assert set(row["max_abs_diff"]) == variants - {"relattn"}
         assert all(diff < 1e-4 for diff in row["max_abs_diff"].values()), row["max_abs_diff"]
+
+
+@pytest.mark.slow
+def test_hf_models_ragged_deberta_batch(tmp_path):
+    """--ragged: one right-padded DeBERTa batch (lengths spread over LO..HI), patched against eager, the outputs at
+    the real tokens agreeing."""
+    out = tmp_path / "ragged.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_models.py"), "--quick", "--warmup", "0",
+                           "--only", "deberta", "--ragged", "8-40", "--batch", "4", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["scope"], r["length"], r["mode"]) for r in rows] == [
+        ("model (1 layers) ragged 8-40 x4", 40, mode) for mode in ("forward", "forward+backward")]
+    assert all(set(r["variants"]) == {"eager", "relattn"} and r["max_abs_diff"]["eager"] < 1e-4 for r in rows)
