@@ -55,8 +55,8 @@ class Packing:
     @property
     def worth_packing(self) -> bool:
         """Whether a packed call beats the masked one here: at least :data:`PACK_FROM` of the positions are padding
-        (below that, gathering and scattering the rows costs more than the padded rows do)."""
-        return self.total <= (1 - PACK_FROM) * self.batch * self.length
+        (below that, gathering and scattering the rows costs more than the padded rows do), and some are not."""
+        return 0 < self.total <= (1 - PACK_FROM) * self.batch * self.length
 
     def padding(self) -> torch.Tensor:
         """(B, N) bool, True at the padded positions."""

@@ -147,7 +147,7 @@ def _encoder_packing(self, hidden_states, attention_mask, args, kwargs) -> Packi
     if call["output_attentions"] or call["query_states"] is not None or call["relative_pos"] is not None:
         return None
     packing = right_padding(attention_mask == 0)
-    return packing if packing is not None and packing.padded else None
+    return packing if packing is not None and packing.padded and packing.total > 0 else None
 
 
 def _packed_encoder(self, hidden_states, attention_mask, packing: Packing, positions_marker, args, kwargs):
