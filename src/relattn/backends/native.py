@@ -21,6 +21,14 @@ backward task that owns the key); k and v may have fewer heads than q
 query heads in a fixed order (one task per batch entry and key/value head runs its group's query heads in turn),
 so the gradients are the same bits from one run to the next.
 
+Packed calls (:func:`relattn.relative_attention_varlen`; :data:`VARLEN_OPS`, :func:`varlen_forward`,
+:func:`varlen_backward`) run whole, in one parallel pass over (sequence, head, tile of queries) tasks forward and
+(sequence, key/value head) tasks backward: q (1, H, T, D), k and v (1, Hkv, T_k, .) are the packed tensors' strided
+views, read in place; each task reads its sequence's rows (``cu_seqlens_q``, ``cu_seqlens_k``) with positions counted
+from the sequence's start, its queries at the end of its keys, and writes its rows of out, lse and the gradients.
+The tasks are split into runs of equal cost per thread, as ragged lengths make them unequal; nothing is padded, and
+a sequence costs what its own dense call does.
+
 16-bit inputs (bfloat16, float16) go one of two ways (``SETTINGS.current.gemm16``, :func:`uses_gemm16`):
 
 * **16-bit GEMMs** where the CPU has instructions for them (``avx512_bf16`` or AMX for bfloat16; ``avx512_fp16``

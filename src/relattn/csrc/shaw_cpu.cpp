@@ -5,7 +5,19 @@
 // Hk, Hv in {1, H}; query i sits at position p = i + query_offset; key j has offset r = j - p and table row
 // t(r) = clamp(r, -K, K) + K.
 //
-// Forward, per (batch, head, tile of queries): QA = scale * q_tile @ a^K.T (R scores per row: every relative
+// Packed calls (varlen_fwd, varlen_bwd; flash-attention's varlen layout): q (1,H,T,D), k (1,Hkv,T_k,D), v likewise, as
+// strided views of the packed (T,H,D) tensors, and cumulative lengths cu_seqlens_q, cu_seqlens_k (S + 1 entries):
+// sequence s is query rows cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1 (n_s of them) and key rows of cu_seqlens_k
+// likewise (m_s), its query i at position i + m_s - n_s + query_offset. Each sequence is exactly the dense call on
+// its own rows: a task reads its sequence through views moved to the sequence's first rows and writes out, lse, dq,
+// dk, dv ((1, H|Hkv, T|T_k, .)) at the sequence's rows. A dense call is the same with one sequence per batch entry
+// (Seq, Batch). Buffers are sized for the longest sequence.
+//
+// The work is one parallel_for over tasks -- (sequence, head, tile of queries) forward, (sequence, key/value head,
+// segment of keys) backward -- cut into one run of consecutive tasks of about equal cost per thread (balanced_parts):
+// ragged sequences make tasks of unequal cost, and the runs depend only on the shapes and the thread count.
+//
+// Forward, per (sequence, head, tile of queries): QA = scale * q_tile @ a^K.T (R scores per row: every relative
 // key term a row can meet). For each block of keys: S = scale * q_tile @ k_block.T, then per row the relative
 // term is added in three runs -- keys left of the band (constant QA[t=0]), the band (a contiguous slice of
 // the QA row), keys right of the band (constant QA[t=2K]) -- and the online softmax goes on as in flash
@@ -13,12 +25,12 @@
 // row t (again three runs), rescaled with the output; at the end out += PW @ a^V. Nothing of size (N, M)
 // or (N, M, D) exists: per thread a (Tq, Tk) score tile and (Tq, R) rows.
 //
-// Backward, per (batch, key/value head) -- or per (batch, key/value head, segment of keys) when there are too few
+// Backward, per (sequence, key/value head) -- or per (sequence, key/value head, segment of keys) when there are too few
 // heads to keep the threads busy -- over the query heads of the group in order, tile by tile (so dk and dv of a
 // key/value head are the sum over its query heads, in a fixed order): P is recomputed from the saved log-sum-exp; dP = dO @ v.T plus
 // DOA[i, t] = dO_i . a^V_t in the same three runs; dS = P * (dP - rowsum(dO * O)). dQA[i, t] (the sums of dS
 // per table row) gives dq += scale * dQA @ a^K and d a^K += scale * dQA.T @ q; PW (the sums of P) gives
-// d a^V += PW.T @ dO. Table gradients are summed per thread, then across threads.
+// d a^V += PW.T @ dO. Table gradients are summed per thread's run of tasks, then across the runs in order.
 //
 // The position-to-content term (DeBERTa's p2c, BERT's relative_key_query; a table a^Q, rel_q, with the key term's
 // rows): KA = scale * k @ a^Q.T, (M, R) per head, is formed by each thread for the head it works on (one GEMM per
@@ -782,18 +794,18 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, T
     PosRows<T> pos{};
     int64_t pos_of = -1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = std::upper_bound(start.begin(), start.end(), task) - start.begin() - 1;
-      const Seq& seq = batch.seqs[s];
+      const int64_t si = std::upper_bound(start.begin(), start.end(), task) - start.begin() - 1;
+      const Seq& seq = batch.seqs[si];
       const Geometry gs = seq_geometry(g, seq);
       const Views<I, T> ws = seq_views(w, seq);
-      const int64_t nq = (start[s + 1] - start[s]) / g.H, h = (task - start[s]) / nq;
-      const int64_t m0 = (task - start[s]) % nq * tile_q, b = seq.b, hkv = h / g.group;
+      const int64_t nq = (start[si + 1] - start[si]) / g.H, h = (task - start[si]) / nq;
+      const int64_t m0 = (task - start[si]) % nq * tile_q, b = seq.b, hkv = h / g.group;
       const int64_t hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h, tq = std::min(tile_q, gs.N - m0);
       const int64_t row0 = (b * g.H + h) * batch.rows_q + seq.q0 + m0;  // the tile's first row of out and lse
-      if (g.has_q && s * g.H + g.ka_head(h) != pos_of) {
+      if (g.has_q && si * g.H + g.ka_head(h) != pos_of) {
         key_windows(gs, w.ldr, 0, gs.M, ka_wins);
         pos = key_table_rows(gs, ws, b, h, 0, gs.M, ka_wins, ka_ld, scale, kbuf, KA.data(), klo.data(), khi.data());
-        pos_of = s * g.H + g.ka_head(h);
+        pos_of = si * g.H + g.ka_head(h);
       }
       const I* vp = ws.vh(b, hkv);
       const int64_t end = kv_end(gs, m0, tq);
