@@ -219,3 +219,29 @@ def test_the_custom_op_equals_the_eager_path(small_tiles):
     with torch._subclasses.FakeTensorMode() as mode:
         fake = native.VARLEN_OPS.fwd(*(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args))
     assert fake[0].shape == out.shape and fake[1].shape == lse.shape
+
+
+@pytest.fixture
+def threads():
+    """Sets the intra-op threads for the test (restored after it)."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_runs_of_tasks_per_thread_give_the_one_thread_result(small_tiles, threads):
+    """With three threads the tasks are cut into three runs of equal cost (ragged: unequal counts), each adding into
+    its own table gradients: the output and gradients equal the one-thread call's to rounding, and the same bits
+    from one call to the next."""
+    small_tiles(native=(16, 24))
+    lengths = [(9, 9), (1, 1), (170, 170), (0, 3), (50, 120), (260, 260), (2, 2)]  # enough work for every thread
+    inputs, cu_q, cu_k, go, kw = _packed(lengths, FEATURES["gqa-per-head-k-shared-q-qpos-causal"], seed=5)
+    threads(1)
+    one_out, one = _varlen(inputs, cu_q, cu_k, go, kw)
+    threads(3)
+    out, got = _varlen(inputs, cu_q, cu_k, go, kw)
+    assert torch.equal(out, one_out)  # the forward's rows do not depend on which thread runs them
+    for name, a, w in zip(_names(inputs), got, one, strict=True):
+        assert_close(a, w, torch.float64, f"d{name}")
+    again = _varlen(inputs, cu_q, cu_k, go, kw)[1]
+    assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True)), "the backward is not deterministic"
