@@ -205,20 +205,25 @@ def test_bad_cu_seqlens_are_refused_by_name(cu_q, cu_k, match):
                               is_causal=False, scale=0.5, query_offset=0, max_seqlen_q=6, max_seqlen_k=6)
 
 
-def test_the_custom_op_equals_the_eager_path(small_tiles):
-    """relattn::native_varlen_fwd (what torch.compile sees; its fake kernel's shapes) gives the eager result."""
+def test_the_custom_ops_pass_opcheck_and_equal_the_eager_path(small_tiles):
+    """relattn::native_varlen_fwd and _bwd (what torch.compile and torch.export see): torch.library.opcheck (schema,
+    fake kernels, autograd registration, AOT dispatch) on the arguments a packed call passes, and the forward op's
+    result is the eager one."""
     inputs, cu_q, cu_k, go, kw = _packed(LENGTHS["cross"], FEATURES["per-head-v-q-qpos"])
-    q, q_pos, k, v, rk, rv, rq = (None if t is None else t.detach() for t in inputs)
-    args = (_four(q), _four(k), _four(v), rk, rv, None, cu_q, cu_k, K, False, kw["scale"], 0, 11, 14, rq,
-            _four(q_pos))
-    out, lse = native.VARLEN_OPS.fwd(*args)
-    want_out, want_lse = native.varlen_forward(*args[:8], max_relative_position=K, is_causal=False,
-                                               scale=kw["scale"], query_offset=0, max_seqlen_q=11, max_seqlen_k=14,
-                                               rel_q=rq, q_pos=_four(q_pos))
+    q, q_pos, k, v, rk, rv, rq = inputs
+    lead = (_four(q), _four(k), _four(v), rk, rv, None, cu_q, cu_k)
+    scalars = (K, False, kw["scale"], 0, 11, 14)
+    fwd, bwd = torch.ops.relattn.native_varlen_fwd.default, torch.ops.relattn.native_varlen_bwd.default
+    out, lse = fwd(*lead, *scalars, rq, _four(q_pos))
+    want_out, want_lse = native.varlen_forward(*(None if t is None else t.detach() for t in lead),
+                                               max_relative_position=K, is_causal=False, scale=kw["scale"],
+                                               query_offset=0, max_seqlen_q=11, max_seqlen_k=14, rel_q=rq.detach(),
+                                               q_pos=_four(q_pos.detach()))
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
-    with torch._subclasses.FakeTensorMode() as mode:
-        fake = native.VARLEN_OPS.fwd(*(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args))
-    assert fake[0].shape == out.shape and fake[1].shape == lse.shape
+    torch.library.opcheck(fwd, (*lead, *scalars, rq, _four(q_pos)))
+    detached = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in lead)
+    torch.library.opcheck(bwd, (_four(go), *detached, out.detach(), lse.detach(), *scalars, rq.detach(),
+                                _four(q_pos.detach())))
 
 
 @pytest.fixture
