@@ -747,6 +747,12 @@ std::vector<int64_t> balanced_parts(const std::vector<int64_t>& cum, int64_t par
   return bounds;
 }
 
+// What a query row costs besides its keys and table rows, in the cost model's units (a key's multiply-adds per head
+// dim): the row's softmax statistics, its runs, its share of the small GEMMs of a short sequence. Measured on the
+// ragged benchmark (benchmarks/shapes.py's ``ragged``): without it the thread with the short sequences finished 5%
+// (forward) to 8% (backward) after the other.
+constexpr int64_t kRowCost = 128;
+
 // fn(part, first task, end task) for the runs of tasks ``bounds`` makes (balanced_parts), in parallel: a thread given
 // several parts runs them as one run, under its first part's number.
 template <typename F>
@@ -772,7 +778,7 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, T
     for (int64_t h = 0; h < g.H; ++h) {
       for (int64_t m0 = 0; m0 < gs.N; m0 += tile_q) {
         const int64_t tq = std::min(tile_q, gs.N - m0), keys = kv_end(gs, m0, tq);
-        cum.push_back(cum.back() + tq * (keys + (tables ? std::min(cap, tq + keys) : 0)) + 1);
+        cum.push_back(cum.back() + tq * (kRowCost + keys + (tables ? std::min(cap, tq + keys) : 0)));
       }
     }
   }
@@ -898,7 +904,7 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, 
       costs[split] = 1;
       for (int64_t m0 = 0; m0 < gs.N; m0 += tile_q) {
         const int64_t tq = std::min(tile_q, gs.N - m0), keys = std::max<int64_t>(0, std::min(kv_end(gs, m0, tq), hi) - lo);
-        costs[split] += tq * (keys + (tables && keys > 0 ? std::min(cap, tq + keys) : 0));
+        if (keys > 0) costs[split] += tq * (kRowCost + keys + (tables ? std::min(cap, tq + keys) : 0));
       }
     }
     for (int64_t hkv = 0; hkv < g.Hkv; ++hkv)
