@@ -368,6 +368,6 @@ BACKEND = Backend("native", run,
                   Serves(devices=frozenset({"cpu"}), grouped_kv=True, pos_to_content=True, position_query=True,
                          chunk_pairs=True, varlen=True),
                   "C++ kernel, one flash pass: the key term added per row in three runs (left, band, right), "
-                  "the value term as 2K+1 weights per row; CPU, masks, grouped k/v, rel_q, no dropout (16-bit GEMMs "
-                  "where the CPU has 16-bit instructions, else float32)",
+                  "the value term as 2K+1 weights per row; CPU, masks, grouped k/v, rel_q, packed sequences in one "
+                  "pass, no dropout (16-bit GEMMs where the CPU has 16-bit instructions, else float32)",
                   unavailable=unavailable, stats=OPS)
