@@ -32,6 +32,7 @@ FEATURES = {
     "per-head-v-q-qpos": (2, 2, "1hh", True, False),
     "gqa-keys-only-causal": (4, 2, "h--", False, True),
     "no-tables-causal": (2, 1, "---", False, True),
+    "gqa-per-head-tables-causal": (4, 2, "hhh", False, True),
 }
 NAMES = ("q", "q_pos", "k", "v", "rel_k", "rel_v", "rel_q")
 D, DV, K = 4, 3, 3
@@ -172,12 +173,13 @@ def test_rows_without_keys_give_zeros_and_lse_minus_inf(small_tiles):
 
 
 @pytest.mark.parametrize("gemm16", [True, False], ids=["16-bit-gemms", "float32-copies"])
-@pytest.mark.parametrize("lengths", list(LENGTHS))
-def test_bfloat16_within_the_dtype_policy(kernel_settings, gemm16, lengths):
+@pytest.mark.parametrize(("lengths", "features"), [("self", "mqa-shared-tables"),
+                                                   ("cross", "gqa-per-head-tables-causal")])
+def test_bfloat16_within_the_dtype_policy(kernel_settings, gemm16, lengths, features):
     """bfloat16 (16-bit GEMMs, and float32 copies): the output and gradients within twice plain PyTorch's error
     (attention_ref in bfloat16 per sequence) against the float64 oracle, at tiles smaller than the sequences."""
     kernel_settings(native, tile_q=4, tile_k=6, gemm16=gemm16)
-    inputs, cu_q, cu_k, go, kw = _packed(LENGTHS[lengths], FEATURES["mqa-shared-tables"], seed=3)
+    inputs, cu_q, cu_k, go, kw = _packed(LENGTHS[lengths], FEATURES[features], seed=3)
     lo = [None if t is None else t.detach().to(torch.bfloat16).requires_grad_() for t in inputs]
     got_out, got = _varlen(lo, cu_q, cu_k, go.to(torch.bfloat16), kw)
     true_out, true = _per_sequence(inputs, cu_q, cu_k, go, kw, _oracle(upcast=True))
