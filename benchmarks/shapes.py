@@ -12,6 +12,10 @@ Cases (float32 unless said; "auto" backend; both tables, shared by all heads; D 
   forward+backward and forward under ``no_grad`` (the lengths of ``relattn bench --quick``).
 - ``decode_512``, ``decode_4096``: one query (B=1, H=8) against 512 / 4096 cached keys, K=64, forward under
   ``no_grad`` (each timed sample is ``--decode-calls`` calls).
+- ``ragged``: 8 sequences of lengths spread evenly over 128..1024 (``torch.linspace``), H=8, K=64, both tables,
+  forward+backward: packed (``relative_attention_varlen``, no padding stored or computed) against the padded call
+  (B=8, N=1024, a key padding mask; reported as ``padded``, and ``speedup`` = padded / packed time), SDPA on the
+  padded batch with the same mask as the baseline.
 - ``generate``: ``TransformerLM.generate`` (default config, greedy, 64-byte prompt, 256 new bytes) against the
   same model with ``positions="none"`` whose attention calls SDPA; reported also as tokens/s, and ``none``:
   positions="none" through relattn's op (what the op costs without tables: its per-call overhead).
@@ -24,6 +28,7 @@ issue's target is <= 1.1, and generation at >= 0.9x SDPA's tokens/s, i.e. a time
 
     PYTHONPATH=src python benchmarks/shapes.py                       # the real sizes, 2 threads
     PYTHONPATH=src python benchmarks/shapes.py --quick --out /tmp/s.json   # tiny sizes, seconds (for tests)
+    PYTHONPATH=src python benchmarks/shapes.py --only ragged              # packed against padded
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from relattn import RelativeMultiheadAttention, relative_attention
+from relattn import RelativeMultiheadAttention, relative_attention, relative_attention_varlen
 from relattn._io import atomic_write_text
 from relattn.bench.measure import time_interleaved
 from relattn.positions import causal_allowed
@@ -50,11 +55,11 @@ from relattn.training.model import TransformerConfig, TransformerLM
 SIZES = {
     "full": dict(train=(32, 8, 128, 64, 16), encoder=(4, 12, 512, 64, 32), bf16=(1, 8, 2048, 64, 64),
                  autocast=(1, 2048, 512, 8, 64), short=(1, 8, 64), short_lengths=(128, 256, 512), short_ks=(16, 64),
-                 decode=(1, 8, 64, 64), decode_lengths=(512, 4096),
+                 decode=(1, 8, 64, 64), decode_lengths=(512, 4096), ragged=(8, 8, 64, 64, 128, 1024),
                  generate=dict(config={}, prompt=64, new=256)),
     "quick": dict(train=(2, 2, 16, 8, 4), encoder=(1, 3, 24, 8, 4), bf16=(1, 2, 32, 8, 4),
                   autocast=(1, 32, 16, 2, 4), short=(1, 2, 8), short_lengths=(8, 12), short_ks=(2, 4),
-                  decode=(1, 2, 8, 4), decode_lengths=(16, 48),
+                  decode=(1, 2, 8, 4), decode_lengths=(16, 48), ragged=(3, 2, 8, 4, 4, 12),
                   generate=dict(config=dict(d_model=16, n_heads=2, n_layers=2, d_ff=32, max_relative_position=4),
                                 prompt=4, new=6)),
 }
@@ -127,6 +132,43 @@ def decode_case(b, h, d, kk, m, calls):
     return relattn, sdpa, f"B={b} H={h} 1 query vs M={m} keys, D={d} K={kk}, forward, x{calls} calls"
 
 
+def ragged_case(sequences, h, d, kk, shortest, longest, *, varlen=relative_attention_varlen):
+    """Forward+backward of ``sequences`` sequences of lengths ``torch.linspace(shortest, longest)``, packed through
+    ``varlen`` (called as :func:`relative_attention_varlen`) against the padded call with a key padding mask (B =
+    sequences, N = longest; an extra baseline, ``padded``) and SDPA on the padded batch with the same mask."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.linspace(shortest, longest, sequences).round().long()
+    total, b, n = int(lengths.sum()), sequences, int(lengths.max())
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+    q, k, v, go = (_randn(total, h, d, g=g) for _ in range(4))
+    rk, rv = (_randn(2 * kk + 1, d, g=g) for _ in range(2))
+    keep = torch.arange(n)[None, :] < lengths[:, None]  # (B, N): True on real tokens
+
+    def padded_tensor(t):
+        out = t.new_zeros(b, n, h, d)
+        out[keep] = t.detach()
+        return out.transpose(1, 2).contiguous().requires_grad_()
+
+    pq, pk, pv, pgo = (padded_tensor(t) for t in (q, k, v, go))
+    mask = keep[:, None, None, :]
+
+    def packed():
+        out = varlen(q, k, v, rk, rv, cu_seqlens_q=cu, max_seqlen_q=n, max_relative_position=kk)
+        return torch.autograd.grad(out, (q, k, v, rk, rv), go)
+
+    def padded():
+        out = relative_attention(pq, pk, pv, rk, rv, max_relative_position=kk, attn_mask=mask)
+        return torch.autograd.grad(out, (pq, pk, pv, rk, rv), pgo)
+
+    def sdpa():
+        out = F.scaled_dot_product_attention(pq, pk, pv, attn_mask=mask)
+        return torch.autograd.grad(out, (pq, pk, pv), pgo)
+
+    shape = (f"{sequences} sequences of {shortest}..{longest} (T={total}; padded B={b} N={n}), H={h} D={d} K={kk}, "
+             f"packed vs padded with a key padding mask, fwd+bwd")
+    return packed, sdpa, shape, {"padded": padded}
+
+
 class SDPAAttention(RelativeMultiheadAttention):
     """The module without positions, SDPA inside: the generate case's baseline (self-attention, KV cache)."""
 
@@ -180,6 +222,7 @@ def cases(size: str, decode_calls: int) -> dict:
             out[f"short_{n}_k{kk}_fwd"] = op_case(b, h, n, d, kk, causal=False, forward_only=True)
     for m in s["decode_lengths"]:
         out[f"decode_{m}"] = decode_case(*s["decode"], m, decode_calls)
+    out["ragged"] = ragged_case(*s["ragged"])
     out["generate"] = generate_case(**s["generate"])
     return out
 
@@ -217,6 +260,9 @@ def main(argv=None) -> int:
             row[f"{other}_all_ms"] = times[other]
             row[f"{other}_ratio"] = row[f"{other}_ms"] / b
             extra += f"  ({other}: {row[f'{other}_ratio']:.2f})"
+        if name == "ragged":
+            row["speedup"] = row["padded_ms"] / a
+            extra += f"  (packed {row['speedup']:.2f}x faster than padded)"
         if name == "generate":
             new = SIZES[size]["generate"]["new"]
             row["relattn_tokens_per_s"], row["sdpa_tokens_per_s"] = new / (a / 1e3), new / (b / 1e3)

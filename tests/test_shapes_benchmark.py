@@ -16,7 +16,7 @@ import torch
 from relattn.training.model import TransformerConfig, TransformerLM
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = {"train", "encoder", "bf16", "fp16", "autocast", "decode_16", "decode_48", "generate",
+CASES = {"train", "encoder", "bf16", "fp16", "autocast", "decode_16", "decode_48", "ragged", "generate",
          *(f"short_{n}_k{kk}{fwd}" for n in (8, 12) for kk in (2, 4) for fwd in ("", "_fwd"))}
 
 

@@ -21,6 +21,14 @@ backward task that owns the key); k and v may have fewer heads than q
 query heads in a fixed order (one task per batch entry and key/value head runs its group's query heads in turn),
 so the gradients are the same bits from one run to the next.
 
+Packed calls (:func:`relattn.relative_attention_varlen`; :data:`VARLEN_OPS`, :func:`varlen_forward`,
+:func:`varlen_backward`) run whole, in one parallel pass over (sequence, head, tile of queries) tasks forward and
+(sequence, key/value head) tasks backward: q (1, H, T, D), k and v (1, Hkv, T_k, .) are the packed tensors' strided
+views, read in place; each task reads its sequence's rows (``cu_seqlens_q``, ``cu_seqlens_k``) with positions counted
+from the sequence's start, its queries at the end of its keys, and writes its rows of out, lse and the gradients.
+The tasks are split into runs of equal cost per thread, as ragged lengths make them unequal; nothing is padded, and
+a sequence costs what its own dense call does.
+
 16-bit inputs (bfloat16, float16) go one of two ways (``SETTINGS.current.gemm16``, :func:`uses_gemm16`):
 
 * **16-bit GEMMs** where the CPU has instructions for them (``avx512_bf16`` or AMX for bfloat16; ``avx512_fp16``
@@ -301,14 +309,65 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
                  for g, t in zip(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos), strict=True))
 
 
-# relattn::native_fwd / relattn::native_bwd, the eager path and the ring's pair calls: see _common.StatsOps.
+def _no_mask(mask) -> None:
+    if mask is not None:
+        raise ValueError(f"relattn native: a packed call takes no mask; got a {type(mask).__name__}")
+
+
+def varlen_forward(q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, *, max_relative_position: int,
+                   is_causal: bool, scale: float, query_offset: int, max_seqlen_q: int, max_seqlen_k: int, rel_q=None,
+                   q_pos=None):
+    """A packed call: (out (1,H,T,Dv) in q's dtype, lse (1,H,T), float32 for 16-bit q). q (1,H,T,D), k (1,Hkv,T_k,D),
+    v (1,Hkv,T_k,Dv) (any row strides); sequence s holds query rows ``cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1`` and
+    key rows ``cu_seqlens_k[s] ..`` likewise, its query i at position ``i + m_s - n_s + query_offset``: the dense
+    :func:`forward` of its own rows. Rows with no key give zeros, lse -inf. ``mask`` must be None."""
+    _require()
+    _no_mask(mask)
+    gemm16 = uses_gemm16(q.dtype)
+    tiles = tile_q(max_seqlen_q, is_causal, 2 * max_relative_position + 1, max_seqlen_k), SETTINGS.current.tile_k
+    q_, k_, v_, qp = _data(gemm16, q, k, v, q_pos)
+    rel_k, rel_v, _, rel_q = _tables_and_mask(rel_k, rel_v, None, rel_q)
+    out, lse = torch.ops.relattn_native.varlen_fwd(q_, k_, v_, rel_k, rel_v, rel_q, qp, cu_seqlens_q, cu_seqlens_k,
+                                                   max_relative_position, is_causal, scale, query_offset, *tiles)
+    return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
+
+
+def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, out, lse, *,
+                    max_relative_position: int, is_causal: bool, scale: float, query_offset: int, max_seqlen_q: int,
+                    max_seqlen_k: int, rel_q=None, q_pos=None):
+    """The gradients of :func:`varlen_forward`'s call, as :func:`backward` gives them (dq (1,H,T,D), dk, dv
+    (1,Hkv,T_k,.), the tables' in their shapes): one task per (sequence, key/value head), table gradients summed
+    per thread in a fixed order."""
+    _require()
+    _no_mask(mask)
+    gemm16 = uses_gemm16(q.dtype)
+    go, q_, k_, v_, out_, qp = _data(gemm16, grad_out, q, k, v, out, q_pos)
+    settings = SETTINGS.current
+    tiles = tile_q(max_seqlen_q, is_causal, 2 * max_relative_position + 1, max_seqlen_k), settings.tile_k
+    rel_k_, rel_v_, _, rel_q_ = _tables_and_mask(rel_k, rel_v, None, rel_q)
+    grads = torch.ops.relattn_native.varlen_bwd(go, q_, k_, v_, rel_k_, rel_v_, rel_q_, qp, out_, lse, cu_seqlens_q,
+                                                cu_seqlens_k, max_relative_position, is_causal, scale, query_offset,
+                                                *tiles, settings.kv_splits)
+    return tuple(g if t is None or g.dtype == t.dtype else g.to(t.dtype)
+                 for g, t in zip(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos), strict=True))
+
+
+# relattn::native_fwd / relattn::native_bwd (and relattn::native_varlen_fwd / _bwd for packed calls), the eager path
+# and the ring's pair calls: see _common.StatsOps.
 OPS = StatsOps("native", forward, backward)
+VARLEN_OPS = StatsOps("native_varlen", varlen_forward, varlen_backward, varlen=True)
 
 
-BACKEND = Backend("native", OPS.run,
+def run(call):
+    """The output of ``call``: a packed call (``cu_seqlens_q``) through :data:`VARLEN_OPS`, else :data:`OPS`."""
+    return (VARLEN_OPS if call.cu_seqlens_q is not None else OPS).run(call)
+
+
+
+BACKEND = Backend("native", run,
                   Serves(devices=frozenset({"cpu"}), grouped_kv=True, pos_to_content=True, position_query=True,
-                         chunk_pairs=True),
+                         chunk_pairs=True, varlen=True),
                   "C++ kernel, one flash pass: the key term added per row in three runs (left, band, right), "
-                  "the value term as 2K+1 weights per row; CPU, masks, grouped k/v, rel_q, no dropout (16-bit GEMMs "
-                  "where the CPU has 16-bit instructions, else float32)",
+                  "the value term as 2K+1 weights per row; CPU, masks, grouped k/v, rel_q, packed sequences in one "
+                  "pass, no dropout (16-bit GEMMs where the CPU has 16-bit instructions, else float32)",
                   unavailable=unavailable, stats=OPS)

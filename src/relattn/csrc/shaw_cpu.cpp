@@ -5,7 +5,19 @@
 // Hk, Hv in {1, H}; query i sits at position p = i + query_offset; key j has offset r = j - p and table row
 // t(r) = clamp(r, -K, K) + K.
 //
-// Forward, per (batch, head, tile of queries): QA = scale * q_tile @ a^K.T (R scores per row: every relative
+// Packed calls (varlen_fwd, varlen_bwd; flash-attention's varlen layout): q (1,H,T,D), k (1,Hkv,T_k,D), v likewise, as
+// strided views of the packed (T,H,D) tensors, and cumulative lengths cu_seqlens_q, cu_seqlens_k (S + 1 entries):
+// sequence s is query rows cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1 (n_s of them) and key rows of cu_seqlens_k
+// likewise (m_s), its query i at position i + m_s - n_s + query_offset. Each sequence is exactly the dense call on
+// its own rows: a task reads its sequence through views moved to the sequence's first rows and writes out, lse, dq,
+// dk, dv ((1, H|Hkv, T|T_k, .)) at the sequence's rows. A dense call is the same with one sequence per batch entry
+// (Seq, Batch). Buffers are sized for the longest sequence.
+//
+// The work is one parallel_for over tasks -- (sequence, head, tile of queries) forward, (sequence, key/value head,
+// segment of keys) backward -- cut into one run of consecutive tasks of about equal cost per thread (balanced_parts):
+// ragged sequences make tasks of unequal cost, and the runs depend only on the shapes and the thread count.
+//
+// Forward, per (sequence, head, tile of queries): QA = scale * q_tile @ a^K.T (R scores per row: every relative
 // key term a row can meet). For each block of keys: S = scale * q_tile @ k_block.T, then per row the relative
 // term is added in three runs -- keys left of the band (constant QA[t=0]), the band (a contiguous slice of
 // the QA row), keys right of the band (constant QA[t=2K]) -- and the online softmax goes on as in flash
@@ -13,12 +25,12 @@
 // row t (again three runs), rescaled with the output; at the end out += PW @ a^V. Nothing of size (N, M)
 // or (N, M, D) exists: per thread a (Tq, Tk) score tile and (Tq, R) rows.
 //
-// Backward, per (batch, key/value head) -- or per (batch, key/value head, segment of keys) when there are too few
+// Backward, per (sequence, key/value head) -- or per (sequence, key/value head, segment of keys) when there are too few
 // heads to keep the threads busy -- over the query heads of the group in order, tile by tile (so dk and dv of a
 // key/value head are the sum over its query heads, in a fixed order): P is recomputed from the saved log-sum-exp; dP = dO @ v.T plus
 // DOA[i, t] = dO_i . a^V_t in the same three runs; dS = P * (dP - rowsum(dO * O)). dQA[i, t] (the sums of dS
 // per table row) gives dq += scale * dQA @ a^K and d a^K += scale * dQA.T @ q; PW (the sums of P) gives
-// d a^V += PW.T @ dO. Table gradients are summed per thread, then across threads.
+// d a^V += PW.T @ dO. Table gradients are summed per thread's run of tasks, then across the runs in order.
 //
 // The position-to-content term (DeBERTa's p2c, BERT's relative_key_query; a table a^Q, rel_q, with the key term's
 // rows): KA = scale * k @ a^Q.T, (M, R) per head, is formed by each thread for the head it works on (one GEMM per
@@ -673,50 +685,141 @@ const I* block_as(const T* S, int64_t rows, int64_t width, int64_t ld, std::vect
   }
 }
 
-// The grain of a parallel_for over ``tasks`` tasks of about ``work`` multiply-adds each: all of them on the calling
-// thread when the whole is under 2^20 multiply-adds (a decoding step against a few hundred keys: some 50 us on one
-// thread), else one task at a time. Waking the other threads for so little costs more than they save: on a busy
-// machine the wake-up alone took longer than the whole call.
-int64_t grain_for(int64_t tasks, int64_t work) {
-  return tasks * work < (int64_t{1} << 20) ? std::max<int64_t>(tasks, 1) : 1;
+// ------------------------------------------------------------------------------------------- the tasks
+
+// One sequence of a call: batch entry b, its n query rows from row q0 and its m key rows from row k0 of that entry,
+// its first query at position off. A dense call is one sequence per batch entry (q0 = k0 = 0, n = N, m = M, off =
+// query_offset); a packed call is one batch entry holding its sequences one after the other (cu_seqlens).
+struct Seq {
+  int64_t b, q0, k0, n, m, off;
+};
+
+// The sequences of a call, and the rows per (batch entry, head) of q, out, lse, dq (rows_q) and of k, v, dk, dv
+// (rows_k): N and M for a dense call, T and T_k for a packed one.
+struct Batch {
+  std::vector<Seq> seqs;
+  int64_t rows_q, rows_k;
+};
+
+// g as one sequence sees it: its lengths and offset (g itself holds the longest lengths, which size the buffers).
+inline Geometry seq_geometry(const Geometry& g, const Seq& s) {
+  Geometry r = g;
+  r.N = s.n;
+  r.M = s.m;
+  r.off = s.off;
+  return r;
 }
 
+// w with q, q_pos, k, v (and the mask) moved to the sequence's first rows: row i of the sequence is row i of these.
 template <typename I, typename T>
-void forward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile_q, int64_t tile_k, I* out, T* lse) {
+Views<I, T> seq_views(const Views<I, T>& w, const Seq& s) {
+  Views<I, T> r = w;
+  r.q += s.q0 * w.qs[2];
+  r.qp += s.q0 * w.qps[2];
+  r.k += s.k0 * w.ks[2];
+  r.v += s.k0 * w.vs[2];
+  if (r.mask != nullptr) r.mask += s.q0 * w.ms[2] + s.k0 * w.ms[3];
+  return r;
+}
+
+// How many parts to split tasks of ``work`` multiply-adds in all into: one (all on the calling thread) when the
+// whole is under 2^20 multiply-adds (a decoding step against a few hundred keys: some 50 us on one thread), else one
+// per thread. Waking the other threads for so little costs more than they save: on a busy machine the wake-up alone
+// took longer than the whole call.
+int64_t parts_for(int64_t tasks, int64_t work) {
+  if (tasks <= 0) return 0;
+  return work < (int64_t{1} << 20) ? 1 : std::min<int64_t>(tasks, at::get_num_threads());
+}
+
+// The bounds of `parts` runs of consecutive tasks of about equal cost (cum[t]: the cost of tasks [0, t)): part p is
+// tasks [bounds[p], bounds[p + 1]). Ragged sequences make tasks of unequal cost, and at::parallel_for hands each
+// thread an equal count of consecutive tasks; the parts depend on the shapes and the thread count only, so which
+// task adds into which thread's table gradients is the same from one run to the next.
+std::vector<int64_t> balanced_parts(const std::vector<int64_t>& cum, int64_t parts) {
+  const int64_t n = static_cast<int64_t>(cum.size()) - 1, total = cum.back();
+  std::vector<int64_t> bounds(parts + 1, n);
+  bounds[0] = 0;
+  for (int64_t p = 1; p < parts; ++p) {
+    const int64_t target = total / parts * p + total % parts * p / parts;
+    const int64_t t = std::lower_bound(cum.begin(), cum.end(), target) - cum.begin();
+    bounds[p] = std::clamp<int64_t>(t, bounds[p - 1], n);
+  }
+  return bounds;
+}
+
+// What a query row costs besides its keys and table rows, in the cost model's units (a key's multiply-adds per head
+// dim): the row's softmax statistics, its runs, its share of the small GEMMs of a short sequence. Measured on the
+// ragged benchmark (benchmarks/shapes.py's ``ragged``): without it the thread with the short sequences finished 5%
+// (forward) to 8% (backward) after the other.
+constexpr int64_t kRowCost = 128;
+
+// fn(part, first task, end task) for the runs of tasks ``bounds`` makes (balanced_parts), in parallel: a thread given
+// several parts runs them as one run, under its first part's number.
+template <typename F>
+void for_parts(const std::vector<int64_t>& bounds, F fn) {
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1,
+                   [&](int64_t p0, int64_t p1) { fn(p0, bounds[p0], bounds[p1]); });
+}
+
+// The forward's tasks are (sequence, head, tile of queries), sequence by sequence, head by head: consecutive tasks
+// share a head (and its KA rows). g holds the longest lengths (the buffers' sizes), each task its sequence's.
+template <typename I, typename T>
+void forward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, T scale, int64_t tile_q, int64_t tile_k,
+                  I* out, T* lse) {
   constexpr bool narrow = !std::is_same_v<I, T>;
-  const int64_t nq = (g.N + tile_q - 1) / tile_q, last = 2 * g.kk;
+  const int64_t last = 2 * g.kk, nseq = static_cast<int64_t>(batch.seqs.size());
   const int64_t cap = window_cap(g, w.ldr, tile_q, g.M);  // columns of a tile's table rows
-  const int64_t grain = grain_for(g.B * g.H * nq, tile_q * (g.M + (g.has_k || g.has_v ? cap : 0)) * (g.D + g.Dv));
-  // The position-to-content term: the windows of table rows each chunk of keys meets, KA's row stride.
+  const bool tables = g.has_k || g.has_v;
+  // start[s]: sequence s's first task; cum: the tasks' running cost (multiply-adds per head dim)
+  std::vector<int64_t> start(nseq + 1, 0), cum{0};
+  for (int64_t s = 0; s < nseq; ++s) {
+    const Geometry gs = seq_geometry(g, batch.seqs[s]);
+    start[s + 1] = start[s] + g.H * ((gs.N + tile_q - 1) / tile_q);
+    for (int64_t h = 0; h < g.H; ++h) {
+      for (int64_t m0 = 0; m0 < gs.N; m0 += tile_q) {
+        const int64_t tq = std::min(tile_q, gs.N - m0), keys = kv_end(gs, m0, tq);
+        cum.push_back(cum.back() + tq * (kRowCost + keys + (tables ? std::min(cap, tq + keys) : 0)));
+      }
+    }
+  }
+  const auto bounds = balanced_parts(cum, parts_for(start[nseq], cum.back() * (g.D + g.Dv)));
+  // The position-to-content term: KA's row stride, room for the longest sequence's windows.
   const int64_t ka_ld = g.has_q ? key_table_ld(g, w.ldr, sizeof(T)) : 0;
-  std::vector<Window> ka_wins;
-  if (g.has_q) key_windows(g, w.ldr, 0, g.M, ka_wins);
-  at::parallel_for(0, g.B * g.H * nq, grain, [&](int64_t begin, int64_t end) {
+  for_parts(bounds, [&](int64_t, int64_t begin, int64_t end) {
     std::vector<T> S(tile_q * tile_k), QA(g.has_k ? tile_q * cap : 0), PW(g.has_v ? tile_q * cap : 0);
     std::vector<T> acc(tile_q * g.Dv), mx(tile_q), sm(tile_q), rmax(tile_q);
     std::vector<T> qbuf(narrow && g.has_k ? tile_q * g.D : 0);
     std::vector<I> P16(narrow ? tile_q * tile_k : 0);
     std::vector<Runs> runs(tile_q);
-    // The position-to-content term: KA rows of every key for the head of the current task (consecutive tasks share a
-    // head: formed once per head and thread).
+    // The position-to-content term: KA rows of every key of the sequence for the head of the current task
+    // (consecutive tasks share a head: formed once per head and thread), in the windows of table rows each chunk of
+    // keys meets.
     const int64_t kam = g.has_q ? g.M : 0;
     std::vector<T> KA(kam * ka_ld), klo(kam), khi(kam), kbuf(narrow ? kam * g.D : 0);
+    std::vector<Window> ka_wins;
     PosRows<T> pos{};
     int64_t pos_of = -1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / nq, m0 = (task % nq) * tile_q, b = bh / g.H, h = bh % g.H, hkv = h / g.group;
-      const int64_t hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h, tq = std::min(tile_q, g.N - m0);
-      if (g.has_q && b * g.H + g.ka_head(h) != pos_of) {
-        pos = key_table_rows(g, w, b, h, 0, g.M, ka_wins, ka_ld, scale, kbuf, KA.data(), klo.data(), khi.data());
-        pos_of = b * g.H + g.ka_head(h);
+      const int64_t si = std::upper_bound(start.begin(), start.end(), task) - start.begin() - 1;
+      const Seq& seq = batch.seqs[si];
+      const Geometry gs = seq_geometry(g, seq);
+      const Views<I, T> ws = seq_views(w, seq);
+      const int64_t nq = (start[si + 1] - start[si]) / g.H, h = (task - start[si]) / nq;
+      const int64_t m0 = (task - start[si]) % nq * tile_q, b = seq.b, hkv = h / g.group;
+      const int64_t hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h, tq = std::min(tile_q, gs.N - m0);
+      const int64_t row0 = (b * g.H + h) * batch.rows_q + seq.q0 + m0;  // the tile's first row of out and lse
+      if (g.has_q && si * g.H + g.ka_head(h) != pos_of) {
+        key_windows(gs, w.ldr, 0, gs.M, ka_wins);
+        pos = key_table_rows(gs, ws, b, h, 0, gs.M, ka_wins, ka_ld, scale, kbuf, KA.data(), klo.data(), khi.data());
+        pos_of = si * g.H + g.ka_head(h);
       }
-      const I* vp = w.vh(b, hkv);
-      const int64_t end = kv_end(g, m0, tq);
+      const I* vp = ws.vh(b, hkv);
+      const int64_t end = kv_end(gs, m0, tq);
       // the table rows the tile meets: QA and PW rows hold win.cols entries, from table row win.first
-      const Window win = window_of(g.kk, w.ldr, g.causal, m0 + g.off, m0 + tq - 1 + g.off, 0, end);
+      const Window win = window_of(g.kk, w.ldr, g.causal, m0 + gs.off, m0 + tq - 1 + gs.off, 0, end);
       if (g.has_k) {
         int64_t ldq;
-        const T* qt = rows_as<T>(w.qph(b, h) + m0 * w.qps[2], tq, g.D, w.qps[2], qbuf, ldq);
+        const T* qt = rows_as<T>(ws.qph(b, h) + m0 * w.qps[2], tq, g.D, w.qps[2], qbuf, ldq);
         gemm<T>(false, true, tq, win.cols, g.D, scale, qt, ldq, w.tk_pad + (hk * w.ldr + win.first) * g.D, g.D,
                 T(0), QA.data(), win.cols);
       }
@@ -726,7 +829,7 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile
       std::fill(sm.begin(), sm.end(), T(0));
       for (int64_t n0 = 0; n0 < end; n0 += tile_k) {
         const int64_t width = std::min(tile_k, end - n0);
-        block_scores(g, w, b, h, hkv, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr, win,
+        block_scores(gs, ws, b, h, hkv, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr, win,
                      g.has_q ? &pos : nullptr, S.data(), tile_k, runs.data(), rmax.data());
         for (int64_t a = 0; a < tq; ++a) {
           T* s = S.data() + a * tile_k;
@@ -758,46 +861,62 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile
         gemm<T>(false, false, tq, g.Dv, win.rows, T(1), PW.data(), win.cols, w.tv_pad + (hv * w.ldr + win.first) * g.Dv,
                 g.Dv, T(1), acc.data(), g.Dv);
       for (int64_t a = 0; a < tq; ++a) {
-        I* o = out + (bh * g.N + m0 + a) * g.Dv;
+        I* o = out + (row0 + a) * g.Dv;
         const T* src = acc.data() + a * g.Dv;
         if (sm[a] != sm[a]) {  // a NaN reached the row's scores
           std::fill(o, o + g.Dv, static_cast<I>(sm[a]));
-          lse[bh * g.N + m0 + a] = sm[a];
+          lse[row0 + a] = sm[a];
         } else if (sm[a] == T(0)) {  // no key: zeros (NaN where a NaN value met the zero weights), lse -inf
           for (int64_t x = 0; x < g.Dv; ++x) o[x] = static_cast<I>(src[x] * T(0));
-          lse[bh * g.N + m0 + a] = neg_inf<T>;
+          lse[row0 + a] = neg_inf<T>;
         } else {
           const T inv = T(1) / sm[a];
           for (int64_t x = 0; x < g.Dv; ++x) o[x] = static_cast<I>(src[x] * inv);
-          lse[bh * g.N + m0 + a] = mx[a] + std::log(sm[a]);
+          lse[row0 + a] = mx[a] + std::log(sm[a]);
         }
       }
     }
   });
 }
 
-// The backward's tasks are (batch, key/value head, segment of key blocks): each owns its keys' dk and dv rows and
-// runs the query heads of its group in order; with more than one segment per head, each writes its share of dq
-// into its own (B*H, N, D) slab of ``dq`` (summed afterwards in segment order, so the result does not depend on
-// the threads); likewise the key table's share of the position queries' gradient into ``dqp`` (null without q_pos:
-// it goes to dq).
+// The backward's tasks are (sequence, key/value head, segment of the sequence's key blocks): each owns its keys' dk
+// and dv rows and runs the query heads of its group in order; with more than one segment per head, each writes its
+// share of dq into its own (B*H, rows_q, D) slab of ``dq`` (summed afterwards in segment order, so the result does
+// not depend on the threads); likewise the key table's share of the position queries' gradient into ``dqp`` (null
+// without q_pos: it goes to dq). A sequence's segments split its own blocks: ``splits`` for every sequence.
 template <typename I, typename T>
-void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t tile_q, int64_t tile_k, int64_t splits,
-                   const I* dout, const int64_t* dos, const I* out, const T* lse, T* dq, T* dqp, T* dk, T* dv, T* drk,
-                   T* drv, T* drq,
-                   const bool* own) {
+void backward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, T scale, int64_t tile_q,
+                   int64_t tile_k, int64_t splits, const I* dout, const int64_t* dos, const I* out, const T* lse, T* dq,
+                   T* dqp, T* dk, T* dv, T* drk, T* drv, T* drq, const bool* own) {
   constexpr bool narrow = !std::is_same_v<I, T>;
-  const int64_t last = 2 * g.kk, R = g.R;
-  const int64_t blocks = (g.M + tile_k - 1) / tile_k, per_split = (blocks + splits - 1) / splits;
-  const int64_t seg = std::min(g.M, per_split * tile_k);
+  const int64_t last = 2 * g.kk, R = g.R, nseq = static_cast<int64_t>(batch.seqs.size());
+  const auto per_split = [&](int64_t m) { return ((m + tile_k - 1) / tile_k + splits - 1) / splits * tile_k; };
+  const int64_t seg = std::min(g.M, per_split(g.M));  // the most keys of a task (g: the longest sequence)
   const int64_t cap = window_cap(g, w.ldr, tile_q, seg);  // columns of a tile's table rows
   const int64_t ld = g.has_q ? key_table_ld(g, w.ldr, sizeof(T)) : 0;  // KA's and its bins' row stride
-  at::parallel_for(0, g.B * g.Hkv * splits, 1, [&](int64_t begin, int64_t end) {
-    const int64_t tid = at::get_thread_num();
-    // the thread's table gradients (one buffer for all threads where each head's rows have one writer: own)
-    T* drk_t = g.has_k ? drk + (own[0] ? 0 : tid) * g.Hk * R * g.D : nullptr;
-    T* drv_t = g.has_v ? drv + (own[1] ? 0 : tid) * g.Hv * R * g.Dv : nullptr;
-    T* drq_t = g.has_q ? drq + (own[2] ? 0 : tid) * g.Hq * R * g.D : nullptr;
+  const bool tables = g.has_k || g.has_v;
+  // The tasks' running cost (multiply-adds per head dim and query head), task (s * Hkv + hkv) * splits + split.
+  std::vector<int64_t> cum{0}, costs(splits);
+  for (const Seq& seq : batch.seqs) {
+    const Geometry gs = seq_geometry(g, seq);
+    for (int64_t split = 0; split < splits; ++split) {
+      const int64_t lo = split * per_split(gs.M), hi = std::min(gs.M, lo + per_split(gs.M));
+      costs[split] = 1;
+      for (int64_t m0 = 0; m0 < gs.N; m0 += tile_q) {
+        const int64_t tq = std::min(tile_q, gs.N - m0), keys = std::max<int64_t>(0, std::min(kv_end(gs, m0, tq), hi) - lo);
+        if (keys > 0) costs[split] += tq * (kRowCost + keys + (tables ? std::min(cap, tq + keys) : 0));
+      }
+    }
+    for (int64_t hkv = 0; hkv < g.Hkv; ++hkv)
+      for (int64_t split = 0; split < splits; ++split) cum.push_back(cum.back() + costs[split]);
+  }
+  const int64_t tasks = nseq * g.Hkv * splits;
+  const auto bounds = balanced_parts(cum, std::min<int64_t>(tasks, at::get_num_threads()));
+  for_parts(bounds, [&](int64_t part, int64_t begin, int64_t end) {
+    // the part's table gradients (one buffer for all parts where each head's rows have one writer: own)
+    T* drk_t = g.has_k ? drk + (own[0] ? 0 : part) * g.Hk * R * g.D : nullptr;
+    T* drv_t = g.has_v ? drv + (own[1] ? 0 : part) * g.Hv * R * g.Dv : nullptr;
+    T* drq_t = g.has_q ? drq + (own[2] ? 0 : part) * g.Hq * R * g.D : nullptr;
     // The position-to-content bins of the task's keys (one query head at a time): dKA, and its edge columns.
     std::vector<T> dKA(g.has_q ? seg * ld : 0), dlo(g.has_q ? seg : 0), dhi(g.has_q ? seg : 0);
     std::vector<T> kbuf(narrow && g.has_q ? seg * g.D : 0);
@@ -811,33 +930,38 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t til
     std::vector<T> qbuf(narrow && g.has_k ? tile_q * g.D : 0), dobuf(narrow && g.has_v ? tile_q * g.Dv : 0);
     std::vector<I> B16(narrow ? tile_q * tile_k : 0);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bkv = task / splits, split = task % splits, b = bkv / g.Hkv, hkv = bkv % g.Hkv;
-      const int64_t keys_lo = split * per_split * tile_k, keys_hi = std::min(g.M, (split + 1) * per_split * tile_k);
-      const I* kp = w.kh(b, hkv);
-      const I* vp = w.vh(b, hkv);
-      T* dkh = dk + bkv * g.M * g.D;
-      T* dvh = dv + bkv * g.M * g.Dv;
-      if (g.has_q) key_windows(g, w.ldr, keys_lo, keys_hi, ka_wins);
+      const int64_t skv = task / splits, split = task % splits, hkv = skv % g.Hkv;
+      const Seq& seq = batch.seqs[skv / g.Hkv];
+      const Geometry gs = seq_geometry(g, seq);
+      const Views<I, T> ws = seq_views(w, seq);
+      const int64_t b = seq.b, bkv = b * g.Hkv + hkv;
+      const int64_t keys_lo = split * per_split(gs.M), keys_hi = std::min(gs.M, keys_lo + per_split(gs.M));
+      if (gs.N == 0 || keys_hi <= keys_lo) continue;  // no query, or no key: no gradient
+      const I* kp = ws.kh(b, hkv);
+      const I* vp = ws.vh(b, hkv);
+      T* dkh = dk + (bkv * batch.rows_k + seq.k0) * g.D;
+      T* dvh = dv + (bkv * batch.rows_k + seq.k0) * g.Dv;
+      if (g.has_q) key_windows(gs, w.ldr, keys_lo, keys_hi, ka_wins);
       for (int64_t h = hkv * g.group; h < (hkv + 1) * g.group; ++h) {
         const int64_t bh = b * g.H + h, hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h;
-        T* dqh = dq + (split * g.B * g.H + bh) * g.N * g.D;
-        T* dqph = dqp == nullptr ? dqh : dqp + (split * g.B * g.H + bh) * g.N * g.D;
+        T* dqh = dq + ((split * g.B * g.H + bh) * batch.rows_q + seq.q0) * g.D;
+        T* dqph = dqp == nullptr ? dqh : dqp + ((split * g.B * g.H + bh) * batch.rows_q + seq.q0) * g.D;
         if (g.has_q && (g.Hq != 1 || h == hkv * g.group) && keys_hi > keys_lo)
-          pos = key_table_rows(g, w, b, h, keys_lo, keys_hi, ka_wins, ld, scale, kbuf, KA.data(), klo.data(),
+          pos = key_table_rows(gs, ws, b, h, keys_lo, keys_hi, ka_wins, ld, scale, kbuf, KA.data(), klo.data(),
                                khi.data());
         if (g.has_q) {
           std::fill(dKA.begin(), dKA.end(), T(0));
           std::fill(dlo.begin(), dlo.end(), T(0));
           std::fill(dhi.begin(), dhi.end(), T(0));
         }
-        for (int64_t m0 = 0; m0 < g.N; m0 += tile_q) {
-          const int64_t tq = std::min(tile_q, g.N - m0);
-          const int64_t end = std::min(kv_end(g, m0, tq), keys_hi);
+        for (int64_t m0 = 0; m0 < gs.N; m0 += tile_q) {
+          const int64_t tq = std::min(tile_q, gs.N - m0);
+          const int64_t end = std::min(kv_end(gs, m0, tq), keys_hi);
           if (end <= keys_lo) continue;  // this tile meets none of the segment's keys
-          const I* qt = w.qh(b, h) + m0 * w.qs[2];
-          const I* dot = dout + b * dos[0] + h * dos[1] + m0 * dos[2];
-          const I* ot = out + (bh * g.N + m0) * g.Dv;
-          const T* lt = lse + bh * g.N + m0;
+          const I* qt = ws.qh(b, h) + m0 * w.qs[2];
+          const I* dot = dout + b * dos[0] + h * dos[1] + (seq.q0 + m0) * dos[2];
+          const I* ot = out + (bh * batch.rows_q + seq.q0 + m0) * g.Dv;
+          const T* lt = lse + bh * batch.rows_q + seq.q0 + m0;
           for (int64_t a = 0; a < tq; ++a) {
             T t = 0;
             for (int64_t x = 0; x < g.Dv; ++x)
@@ -845,10 +969,10 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t til
             dsum[a] = t;
           }
           // the table rows the tile meets against the segment's keys (QA, dQA, DOA, PW rows: win.cols entries)
-          const Window win = window_of(g.kk, w.ldr, g.causal, m0 + g.off, m0 + tq - 1 + g.off, keys_lo, end);
+          const Window win = window_of(g.kk, w.ldr, g.causal, m0 + gs.off, m0 + tq - 1 + gs.off, keys_lo, end);
           const int64_t wc = win.cols;
           int64_t ldq = 0, ldo = 0;  // the tile's position queries and dO rows as T, for the GEMMs with the tables
-          const T* qf = g.has_k ? rows_as<T>(w.qph(b, h) + m0 * w.qps[2], tq, g.D, w.qps[2], qbuf, ldq) : nullptr;
+          const T* qf = g.has_k ? rows_as<T>(ws.qph(b, h) + m0 * w.qps[2], tq, g.D, w.qps[2], qbuf, ldq) : nullptr;
           const T* dof = g.has_v ? rows_as<T>(dot, tq, g.Dv, dos[2], dobuf, ldo) : nullptr;
           if (g.has_k) {
             gemm<T>(false, true, tq, wc, g.D, scale, qf, ldq, w.tk_pad + (hk * w.ldr + win.first) * g.D, g.D, T(0),
@@ -862,7 +986,7 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, T scale, int64_t til
           }
           for (int64_t n0 = keys_lo; n0 < end; n0 += tile_k) {
             const int64_t width = std::min(tile_k, end - n0);
-            block_scores(g, w, b, h, hkv, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr, win,
+            block_scores(gs, ws, b, h, hkv, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr, win,
                          g.has_q ? &pos : nullptr, P.data(), tile_k, runs.data(), rmax.data());
             for (int64_t a = 0; a < tq; ++a) {  // P = exp(S - lse)
               T* s = P.data() + a * tile_k;
@@ -1026,62 +1150,141 @@ void dispatch_types(at::ScalarType dt, F&& fn) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> shaw_fwd(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                                            const std::optional<at::Tensor>& rel_k,
-                                            const std::optional<at::Tensor>& rel_v,
-                                            const std::optional<at::Tensor>& mask_,
-                                            const std::optional<at::Tensor>& rel_q,
-                                            const std::optional<at::Tensor>& q_pos, int64_t kk, bool is_causal,
-                                            double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k) {
+// A dense call's sequences: one per batch entry.
+Batch dense_batch(const Geometry& g) {
+  Batch batch{{}, g.N, g.M};
+  for (int64_t b = 0; b < g.B; ++b) batch.seqs.push_back({b, 0, 0, g.N, g.M, g.off});
+  return batch;
+}
+
+// The cumulative lengths `name` as int64 values, checked: 1-D integers on the CPU, 0 first, never decreasing, `rows`
+// last.
+std::vector<int64_t> checked_cu_seqlens(const at::Tensor& cu, const char* name, int64_t rows) {
+  TORCH_CHECK(cu.dim() == 1 && cu.numel() >= 1 && (cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong) &&
+                  cu.device().is_cpu(),
+              "relattn native: ", name, " must be a 1-D int32 or int64 CPU tensor of S + 1 entries; got ",
+              cu.scalar_type(), " ", cu.sizes(), " on ", cu.device());
+  const at::Tensor c = cu.to(at::kLong).contiguous();
+  const int64_t* p = c.data_ptr<int64_t>();
+  std::vector<int64_t> out(p, p + c.numel());
+  TORCH_CHECK(out.front() == 0 && out.back() == rows, "relattn native: ", name, " must start at 0 and end at ", rows,
+              "; got ", out.front(), " .. ", out.back());
+  for (size_t s = 1; s < out.size(); ++s)
+    TORCH_CHECK(out[s] >= out[s - 1], "relattn native: ", name, " must never decrease; got ", out[s - 1], " then ",
+                out[s], " at entry ", s);
+  return out;
+}
+
+// A packed call's sequences (q (1, H, T, D), k (1, Hkv, T_k, D)): sequence s holds query rows cu_q[s] .. cu_q[s+1]
+// - 1 and key rows cu_k[s] .. cu_k[s+1] - 1, its queries at the end of its keys (off = m_s - n_s + query_offset).
+// Sets g's N and M to the longest lengths.
+Batch packed_batch(Geometry& g, const at::Tensor& cu_q, const at::Tensor& cu_k) {
+  TORCH_CHECK(g.B == 1, "relattn native: a packed call's q, k, v are (1, H, T, D); got a batch of ", g.B);
+  const std::vector<int64_t> cq = checked_cu_seqlens(cu_q, "cu_seqlens_q", g.N);
+  const std::vector<int64_t> ck = checked_cu_seqlens(cu_k, "cu_seqlens_k", g.M);
+  TORCH_CHECK(cq.size() == ck.size(), "relattn native: cu_seqlens_q and cu_seqlens_k must have as many entries; got ",
+              cq.size(), " and ", ck.size());
+  Batch batch{{}, g.N, g.M};
+  int64_t longest_q = 0, longest_k = 0;
+  for (size_t s = 0; s + 1 < cq.size(); ++s) {
+    const int64_t n = cq[s + 1] - cq[s], m = ck[s + 1] - ck[s];
+    batch.seqs.push_back({0, cq[s], ck[s], n, m, m - n + g.off});
+    longest_q = std::max(longest_q, n);
+    longest_k = std::max(longest_k, m);
+  }
+  g.N = longest_q;
+  g.M = longest_k;
+  return batch;
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_call(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                                                const std::optional<at::Tensor>& rel_k,
+                                                const std::optional<at::Tensor>& rel_v,
+                                                const std::optional<at::Tensor>& mask_,
+                                                const std::optional<at::Tensor>& rel_q,
+                                                const std::optional<at::Tensor>& q_pos, int64_t kk, bool is_causal,
+                                                double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k,
+                                                const at::Tensor* cu_q, const at::Tensor* cu_k) {
   at::Tensor q = rows_contiguous(q_), k = rows_contiguous(k_), v = rows_contiguous(v_);
   at::Tensor tk = opt(rel_k), tv = opt(rel_v), tq = opt(rel_q), mask = checked_mask(opt(mask_), q, k);
   at::Tensor qp = checked_position_queries(q_pos, q);
-  const Geometry g = geometry(q, k, v, tk, tv, tq, kk, is_causal, query_offset);
+  Geometry g = geometry(q, k, v, tk, tv, tq, kk, is_causal, query_offset);
+  const Batch batch = cu_q == nullptr ? dense_batch(g) : packed_batch(g, *cu_q, *cu_k);
   clamp_tiles(g, tile_q, tile_k);
-  at::Tensor out = at::empty({g.B, g.H, g.N, g.Dv}, q.options());
-  at::Tensor lse = at::empty({g.B, g.H, g.N}, q.options().dtype(compute_type(q)));
+  at::Tensor out = at::empty({g.B, g.H, batch.rows_q, g.Dv}, q.options());
+  at::Tensor lse = at::empty({g.B, g.H, batch.rows_q}, q.options().dtype(compute_type(q)));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   const Padded pad = padded_tables(tk, tv, tq, g, tile_q);
   dispatch_types(q.scalar_type(), [&]<typename I, typename T>() {
-    forward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, qp, pad), static_cast<T>(scale), tile_q, tile_k,
-                       out.data_ptr<I>(), lse.data_ptr<T>());
+    forward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, qp, pad), batch, static_cast<T>(scale), tile_q,
+                       tile_k, out.data_ptr<I>(), lse.data_ptr<T>());
   });
   return {out, lse};
 }
 
-// Gradients in the compute type (float32 for 16-bit inputs); dk, dv (B, Hkv, M, D|Dv); the seventh, d q_pos (the key
-// table's share of the position queries' gradient, apart from dq's content share), empty without q_pos.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> shaw_bwd(
-    const at::Tensor& grad_out_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-    const std::optional<at::Tensor>& rel_k, const std::optional<at::Tensor>& rel_v,
-    const std::optional<at::Tensor>& mask_, const std::optional<at::Tensor>& rel_q,
-    const std::optional<at::Tensor>& q_pos, const at::Tensor& out_, const at::Tensor& lse_, int64_t kk,
-    bool is_causal, double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k, int64_t kv_splits) {
+std::tuple<at::Tensor, at::Tensor> shaw_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            const std::optional<at::Tensor>& rel_k,
+                                            const std::optional<at::Tensor>& rel_v,
+                                            const std::optional<at::Tensor>& mask,
+                                            const std::optional<at::Tensor>& rel_q,
+                                            const std::optional<at::Tensor>& q_pos, int64_t kk, bool is_causal,
+                                            double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k) {
+  return forward_call(q, k, v, rel_k, rel_v, mask, rel_q, q_pos, kk, is_causal, scale, query_offset, tile_q, tile_k,
+                      nullptr, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> shaw_varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   const std::optional<at::Tensor>& rel_k,
+                                                   const std::optional<at::Tensor>& rel_v,
+                                                   const std::optional<at::Tensor>& rel_q,
+                                                   const std::optional<at::Tensor>& q_pos, const at::Tensor& cu_q,
+                                                   const at::Tensor& cu_k, int64_t kk, bool is_causal, double scale,
+                                                   int64_t query_offset, int64_t tile_q, int64_t tile_k) {
+  return forward_call(q, k, v, rel_k, rel_v, std::nullopt, rel_q, q_pos, kk, is_causal, scale, query_offset, tile_q,
+                      tile_k, &cu_q, &cu_k);
+}
+
+using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// Gradients in the compute type (float32 for 16-bit inputs); dk, dv (B, Hkv, rows_k, D|Dv); the seventh, d q_pos (the
+// key table's share of the position queries' gradient, apart from dq's content share), empty without q_pos.
+Grads backward_call(const at::Tensor& grad_out_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                    const std::optional<at::Tensor>& rel_k, const std::optional<at::Tensor>& rel_v,
+                    const std::optional<at::Tensor>& mask_, const std::optional<at::Tensor>& rel_q,
+                    const std::optional<at::Tensor>& q_pos, const at::Tensor& out_, const at::Tensor& lse_, int64_t kk,
+                    bool is_causal, double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k,
+                    int64_t kv_splits, const at::Tensor* cu_q, const at::Tensor* cu_k) {
   at::Tensor q = rows_contiguous(q_), k = rows_contiguous(k_), v = rows_contiguous(v_);
   at::Tensor grad_out = rows_contiguous(grad_out_), out = out_.contiguous(), lse = lse_.contiguous();
   at::Tensor tk = opt(rel_k), tv = opt(rel_v), tq = opt(rel_q), mask = checked_mask(opt(mask_), q, k);
   at::Tensor qp = checked_position_queries(q_pos, q);
-  const Geometry g = geometry(q, k, v, tk, tv, tq, kk, is_causal, query_offset);
+  Geometry g = geometry(q, k, v, tk, tv, tq, kk, is_causal, query_offset);
+  const Batch batch = cu_q == nullptr ? dense_batch(g) : packed_batch(g, *cu_q, *cu_k);
   TORCH_CHECK(grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type() &&
                   lse.scalar_type() == compute_type(q),
               "relattn native: grad_out and out must have q's dtype, lse its compute dtype");
+  TORCH_CHECK(grad_out.sizes() == out.sizes() && out.dim() == 4 && out.size(0) == g.B && out.size(1) == g.H &&
+                  out.size(2) == batch.rows_q && out.size(3) == g.Dv && lse.sizes() == out.sizes().slice(0, 3),
+              "relattn native: grad_out and out must be (B, H, N, Dv) and lse (B, H, N) for q ", q.sizes(), "; got ",
+              grad_out.sizes(), ", ", out.sizes(), ", ", lse.sizes());
   clamp_tiles(g, tile_q, tile_k);
   const int64_t threads = at::get_num_threads(), blocks = (g.M + tile_k - 1) / tile_k;
   // Key segments per head: 1 when the heads spread evenly over the threads or there are two per thread, else
   // enough for two tasks per thread (fewer idle threads at the end); kv_splits > 0 forces the number.
-  const int64_t heads = std::max<int64_t>(1, g.B * g.Hkv);
+  const int64_t nseq = static_cast<int64_t>(batch.seqs.size());
+  const int64_t heads = std::max<int64_t>(1, nseq * g.Hkv);
   const bool even = heads % threads == 0 || heads >= 2 * threads;
   const int64_t wanted = kv_splits > 0 ? kv_splits : (even ? 1 : (2 * threads + heads - 1) / heads);
   const int64_t splits = std::max<int64_t>(1, std::min(blocks, wanted));
   const auto opts = q.options().dtype(compute_type(q));
-  at::Tensor dq = at::zeros({splits, g.B, g.H, g.N, g.D}, opts);
-  at::Tensor dqp = qp.defined() ? at::zeros({splits, g.B, g.H, g.N, g.D}, opts) : at::empty({0}, opts);
-  at::Tensor dk = at::zeros({g.B, g.Hkv, g.M, g.D}, opts);
-  at::Tensor dv = at::zeros({g.B, g.Hkv, g.M, g.Dv}, opts);
-  // Table gradients: one copy per thread, summed in thread order afterwards; a single copy where each head's rows
-  // have one writer (per-head tables, one batch entry, one key segment: the task of a key/value head writes only
-  // its group's heads), which saves (threads - 1) tables (Transformer-XL's per-head (2N - 1)-row tables).
-  const bool single = g.B == 1 && splits == 1;
+  at::Tensor dq = at::zeros({splits, g.B, g.H, batch.rows_q, g.D}, opts);
+  at::Tensor dqp = qp.defined() ? at::zeros({splits, g.B, g.H, batch.rows_q, g.D}, opts) : at::empty({0}, opts);
+  at::Tensor dk = at::zeros({g.B, g.Hkv, batch.rows_k, g.D}, opts);
+  at::Tensor dv = at::zeros({g.B, g.Hkv, batch.rows_k, g.Dv}, opts);
+  // Table gradients: one copy per thread, summed in order afterwards; a single copy where each head's rows have one
+  // writer (per-head tables, one sequence, one key segment: the task of a key/value head writes only its group's
+  // heads), which saves (threads - 1) tables (Transformer-XL's per-head (2N - 1)-row tables).
+  const bool single = nseq == 1 && splits == 1;
   const bool own[3] = {single && g.Hk == g.H, single && g.Hv == g.H, single && g.Hq == g.H};
   at::Tensor drk = g.has_k ? at::zeros({own[0] ? 1 : threads, g.Hk, g.R, g.D}, opts) : at::empty({0}, opts);
   at::Tensor drv = g.has_v ? at::zeros({own[1] ? 1 : threads, g.Hv, g.R, g.Dv}, opts) : at::empty({0}, opts);
@@ -1090,17 +1293,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const int64_t dos[3] = {grad_out.stride(0), grad_out.stride(1), grad_out.stride(2)};
     const Padded pad = padded_tables(tk, tv, tq, g, tile_q);
     dispatch_types(q.scalar_type(), [&]<typename I, typename T>() {
-      backward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, qp, pad), static_cast<T>(scale), tile_q, tile_k,
-                          splits, grad_out.data_ptr<I>(), dos, out.data_ptr<I>(), lse.data_ptr<T>(), dq.data_ptr<T>(),
-                          qp.defined() ? dqp.data_ptr<T>() : nullptr, dk.data_ptr<T>(), dv.data_ptr<T>(),
-                          g.has_k ? drk.data_ptr<T>() : nullptr, g.has_v ? drv.data_ptr<T>() : nullptr,
-                          g.has_q ? drq.data_ptr<T>() : nullptr, own);
+      backward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, qp, pad), batch, static_cast<T>(scale), tile_q,
+                          tile_k, splits, grad_out.data_ptr<I>(), dos, out.data_ptr<I>(), lse.data_ptr<T>(),
+                          dq.data_ptr<T>(), qp.defined() ? dqp.data_ptr<T>() : nullptr, dk.data_ptr<T>(),
+                          dv.data_ptr<T>(), g.has_k ? drk.data_ptr<T>() : nullptr,
+                          g.has_v ? drv.data_ptr<T>() : nullptr, g.has_q ? drq.data_ptr<T>() : nullptr, own);
     });
   }
   const auto slabs = [&](const at::Tensor& t) { return splits == 1 ? t[0] : t.sum(0); };
   const auto copies = [](const at::Tensor& t) { return t.size(0) == 1 ? t[0] : t.sum(0); };
   return {slabs(dq), dk, dv, g.has_k ? copies(drk) : drk, g.has_v ? copies(drv) : drv, g.has_q ? copies(drq) : drq,
           qp.defined() ? slabs(dqp) : dqp};
+}
+
+Grads shaw_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               const std::optional<at::Tensor>& rel_k, const std::optional<at::Tensor>& rel_v,
+               const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& rel_q,
+               const std::optional<at::Tensor>& q_pos, const at::Tensor& out, const at::Tensor& lse, int64_t kk,
+               bool is_causal, double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k, int64_t kv_splits) {
+  return backward_call(grad_out, q, k, v, rel_k, rel_v, mask, rel_q, q_pos, out, lse, kk, is_causal, scale,
+                       query_offset, tile_q, tile_k, kv_splits, nullptr, nullptr);
+}
+
+Grads shaw_varlen_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const std::optional<at::Tensor>& rel_k, const std::optional<at::Tensor>& rel_v,
+                      const std::optional<at::Tensor>& rel_q, const std::optional<at::Tensor>& q_pos,
+                      const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k,
+                      int64_t kk, bool is_causal, double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k,
+                      int64_t kv_splits) {
+  return backward_call(grad_out, q, k, v, rel_k, rel_v, std::nullopt, rel_q, q_pos, out, lse, kk, is_causal, scale,
+                       query_offset, tile_q, tile_k, kv_splits, &cu_q, &cu_k);
 }
 
 }  // namespace
@@ -1112,10 +1334,19 @@ TORCH_LIBRARY(relattn_native, m) {
   m.def("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, "
         "Tensor? rel_q, Tensor? q_pos, Tensor out, Tensor lse, int K, bool is_causal, float scale, int query_offset, "
         "int tile_q, int tile_k, int kv_splits) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? rel_q, Tensor? q_pos, "
+        "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int K, bool is_causal, float scale, int query_offset, int tile_q, "
+        "int tile_k) -> (Tensor, Tensor)");
+  m.def("varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? rel_q, "
+        "Tensor? q_pos, Tensor out, Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int K, bool is_causal, "
+        "float scale, int query_offset, int tile_q, int tile_k, int kv_splits) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("has_gemm16(ScalarType dtype) -> bool", [](at::ScalarType dtype) { return has_gemm16(dtype); });
 }
 
 TORCH_LIBRARY_IMPL(relattn_native, CPU, m) {
   m.impl("fwd", &shaw_fwd);
   m.impl("bwd", &shaw_bwd);
+  m.impl("varlen_fwd", &shaw_varlen_fwd);
+  m.impl("varlen_bwd", &shaw_varlen_bwd);
 }
