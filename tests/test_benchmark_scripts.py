@@ -111,3 +111,15 @@ def test_log_buckets(tmp_path):
     assert set(medians) == {"log buckets (expanded)", "clipped, 511 rows", "expansion only"}
     for name, ms in medians.items():
         assert ms > 0 and f"{name:>24}: {ms:9.1f} ms  {ms / medians['clipped, 511 rows']:5.2f}x" in out
+
+
+@pytest.mark.slow
+def test_padding(tmp_path):
+    """benchmarks/padding.py: packed against masked at a padded fraction, the lengths giving that fraction."""
+    out = _run("padding.py", "--fractions", "0.3", "--embed", "16", "--heads", "2", "--batch", "3", "--length", "24",
+               "--reps", "1", "--threads", "1", "--json", str(tmp_path / "p.json"))
+    (row,) = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert sum(24 - n for n in row["lengths"]) == round(0.3 * 3 * 24)
+    assert row["fraction"] == pytest.approx(0.3, abs=0.02)
+    assert row["ratio"] == pytest.approx(row["masked_ms"] / row["packed_ms"], rel=1e-12)
+    assert f"masked/packed {row['ratio']:.2f}" in out
