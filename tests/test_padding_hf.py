@@ -166,3 +166,36 @@ def test_the_patched_deberta_encoder_gives_zeros_at_padding_and_the_padded_call_
     got, want = _ids(patched, left, None, None), _ids(plain, left, None, None)
     assert got[~left.bool()].abs().min() > 0
     assert ((got[left.bool()] - want[left.bool()]).abs().max() / want.abs().max()) <= 1e-10
+
+
+@pytest.mark.parametrize("kind", ["relative_key", "relative_key_query"])
+def test_a_padded_bert_relative_key_batch_runs_packed_and_each_sequence_is_itself(kind, tmp_path, monkeypatch):
+    """load_bert_relative_key: each layer packs the padded batch (eager's additive (B, 1, N, N) mask), and every
+    sequence's real tokens and a real-token loss's gradients are the model's on that sequence alone."""
+    from relattn.integrations.bert import load_bert_relative_key
+    from test_integrations_hf import _v4_checkpoint
+
+    _v4_checkpoint(tmp_path, kind, "BertModel")
+    model = load_bert_relative_key(tmp_path).double().eval()
+    mask = _mask()
+    ids = torch.randint(1, 23, (len(LENGTHS), N), generator=torch.Generator().manual_seed(7)) * mask
+    seen = []
+    op = hf_common.relative_attention_varlen
+    monkeypatch.setattr(hf_common, "relative_attention_varlen",
+                        lambda *a, **k: seen.append(k["cu_seqlens_q"].tolist()) or op(*a, **k))
+    got = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert seen == [[0, 9, 13, 14, 21]] * 2
+    cotangent = torch.randn(got.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    cotangent = cotangent * mask[..., None]
+    grads = torch.autograd.grad((got * cotangent).sum(), list(model.parameters()), allow_unused=True)
+    grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, model.parameters(), strict=True)]
+    want = [torch.zeros_like(p) for p in model.parameters()]
+    for b, n in enumerate(LENGTHS):
+        alone = model(input_ids=ids[b:b + 1, :n]).last_hidden_state
+        assert ((got[b, :n] - alone[0]).abs().max() / alone.abs().max()) <= 1e-10, b
+        parts = torch.autograd.grad((alone * cotangent[b:b + 1, :n]).sum(), list(model.parameters()),
+                                    allow_unused=True)
+        want = [w + (0 if p is None else p) for w, p in zip(want, parts, strict=True)]
+    peak = max(w.abs().max() for w in want)
+    for (pname, _), a, w in zip(model.named_parameters(), grads, want, strict=True):
+        assert ((a - w).abs().max() / w.abs().max().clamp_min(1e-6 * peak)) <= 1e-9, pname
