@@ -418,6 +418,27 @@ class StatsOps:
             return self.eager.apply(*inputs)
         return self._forward(*inputs)[0]
 
+    def inference(self, call: AttentionCall) -> Callable[..., Tensor] | None:
+        """What :meth:`run` does for calls like ``call`` (the same shapes, scalars and tables given, but for the
+        query offset) when nothing traces them and autograd will not differentiate them, as one function
+        ``f(q, k, v, rel_k, rel_v, rel_q, q_pos, query_offset) -> out`` calling the kernel with ``call``'s other
+        scalars: what a planned decoding step runs. None where :meth:`run` needs more than that (a differentiated
+        call, a mask, a dropout seed, a packed call)."""
+        if self.dropout or _differentiated(call) or any(getattr(call, n) is not None for n in self.leading_names[5:]):
+            return None
+        kernel, pad = self.kernel_forward, (None,) * (self._leading - 5)
+        scalars = {n: getattr(call, n) for n in self.scalar_names if n != "query_offset"}
+        named = tuple(n for n in TABLES if getattr(call, n) is not None)
+        if not named:
+            def forward(q, k, v, rel_k, rel_v, rel_q, q_pos, query_offset):
+                return kernel(q, k, v, rel_k, rel_v, *pad, query_offset=query_offset, **scalars)[0]
+        else:
+            def forward(q, k, v, rel_k, rel_v, rel_q, q_pos, query_offset):
+                tables = dict(zip(TABLES, (rel_q, q_pos), strict=True))
+                return kernel(q, k, v, rel_k, rel_v, *pad, query_offset=query_offset, **scalars,
+                              **{n: tables[n] for n in named})[0]
+        return forward
+
     def _pair(self, q, k, v, rel_k, rel_v, mask, tables, scalars: dict) -> tuple[tuple, dict]:
         """The kernel's positional inputs and keywords for one chunk pair (no dropout: a zero seed)."""
         lead = (q, k, v, rel_k, rel_v, mask)
