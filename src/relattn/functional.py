@@ -194,13 +194,13 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
 
 def _canonical(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, kk, reach) -> tuple:
     """``(q, k, v, rel_k, rel_v, rel_q, q_pos, K)`` of the canonical call from checked arguments (tables (Hr, 2K+1,
-    d); q, k, v in their own leading dims): a window wider than the offsets the call reaches (``reach < kk``)
-    narrowed to the tables' rows of ``[-reach, reach]`` (views) with ``K = reach``, q, k, v as (B, H, L, d),
-    Transformer-XL's biases folded in. What :func:`validate` ends with, and all a planned call does before its
-    kernel runs."""
+    d), or (2K+1, d) on a planned kernel call; q, k, v in their own leading dims): a window wider than the offsets
+    the call reaches (``reach < kk``) narrowed to the tables' rows of ``[-reach, reach]`` (views) with ``K = reach``,
+    q, k, v as (B, H, L, d), Transformer-XL's biases folded in. What :func:`validate` ends with, and all a planned
+    call does before its kernel runs."""
     if reach < kk:
         rows = slice(kk - reach, kk + reach + 1)
-        rel_k, rel_v, rel_q = (None if t is None else t[:, rows] for t in (rel_k, rel_v, rel_q))
+        rel_k, rel_v, rel_q = (None if t is None else t[..., rows, :] for t in (rel_k, rel_v, rel_q))
         kk = reach
     if q.dim() != 4:
         q, k, v = _as_4d(q), _as_4d(k), _as_4d(v)
@@ -286,6 +286,7 @@ class _Plan:
 
     backend: Backend
     forward: object  # the backend's kernel call for such calls (StatsOps.inference), or None: backend.run(call)
+    direct: bool  # forward takes the call's arguments as they are (no reshaping, biases or narrowing to do)
     registry: dict
     entries: tuple  # ((name, backend, unavailable()), ...): the name asked for, or "auto"'s candidates up to its choice
     kk: int
@@ -324,18 +325,18 @@ def _plan_key(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, attn_ma
     qs, ks, vs = q.shape, k.shape, v.shape
     if len(qs) < 2 or len(ks) < 2 or len(vs) < 2 or ks[-2] != vs[-2]:
         return None
-    device = q.device
-    if traced() or (torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)):
+    if torch._C._is_any_autocast_enabled() or traced():
         return None
     n, m = qs[-2], ks[-2]
     reach = min(kk, max(n - 1 + query_offset, m - 1 - query_offset, 0))  # the window validate narrows K to
     return (backend, kk, reach, n * m <= dense_max_scores(reach), is_causal, dropout_p, scale, enable_gqa,
-            torch.is_grad_enabled(), qs, q.dtype, device, q.requires_grad, ks[:-2], ks[-1], k.dtype, k.device,
+            torch.is_grad_enabled(), qs, q.dtype, q.device, q.requires_grad, ks[:-2], ks[-1], k.dtype, k.device,
             k.requires_grad, vs[:-2], vs[-1], v.dtype, v.device, v.requires_grad, *tables)
 
 
-def _keep_plan(key: tuple, backend_name: str, chosen: Backend, call: AttentionCall, tables) -> None:
-    """Remember the plan of ``key``: ``call`` was validated and ``chosen`` resolved for it."""
+def _keep_plan(key: tuple, backend_name: str, chosen: Backend, call: AttentionCall, tables, as_given: bool) -> None:
+    """Remember the plan of ``key``: ``call`` was validated and ``chosen`` resolved for it; ``as_given``: the call's
+    q, k, v and tables are canonical as they were passed (4-D, no biases, the window not narrowed)."""
     if not isinstance(chosen.declares, Serves):  # what it serves may change between calls (triton's interpreter)
         return
     registry = _backends.BACKENDS
@@ -348,7 +349,8 @@ def _keep_plan(key: tuple, backend_name: str, chosen: Backend, call: AttentionCa
     if chosen.stats is not None and chosen.run == chosen.stats.run and as_served(chosen, call) is call:
         forward = chosen.stats.inference(call)
     shared = tuple(t is not None and t.dim() == 2 for t in tables)
-    _PLANS[key] = _Plan(chosen, forward, registry, entries, key[1], shared, call.is_causal, call.dropout_p, call.scale)
+    _PLANS[key] = _Plan(chosen, forward, as_given and forward is not None, registry, entries, key[1], shared,
+                        call.is_causal, call.dropout_p, call.scale)
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -423,13 +425,15 @@ def relative_attention(
     key = _plan_key(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, attn_mask, max_relative_position, beyond,
                     is_causal, dropout_p, scale, query_offset, enable_gqa, backend)
     if key is not None and (plan := _PLANS.get(key)) is not None and plan.holds():
+        if plan.direct:
+            return plan.forward(q, k, v, rel_k, rel_v, rel_q, None, query_offset)
+        if plan.forward is not None:  # one kernel call, the tables as they are
+            *tensors, _ = _canonical(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, plan.kk, key[2])
+            return _shaped_like(plan.forward(*tensors, query_offset), q)
         shared = plan.shared
         rk = rel_k.unsqueeze(0) if shared[0] else rel_k
         rv = rel_v.unsqueeze(0) if shared[1] else rel_v
         rq = rel_q.unsqueeze(0) if shared[2] else rel_q
-        if plan.forward is not None:  # one kernel call
-            *tensors, _ = _canonical(q, k, v, rk, rv, rq, content_bias, position_bias, plan.kk, key[2])
-            return _shaped_like(plan.forward(*tensors, query_offset), q)
         call = _assemble(q, k, v, rk, rv, rq, content_bias, position_bias, None, plan.kk, key[2], plan.is_causal,
                          plan.dropout_p, plan.scale, query_offset)
         chosen = plan.backend
@@ -440,7 +444,9 @@ def relative_attention(
                         position_bias=position_bias)
         chosen = resolve(backend, call)
         if key is not None:
-            _keep_plan(key, backend, chosen, call, (rel_k, rel_v, rel_q))
+            as_given = (q.dim() == 4 and content_bias is None and position_bias is None
+                        and call.max_relative_position == max_relative_position)
+            _keep_plan(key, backend, chosen, call, (rel_k, rel_v, rel_q), as_given)
     return _shaped_like(chosen.run(as_served(chosen, call)), q)
 
 

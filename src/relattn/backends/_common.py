@@ -342,8 +342,10 @@ class StatsOps:
     """
 
     def __init__(self, name: str, forward: Callable, backward: Callable, *, dropout: bool = False,
-                 varlen: bool = False):
+                 varlen: bool = False,
+                 flat_tables: bool = False):  # the forward also takes (2K+1, d) tables (shared, as (1, 2K+1, d))
         self.name, self.kernel_forward, self.kernel_backward = name, forward, backward
+        self.flat_tables = flat_tables
         leading = LEADING + (("seed",) if dropout else ()) + (VARLEN_LEADING if varlen else ())
         scalars = (SCALARS[:2] + ((("dropout_p", "float"),) if dropout else ()) + SCALARS[2:]
                    + (VARLEN_SCALARS if varlen else ()))
@@ -422,13 +424,23 @@ class StatsOps:
         """What :meth:`run` does for calls like ``call`` (the same shapes, scalars and tables given, but for the
         query offset) when nothing traces them and autograd will not differentiate them, as one function
         ``f(q, k, v, rel_k, rel_v, rel_q, q_pos, query_offset) -> out`` calling the kernel with ``call``'s other
-        scalars: what a planned decoding step runs. None where :meth:`run` needs more than that (a differentiated
-        call, a mask, a dropout seed, a packed call)."""
+        scalars: what a planned decoding step runs. Its tables may also be (2K+1, d), shared by all heads (a kernel
+        that does not take them so, ``flat_tables=False``, gets them as (1, 2K+1, d)). None where :meth:`run` needs
+        more than that (a differentiated call, a mask, a dropout seed, a packed call)."""
         if self.dropout or _differentiated(call) or any(getattr(call, n) is not None for n in self.leading_names[5:]):
             return None
         kernel, pad = self.kernel_forward, (None,) * (self._leading - 5)
         scalars = {n: getattr(call, n) for n in self.scalar_names if n != "query_offset"}
         named = tuple(n for n in TABLES if getattr(call, n) is not None)
+        if not self.flat_tables:
+            def headed(t):
+                return t.unsqueeze(0) if t is not None and t.dim() == 2 else t
+
+            inner = self.kernel_forward
+
+            def kernel(q, k, v, rel_k, rel_v, *lead, rel_q=None, **kw):
+                return inner(q, k, v, headed(rel_k), headed(rel_v), *lead, **kw,
+                             **({} if rel_q is None else {"rel_q": headed(rel_q)}))
         if not named:
             def forward(q, k, v, rel_k, rel_v, rel_q, q_pos, query_offset):
                 return kernel(q, k, v, rel_k, rel_v, *pad, query_offset=query_offset, **scalars)[0]

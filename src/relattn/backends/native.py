@@ -276,12 +276,17 @@ def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causa
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros, lse -inf.
     k, v may have Hkv heads, H % Hkv == 0; q_pos (q's shape and dtype), when given, the queries rel_k reads."""
     _require()
-    gemm16 = uses_gemm16(q.dtype)
+    dtype = q.dtype
+    if dtype in LOW_PRECISION:
+        q, k, v, q_pos = _data(uses_gemm16(dtype), q, k, v, q_pos)
+        tables = _tables_and_mask(rel_k, rel_v, mask, rel_q)
+    else:  # a decoding step's path: every microsecond here is a few percent of it
+        tables = (None if rel_k is None else rel_k.contiguous(), None if rel_v is None else rel_v.contiguous(), mask,
+                  None if rel_q is None else rel_q.contiguous())
     tiles = tile_q(q.shape[-2], is_causal, 2 * max_relative_position + 1, k.shape[-2]), SETTINGS.current.tile_k
-    q_, k_, v_, qp = _data(gemm16, q, k, v, q_pos)
-    out, lse = torch.ops.relattn_native.fwd(q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), qp,
-                                            max_relative_position, is_causal, scale, query_offset, *tiles)
-    return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
+    out, lse = torch.ops.relattn_native.fwd.default(q, k, v, *tables, q_pos, max_relative_position, is_causal, scale,
+                                                    query_offset, *tiles)
+    return (out if out.dtype == dtype else out.to(dtype)), lse
 
 
 def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
@@ -302,7 +307,7 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
 
 
 # relattn::native_fwd / relattn::native_bwd, the eager path and the ring's pair calls: see _common.StatsOps.
-OPS = StatsOps("native", forward, backward)
+OPS = StatsOps("native", forward, backward, flat_tables=True)
 
 
 BACKEND = Backend("native", OPS.run,

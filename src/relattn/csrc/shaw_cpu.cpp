@@ -678,7 +678,7 @@ const I* block_as(const T* S, int64_t rows, int64_t width, int64_t ld, std::vect
 // thread), else one task at a time. Waking the other threads for so little costs more than they save: on a busy
 // machine the wake-up alone took longer than the whole call.
 int64_t grain_for(int64_t tasks, int64_t work) {
-  return tasks * work < (int64_t{1} << 20) ? std::max<int64_t>(tasks, 1) : 1;
+  return tasks * work < (int64_t{1} << 17) ? std::max<int64_t>(tasks, 1) : 1;
 }
 
 template <typename I, typename T>
@@ -969,17 +969,22 @@ Geometry geometry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               ", k ", k.sizes(), ", v ", v.sizes());
   Geometry g{q.size(0), H, q.size(2), k.size(2), q.size(3), v.size(3), 1, 1, 2 * kk + 1, kk, off, Hkv, H / Hkv,
              causal, tk.defined(), tv.defined()};
+  // A table is (1 or H, 2K+1, d), or (2K+1, d): shared by all heads, as (1, 2K+1, d) (a decoding step's plan passes
+  // the user's table as it is).
   for (const auto* t : {&tk, &tv, &tq}) {
     if (t->defined()) {
-      TORCH_CHECK(t->dim() == 3 && t->size(1) == g.R && t->is_contiguous() && t->scalar_type() == compute_type(q) &&
-                      (t->size(0) == 1 || t->size(0) == g.H) && t->size(2) == (t == &tv ? g.Dv : g.D),
-                  "relattn native: tables must be contiguous (1 or H, 2K+1, d) of q's dtype (float32 for 16-bit q)");
+      TORCH_CHECK((t->dim() == 3 || t->dim() == 2) && t->size(-2) == g.R && t->is_contiguous() &&
+                      t->scalar_type() == compute_type(q) && (t->dim() == 2 || t->size(0) == 1 || t->size(0) == g.H) &&
+                      t->size(-1) == (t == &tv ? g.Dv : g.D),
+                  "relattn native: tables must be contiguous (1 or H, 2K+1, d) or (2K+1, d) of q's dtype (float32 for "
+                  "16-bit q)");
     }
   }
-  g.Hk = tk.defined() ? tk.size(0) : 1;
-  g.Hv = tv.defined() ? tv.size(0) : 1;
+  const auto heads = [](const at::Tensor& t) { return t.defined() && t.dim() == 3 ? t.size(0) : int64_t{1}; };
+  g.Hk = heads(tk);
+  g.Hv = heads(tv);
   g.has_q = tq.defined();
-  g.Hq = tq.defined() ? tq.size(0) : 1;
+  g.Hq = heads(tq);
   return g;
 }
 
