@@ -80,15 +80,20 @@ def test_decoding_steps_hit_the_plan_and_match_the_oracle(case, validations):
     assert validations() == narrowed + 1
 
 
+@pytest.mark.parametrize("keys", [40, 3], ids=["K as given", "K narrowed"])
+@pytest.mark.parametrize("heads_table", [False, True], ids=["shared tables", "per-head tables"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
-def test_a_planned_call_gives_the_unplanned_calls_bits(validations):
-    q, k, v, rk, rv = _inputs(m=40, rows=9, dtype=torch.float32)
-    first = relative_attention(q, k, v, rk, rv, max_relative_position=4, query_offset=39)
+def test_a_planned_call_gives_the_unplanned_calls_bits(keys, heads_table, dtype, validations):
+    """The plan's kernel call (the user's tables as they are, or narrowed: slices of them) gives the bits of the
+    validated call's."""
+    q, k, v, rk, rv = _inputs(m=keys, rows=9, heads_table=heads_table, dtype=dtype)
+    first = relative_attention(q, k, v, rk, rv, max_relative_position=4, query_offset=keys - 1)
     k2, v2 = torch.randn_like(k), torch.randn_like(v)
-    planned = relative_attention(q, k2, v2, rk, rv, max_relative_position=4, query_offset=39)
+    planned = relative_attention(q, k2, v2, rk, rv, max_relative_position=4, query_offset=keys - 1)
     assert validations() == 1
     fn._PLANS.clear()
-    assert torch.equal(planned, relative_attention(q, k2, v2, rk, rv, max_relative_position=4, query_offset=39))
+    assert torch.equal(planned, relative_attention(q, k2, v2, rk, rv, max_relative_position=4, query_offset=keys - 1))
     assert not torch.equal(first, planned)
     assert validations() == 2
 

@@ -306,8 +306,24 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
                  for g, t in zip(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos), strict=True))
 
 
+def planned_forward(call):
+    """The kernel call of calls like ``call`` that autograd will not differentiate (:meth:`StatsOps.inference`):
+    ``f(q, k, v, rel_k, rel_v, rel_q, q_pos, query_offset) -> out``, the op itself with ``call``'s other scalars
+    (tables (2K+1, d) or (Hr, 2K+1, d)); None for 16-bit inputs (:func:`forward` converts them) and masks."""
+    if call.q.dtype in LOW_PRECISION or call.mask is not None:
+        return None
+    fwd = torch.ops.relattn_native.fwd.default
+    kk, causal, scale, rows = call.max_relative_position, call.is_causal, call.scale, 2 * call.max_relative_position + 1
+
+    def run(q, k, v, rel_k, rel_v, rel_q, q_pos, query_offset):
+        tiles = tile_q(q.shape[-2], causal, rows, k.shape[-2]), SETTINGS.current.tile_k
+        return fwd(q, k, v, rel_k, rel_v, None, rel_q, q_pos, kk, causal, scale, query_offset, *tiles)[0]
+
+    return run
+
+
 # relattn::native_fwd / relattn::native_bwd, the eager path and the ring's pair calls: see _common.StatsOps.
-OPS = StatsOps("native", forward, backward, flat_tables=True)
+OPS = StatsOps("native", forward, backward, flat_tables=True, planned=planned_forward)
 
 
 BACKEND = Backend("native", OPS.run,
