@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import require_backend
 from relattn import BACKENDS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,3 +112,22 @@ def test_log_buckets(tmp_path):
     assert set(medians) == {"log buckets (expanded)", "clipped, 511 rows", "expansion only"}
     for name, ms in medians.items():
         assert ms > 0 and f"{name:>24}: {ms:9.1f} ms  {ms / medians['clipped, 511 rows']:5.2f}x" in out
+
+
+@pytest.mark.slow
+def test_decode_overhead(tmp_path):
+    require_backend("native")
+    out = _run("decode_overhead.py", "--quick", "--threads", "1", "--keys", "5", "40", "--out",
+               str(tmp_path / "d.json"))
+    result = json.loads((tmp_path / "d.json").read_text())
+    assert [r["keys"] for r in result["rows"]] == [5, 40] and result["meta"]["calls"] == 3
+    for row in result["rows"]:
+        assert all(len(row[f"{n}_all_ms"]) == 2 for n in ("relattn", "op", "sdpa"))
+        for stat, pick in (("median", None), ("fastest", min)):
+            got = row[stat]
+            times = {n: row[f"{n}_all_ms"] for n in ("relattn", "op", "sdpa")}
+            us = {n: (pick(t) if pick else sorted(t)[0] / 2 + sorted(t)[1] / 2) * 1e3 / 3 for n, t in times.items()}
+            assert got["relattn_us"] == pytest.approx(us["relattn"]) and got["op_us"] == pytest.approx(us["op"])
+            assert got["overhead_us"] == pytest.approx(us["relattn"] - us["op"])
+            assert got["ratio"] == pytest.approx(us["relattn"] / us["sdpa"])
+            assert f"{row['keys']:6d} {stat:>8} {got['relattn_us']:9.1f}" in out

@@ -6,7 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import relattn.functional as fn
-from helpers import assert_close, attention_ref
+from helpers import assert_close, attention_ref, require_backend
 from relattn import backends, relative_attention
 from relattn.backends import BACKENDS, Backend, Serves, native
 from test_validation import CASES, KW_CASES, base
@@ -196,10 +196,10 @@ def test_a_differentiated_plan_keeps_gradients(validations):
     assert validations() == 1
 
 
-@pytest.mark.skipif(native.unavailable() is not None, reason="the native kernel is not available here")
 def test_a_plan_gives_way_when_its_backend_goes(validations, monkeypatch):
     """A plan keeps its backend only while the registry holds that backend under its name (and the backend is as
     available as it was)."""
+    require_backend("native")
     q, k, v, rk, rv = _inputs(rows=5)
     kw = dict(max_relative_position=2, query_offset=8)
     for backend in ("auto", "native"):

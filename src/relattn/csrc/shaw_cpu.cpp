@@ -675,9 +675,9 @@ const I* block_as(const T* S, int64_t rows, int64_t width, int64_t ld, std::vect
 
 // The grain of a parallel_for over ``tasks`` tasks of about ``work`` multiply-adds each: all of them on the calling
 // thread when the whole is under 2^17 multiply-adds (a few microseconds on one thread: less than waking the others
-// costs), else one task at a time. A decoding step against 512 keys (8 heads, K = 64: 2^19.3) runs on two threads in
-// about 21 us against 50 us on one, as SDPA's own CPU kernel splits its heads; on a machine whose cores are all busy,
-// both wait for the descheduled thread alike.
+// costs), else one task at a time. A decoding step against 512 keys (8 heads, K = 64: 2^19.3) splits its heads over
+// two threads, as SDPA's own CPU kernel does, in a little over half the time of one (benchmarks/README.md); on a
+// machine whose cores are all busy, both wait for the descheduled thread alike.
 int64_t grain_for(int64_t tasks, int64_t work) {
   return tasks * work < (int64_t{1} << 17) ? std::max<int64_t>(tasks, 1) : 1;
 }
