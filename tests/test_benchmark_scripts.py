@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import require_backend
 from relattn import BACKENDS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,3 +124,21 @@ def test_padding(tmp_path):
     assert row["fraction"] == pytest.approx(0.3, abs=0.02)
     assert row["ratio"] == pytest.approx(row["masked_ms"] / row["packed_ms"], rel=1e-12)
     assert f"masked/packed {row['ratio']:.2f}" in out
+
+
+def test_decode_overhead(tmp_path):
+    require_backend("native")
+    out = _run("decode_overhead.py", "--quick", "--threads", "1", "--keys", "5", "40", "--out",
+               str(tmp_path / "d.json"))
+    result = json.loads((tmp_path / "d.json").read_text())
+    assert [r["keys"] for r in result["rows"]] == [5, 40] and result["meta"]["calls"] == 3
+    for row in result["rows"]:
+        assert all(len(row[f"{n}_all_ms"]) == 2 for n in ("relattn", "op", "sdpa"))
+        for stat, pick in (("median", None), ("fastest", min)):
+            got = row[stat]
+            times = {n: row[f"{n}_all_ms"] for n in ("relattn", "op", "sdpa")}
+            us = {n: (pick(t) if pick else sorted(t)[0] / 2 + sorted(t)[1] / 2) * 1e3 / 3 for n, t in times.items()}
+            assert got["relattn_us"] == pytest.approx(us["relattn"]) and got["op_us"] == pytest.approx(us["op"])
+            assert got["overhead_us"] == pytest.approx(us["relattn"] - us["op"])
+            assert got["ratio"] == pytest.approx(us["relattn"] / us["sdpa"])
+            assert f"{row['keys']:6d} {stat:>8} {got['relattn_us']:9.1f}" in out

@@ -17,7 +17,9 @@ import math
 
 import torch
 
-from .backends import AttentionCall, Backend, check_name, refusals, resolve
+from . import backends as _backends
+from .backends import AttentionCall, Backend, Serves, check_name, dense_max_scores, priority, refusals, resolve
+from .backends._common import traced
 from .positions import check_beyond, check_positions, symmetric_table, table_rows
 
 
@@ -174,11 +176,7 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
     if isinstance(query_offset, bool) or not isinstance(query_offset, int):
         raise TypeError(f"query_offset must be an int, got {type(query_offset).__name__}")
     lowest, highest = offsets if offsets is not None else (-(n - 1) - query_offset, m - 1 - query_offset)
-    if type(lowest) is int and type(highest) is int and kk > (reach := max(-lowest, highest, 0)):
-        # a window wider than the offsets the call reaches: the tables' rows of [-reach, reach] (views), K = reach
-        rows = slice(kk - reach, kk + reach + 1)
-        rel_k, rel_v, rel_q = (None if t is None else t[:, rows] for t in (rel_k, rel_v, rel_q))
-        kk = reach
+    reach = max(-lowest, highest, 0) if type(lowest) is int and type(highest) is int else kk
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if scale is None:
@@ -190,7 +188,21 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
     if position_bias is not None and rel_k is None:
         raise ValueError("position_bias is added to the queries that read the key table rel_k, and rel_k is None: "
                          "it would have no effect (pass rel_k, or no position_bias)")
-    if dims != 4:
+    return _assemble(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, mask, kk, min(kk, reach), is_causal,
+                     float(dropout_p), float(scale), query_offset)
+
+
+def _canonical(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, kk, reach) -> tuple:
+    """``(q, k, v, rel_k, rel_v, rel_q, q_pos, K)`` of the canonical call from checked arguments (tables (Hr, 2K+1,
+    d), or (2K+1, d) on a planned kernel call; q, k, v in their own leading dims): a window wider than the offsets
+    the call reaches (``reach < kk``) narrowed to the tables' rows of ``[-reach, reach]`` (views) with ``K = reach``,
+    q, k, v as (B, H, L, d), Transformer-XL's biases folded in. What :func:`validate` ends with, and all a planned
+    call does before its kernel runs."""
+    if reach < kk:
+        rows = slice(kk - reach, kk + reach + 1)
+        rel_k, rel_v, rel_q = (None if t is None else t[..., rows, :] for t in (rel_k, rel_v, rel_q))
+        kk = reach
+    if q.dim() != 4:
         q, k, v = _as_4d(q), _as_4d(k), _as_4d(v)
     q_pos = None
     if position_bias is not None:
@@ -199,8 +211,16 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
         q_pos = q  # the key table reads the queries without the content bias
     if content_bias is not None:
         q = q + content_bias[:, None, :]
-    return AttentionCall(q, k, v, rel_k, rel_v, kk, mask, is_causal, float(dropout_p), float(scale), query_offset,
-                         rel_q=rel_q, q_pos=q_pos)
+    return q, k, v, rel_k, rel_v, rel_q, q_pos, kk
+
+
+def _assemble(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, mask, kk, reach, is_causal, dropout_p, scale,
+              query_offset) -> AttentionCall:
+    """The canonical call from checked arguments (:func:`_canonical`; the mask canonical already)."""
+    q, k, v, rel_k, rel_v, rel_q, q_pos, kk = _canonical(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias,
+                                                         kk, reach)
+    return AttentionCall(q, k, v, rel_k, rel_v, kk, mask, is_causal, dropout_p, scale, query_offset, rel_q=rel_q,
+                         q_pos=q_pos)
 
 
 def _check_bias(name, bias, *, heads, dim, like) -> torch.Tensor | None:
@@ -240,6 +260,100 @@ def as_served(backend: Backend, call: AttentionCall) -> AttentionCall:
 def _shaped_like(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """A (B, H, N, X) result of the canonical call back in q's leading dims: (..., N, X)."""
     return out if q.dim() == 4 else out.reshape(*q.shape[:-2], *out.shape[-2:])
+
+
+# ------------------------------------------------------------------ plans: a repeated call skips validate and resolve
+#
+# A decoding step repeats the call before it but for the data and one key more: validate's checks would pass again
+# and resolve would pick the same backend. A plan, kept per key, is what a call of that key needs past the checks:
+# the backend chosen, the scale, which tables are shared (2-D). The key holds everything the checks and the choice
+# read (the types, shapes, dtypes, devices and requires_grad of the tensors, every option, grad mode, and from the
+# key length M and the query offset only what they decide: the narrowed window and "auto"'s size class), so a call
+# that differs in any of them misses, and its full validation raises what it always did. Calls are planned only
+# where the checks are cheap to key: no attn_mask, a symmetric clipped window (an int K), plain tensors, no
+# autocast, nothing tracing; the others always take the full path.
+
+_PLAN_CAPACITY = 512  # distinct keys kept (a model's layers share theirs); the cache is emptied when it is full
+_PLAN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_PLAN_NUMBERS = (int, float)
+_PLAN_SCALES = (type(None), int, float)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a call of one key runs past the checks: ``backend``, which it keeps while the registry holds the same
+    backends under the names it was chosen among, and they are (un)available as they were (``entries``)."""
+
+    backend: Backend
+    forward: object  # the backend's kernel call for such calls (StatsOps.inference), or None: backend.run(call)
+    direct: bool  # forward takes the call's arguments as they are (no reshaping, biases or narrowing to do)
+    registry: dict
+    entries: tuple  # ((name, backend, unavailable()), ...): the name asked for, or "auto"'s candidates up to its choice
+    kk: int
+    shared: tuple[bool, bool, bool]  # rel_k, rel_v, rel_q given as (2K+1, d): unsqueezed to (1, 2K+1, d)
+    is_causal: bool
+    dropout_p: float
+    scale: float
+
+    def holds(self) -> bool:
+        """Whether the choice still stands (tests replace backends and fake their availability)."""
+        if _backends.BACKENDS is not self.registry:
+            return False
+        for name, backend, why in self.entries:
+            if self.registry.get(name) is not backend or backend.unavailable() != why:
+                return False
+        return True
+
+
+def _plan_key(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, attn_mask, kk, beyond, is_causal, dropout_p,
+              scale, query_offset, enable_gqa, backend) -> tuple | None:
+    """The key of this call's plan, or None for a call that is never planned."""
+    plain = _PLAN_TENSORS
+    if (attn_mask is not None or type(kk) is not int or type(query_offset) is not int or type(is_causal) is not bool
+            or type(enable_gqa) is not bool or type(backend) is not str or type(beyond) is not str or beyond != "clip"
+            or type(dropout_p) not in _PLAN_NUMBERS or type(scale) not in _PLAN_SCALES or type(q) not in plain
+            or type(k) not in plain or type(v) not in plain):
+        return None
+    tables = []
+    for t in (rel_k, rel_v, rel_q, content_bias, position_bias):
+        if t is None:
+            tables.append(None)
+        elif type(t) in plain:
+            tables.append((t.shape, t.dtype, t.device, t.requires_grad))
+        else:
+            return None
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if len(qs) < 2 or len(ks) < 2 or len(vs) < 2 or ks[-2] != vs[-2]:
+        return None
+    if torch._C._is_any_autocast_enabled() or traced():
+        return None
+    n, m = qs[-2], ks[-2]
+    reach = min(kk, max(n - 1 + query_offset, m - 1 - query_offset, 0))  # the window validate narrows K to
+    return (backend, kk, reach, n * m <= dense_max_scores(reach), is_causal, dropout_p, scale, enable_gqa,
+            torch.is_grad_enabled(), qs, q.dtype, q.device, q.requires_grad, ks[:-2], ks[-1], k.dtype, k.device,
+            k.requires_grad, vs[:-2], vs[-1], v.dtype, v.device, v.requires_grad, *tables)
+
+
+def _keep_plan(key: tuple, backend_name: str, chosen: Backend, call: AttentionCall, tables, as_given: bool) -> None:
+    """Remember the plan of ``key``: ``call`` was validated and ``chosen`` resolved for it; ``as_given``: the call's
+    q, k, v and tables are canonical as they were passed (4-D, no biases, the window not narrowed)."""
+    if not isinstance(chosen.declares, Serves):  # what it serves may change between calls (triton's interpreter)
+        return
+    registry = _backends.BACKENDS
+    names = priority(call) if backend_name == "auto" else (backend_name,)
+    names = names[:names.index(chosen.name) + 1] if chosen.name in names else (chosen.name,)
+    entries = tuple((name, registry[name], registry[name].unavailable()) for name in names)
+    if len(_PLANS) >= _PLAN_CAPACITY:
+        _PLANS.clear()
+    forward = None
+    if chosen.stats is not None and chosen.run == chosen.stats.run and as_served(chosen, call) is call:
+        forward = chosen.stats.inference(call)
+    shared = tuple(t is not None and t.dim() == 2 for t in tables)
+    _PLANS[key] = _Plan(chosen, forward, as_given and forward is not None, registry, entries, key[1], shared,
+                        call.is_causal, call.dropout_p, call.scale)
+
+
+_PLANS: dict[tuple, _Plan] = {}
 
 
 def relative_attention(
@@ -308,11 +422,31 @@ def relative_attention(
         zeros (and zero gradients); a NaN in the inputs reaches the rows it touches, as in the reference.
         Under ``torch.autocast`` the inputs are cast as autocast casts SDPA's (tables included).
     """
-    call = validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position,
-                                 attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
-                                 query_offset=query_offset, beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q,
-                                 content_bias=content_bias, position_bias=position_bias)
-    chosen = resolve(backend, call)
+    key = _plan_key(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, attn_mask, max_relative_position, beyond,
+                    is_causal, dropout_p, scale, query_offset, enable_gqa, backend)
+    if key is not None and (plan := _PLANS.get(key)) is not None and plan.holds():
+        if plan.direct:
+            return plan.forward(q, k, v, rel_k, rel_v, rel_q, None, query_offset)
+        if plan.forward is not None:  # one kernel call, the tables as they are
+            *tensors, _ = _canonical(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, plan.kk, key[2])
+            return _shaped_like(plan.forward(*tensors, query_offset), q)
+        shared = plan.shared
+        rk = rel_k.unsqueeze(0) if shared[0] else rel_k
+        rv = rel_v.unsqueeze(0) if shared[1] else rel_v
+        rq = rel_q.unsqueeze(0) if shared[2] else rel_q
+        call = _assemble(q, k, v, rk, rv, rq, content_bias, position_bias, None, plan.kk, key[2], plan.is_causal,
+                         plan.dropout_p, plan.scale, query_offset)
+        chosen = plan.backend
+    else:
+        call = validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, attn_mask=attn_mask,
+                        is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset,
+                        beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q, content_bias=content_bias,
+                        position_bias=position_bias)
+        chosen = resolve(backend, call)
+        if key is not None:
+            as_given = (q.dim() == 4 and content_bias is None and position_bias is None
+                        and call.max_relative_position == max_relative_position)
+            _keep_plan(key, backend, chosen, call, (rel_k, rel_v, rel_q), as_given)
     return _shaped_like(chosen.run(as_served(chosen, call)), q)
 
 

@@ -342,8 +342,11 @@ class StatsOps:
     """
 
     def __init__(self, name: str, forward: Callable, backward: Callable, *, dropout: bool = False,
-                 varlen: bool = False):
+                 varlen: bool = False,
+                 flat_tables: bool = False,  # the forward also takes (2K+1, d) tables (shared, as (1, 2K+1, d))
+                 planned: Callable[[AttentionCall], Callable | None] | None = None):  # the kernel's own inference()
         self.name, self.kernel_forward, self.kernel_backward = name, forward, backward
+        self.flat_tables, self.planned = flat_tables, planned
         leading = LEADING + (("seed",) if dropout else ()) + (VARLEN_LEADING if varlen else ())
         scalars = (SCALARS[:2] + ((("dropout_p", "float"),) if dropout else ()) + SCALARS[2:]
                    + (VARLEN_SCALARS if varlen else ()))
@@ -417,6 +420,40 @@ class StatsOps:
         if _differentiated(call):
             return self.eager.apply(*inputs)
         return self._forward(*inputs)[0]
+
+    def inference(self, call: AttentionCall) -> Callable[..., Tensor] | None:
+        """What :meth:`run` does for calls like ``call`` (the same shapes, scalars and tables given, but for the
+        query offset) when nothing traces them and autograd will not differentiate them, as one function
+        ``f(q, k, v, rel_k, rel_v, rel_q, q_pos, query_offset) -> out`` calling the kernel with ``call``'s other
+        scalars: what a planned decoding step runs. Its tables may also be (2K+1, d), shared by all heads (a kernel
+        that does not take them so, ``flat_tables=False``, gets them as (1, 2K+1, d)). A kernel may give its own
+        (``planned``: the same function, leaner; None to take this one). None where :meth:`run` needs more than
+        that (a differentiated call, a mask, a dropout seed, a packed call)."""
+        if self.dropout or _differentiated(call) or any(getattr(call, n) is not None for n in self.leading_names[5:]):
+            return None
+        if self.planned is not None and (own := self.planned(call)) is not None:
+            return own
+        kernel, pad = self.kernel_forward, (None,) * (self._leading - 5)
+        scalars = {n: getattr(call, n) for n in self.scalar_names if n != "query_offset"}
+        named = tuple(n for n in TABLES if getattr(call, n) is not None)
+        if not self.flat_tables:
+            def headed(t):
+                return t.unsqueeze(0) if t is not None and t.dim() == 2 else t
+
+            inner = self.kernel_forward
+
+            def kernel(q, k, v, rel_k, rel_v, *lead, rel_q=None, **kw):
+                return inner(q, k, v, headed(rel_k), headed(rel_v), *lead, **kw,
+                             **({} if rel_q is None else {"rel_q": headed(rel_q)}))
+        if not named:
+            def forward(q, k, v, rel_k, rel_v, rel_q, q_pos, query_offset):
+                return kernel(q, k, v, rel_k, rel_v, *pad, query_offset=query_offset, **scalars)[0]
+        else:
+            def forward(q, k, v, rel_k, rel_v, rel_q, q_pos, query_offset):
+                tables = dict(zip(TABLES, (rel_q, q_pos), strict=True))
+                return kernel(q, k, v, rel_k, rel_v, *pad, query_offset=query_offset, **scalars,
+                              **{n: tables[n] for n in named})[0]
+        return forward
 
     def _pair(self, q, k, v, rel_k, rel_v, mask, tables, scalars: dict) -> tuple[tuple, dict]:
         """The kernel's positional inputs and keywords for one chunk pair (no dropout: a zero seed)."""

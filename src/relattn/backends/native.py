@@ -284,12 +284,17 @@ def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causa
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros, lse -inf.
     k, v may have Hkv heads, H % Hkv == 0; q_pos (q's shape and dtype), when given, the queries rel_k reads."""
     _require()
-    gemm16 = uses_gemm16(q.dtype)
+    dtype = q.dtype
+    if dtype in LOW_PRECISION:
+        q, k, v, q_pos = _data(uses_gemm16(dtype), q, k, v, q_pos)
+        tables = _tables_and_mask(rel_k, rel_v, mask, rel_q)
+    else:  # a decoding step's path: every microsecond here is a few percent of it
+        tables = (None if rel_k is None else rel_k.contiguous(), None if rel_v is None else rel_v.contiguous(), mask,
+                  None if rel_q is None else rel_q.contiguous())
     tiles = tile_q(q.shape[-2], is_causal, 2 * max_relative_position + 1, k.shape[-2]), SETTINGS.current.tile_k
-    q_, k_, v_, qp = _data(gemm16, q, k, v, q_pos)
-    out, lse = torch.ops.relattn_native.fwd(q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), qp,
-                                            max_relative_position, is_causal, scale, query_offset, *tiles)
-    return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
+    out, lse = torch.ops.relattn_native.fwd.default(q, k, v, *tables, q_pos, max_relative_position, is_causal, scale,
+                                                    query_offset, *tiles)
+    return (out if out.dtype == dtype else out.to(dtype)), lse
 
 
 def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
@@ -352,9 +357,25 @@ def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seql
                  for g, t in zip(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos), strict=True))
 
 
+def planned_forward(call):
+    """The kernel call of calls like ``call`` that autograd will not differentiate (:meth:`StatsOps.inference`):
+    ``f(q, k, v, rel_k, rel_v, rel_q, q_pos, query_offset) -> out``, the op itself with ``call``'s other scalars
+    (tables (2K+1, d) or (Hr, 2K+1, d)); None for 16-bit inputs (:func:`forward` converts them) and masks."""
+    if call.q.dtype in LOW_PRECISION or call.mask is not None:
+        return None
+    fwd = torch.ops.relattn_native.fwd.default
+    kk, causal, scale, rows = call.max_relative_position, call.is_causal, call.scale, 2 * call.max_relative_position + 1
+
+    def run(q, k, v, rel_k, rel_v, rel_q, q_pos, query_offset):
+        tiles = tile_q(q.shape[-2], causal, rows, k.shape[-2]), SETTINGS.current.tile_k
+        return fwd(q, k, v, rel_k, rel_v, None, rel_q, q_pos, kk, causal, scale, query_offset, *tiles)[0]
+
+    return run
+
+
 # relattn::native_fwd / relattn::native_bwd (and relattn::native_varlen_fwd / _bwd for packed calls), the eager path
 # and the ring's pair calls: see _common.StatsOps.
-OPS = StatsOps("native", forward, backward)
+OPS = StatsOps("native", forward, backward, flat_tables=True, planned=planned_forward)
 VARLEN_OPS = StatsOps("native_varlen", varlen_forward, varlen_backward, varlen=True)
 
 

@@ -722,13 +722,14 @@ Views<I, T> seq_views(const Views<I, T>& w, const Seq& s) {
   return r;
 }
 
-// How many parts to split tasks of ``work`` multiply-adds in all into: one (all on the calling thread) when the
-// whole is under 2^20 multiply-adds (a decoding step against a few hundred keys: some 50 us on one thread), else one
-// per thread. Waking the other threads for so little costs more than they save: on a busy machine the wake-up alone
-// took longer than the whole call.
+// How many parts to split tasks of ``work`` in all (the cost model's units, kRowCost included) into: one (all on the
+// calling thread) under 2^18 (about 2^17 multiply-adds: a few microseconds on one thread, less than waking the others
+// costs), else one per thread. A decoding step against 512 keys (8 heads, K = 64: 2^19.6) splits its heads over two
+// threads, as SDPA's own CPU kernel does, in a little over half the time of one (benchmarks/README.md); one against
+// 16 keys stays on the calling thread. On a machine whose cores are all busy, both wait for the descheduled thread.
 int64_t parts_for(int64_t tasks, int64_t work) {
   if (tasks <= 0) return 0;
-  return work < (int64_t{1} << 20) ? 1 : std::min<int64_t>(tasks, at::get_num_threads());
+  return work < (int64_t{1} << 18) ? 1 : std::min<int64_t>(tasks, at::get_num_threads());
 }
 
 // The bounds of `parts` runs of consecutive tasks of about equal cost (cum[t]: the cost of tasks [0, t)): part p is
@@ -1093,17 +1094,22 @@ Geometry geometry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               ", k ", k.sizes(), ", v ", v.sizes());
   Geometry g{q.size(0), H, q.size(2), k.size(2), q.size(3), v.size(3), 1, 1, 2 * kk + 1, kk, off, Hkv, H / Hkv,
              causal, tk.defined(), tv.defined()};
+  // A table is (1 or H, 2K+1, d), or (2K+1, d): shared by all heads, as (1, 2K+1, d) (a decoding step's plan passes
+  // the user's table as it is).
   for (const auto* t : {&tk, &tv, &tq}) {
     if (t->defined()) {
-      TORCH_CHECK(t->dim() == 3 && t->size(1) == g.R && t->is_contiguous() && t->scalar_type() == compute_type(q) &&
-                      (t->size(0) == 1 || t->size(0) == g.H) && t->size(2) == (t == &tv ? g.Dv : g.D),
-                  "relattn native: tables must be contiguous (1 or H, 2K+1, d) of q's dtype (float32 for 16-bit q)");
+      TORCH_CHECK((t->dim() == 3 || t->dim() == 2) && t->size(-2) == g.R && t->is_contiguous() &&
+                      t->scalar_type() == compute_type(q) && (t->dim() == 2 || t->size(0) == 1 || t->size(0) == g.H) &&
+                      t->size(-1) == (t == &tv ? g.Dv : g.D),
+                  "relattn native: tables must be contiguous (1 or H, 2K+1, d) or (2K+1, d) of q's dtype (float32 for "
+                  "16-bit q)");
     }
   }
-  g.Hk = tk.defined() ? tk.size(0) : 1;
-  g.Hv = tv.defined() ? tv.size(0) : 1;
+  const auto heads = [](const at::Tensor& t) { return t.defined() && t.dim() == 3 ? t.size(0) : int64_t{1}; };
+  g.Hk = heads(tk);
+  g.Hv = heads(tv);
   g.has_q = tq.defined();
-  g.Hq = tq.defined() ? tq.size(0) : 1;
+  g.Hq = heads(tq);
   return g;
 }
 
@@ -1125,6 +1131,9 @@ void clamp_tiles(const Geometry& g, int64_t& tile_q, int64_t& tile_k) {
 }
 
 at::Tensor opt(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
+
+// A table as the kernel reads it: contiguous (a copy only where the caller's is not), or undefined.
+at::Tensor table(const std::optional<at::Tensor>& t) { return t.has_value() ? t->contiguous() : at::Tensor(); }
 
 // An additive mask of q's compute dtype, 4-D and broadcastable to (B, H, N, M), keys contiguous or broadcast.
 at::Tensor checked_mask(at::Tensor mask, const at::Tensor& q, const at::Tensor& k) {
@@ -1206,7 +1215,7 @@ std::tuple<at::Tensor, at::Tensor> forward_call(const at::Tensor& q_, const at::
                                                 double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k,
                                                 const at::Tensor* cu_q, const at::Tensor* cu_k) {
   at::Tensor q = rows_contiguous(q_), k = rows_contiguous(k_), v = rows_contiguous(v_);
-  at::Tensor tk = opt(rel_k), tv = opt(rel_v), tq = opt(rel_q), mask = checked_mask(opt(mask_), q, k);
+  at::Tensor tk = table(rel_k), tv = table(rel_v), tq = table(rel_q), mask = checked_mask(opt(mask_), q, k);
   at::Tensor qp = checked_position_queries(q_pos, q);
   Geometry g = geometry(q, k, v, tk, tv, tq, kk, is_causal, query_offset);
   const Batch batch = cu_q == nullptr ? dense_batch(g) : packed_batch(g, *cu_q, *cu_k);
