@@ -243,3 +243,15 @@ def test_a_bad_call_raises_as_ever_after_a_good_one_has_its_plan(over, kw, exc, 
     t = base(**over)
     with pytest.raises(exc, match=match):
         relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], **{"max_relative_position": 2, **kw})
+
+
+@pytest.mark.parametrize("heads_table", [False, True], ids=["shared tables", "per-head tables"])
+@torch.no_grad()
+def test_a_native_decoding_step_is_planned_as_one_kernel_call(heads_table, validations):
+    """A float32 step on "native" keeps the kernel call itself as its plan (no wrapper, no StatsOps.run): the
+    backend's ``run`` is its stats ops' run, whatever else it serves (its packed ops apart)."""
+    require_backend("native")
+    q, k, v, rk, rv = _inputs(m=12, rows=9, heads_table=heads_table, dtype=torch.float32)
+    relative_attention(q, k, v, rk, rv, max_relative_position=4, query_offset=11)
+    (plan,) = fn._PLANS.values()
+    assert plan.backend is BACKENDS["native"] and plan.forward is not None

@@ -564,8 +564,8 @@ def validate_varlen(q, k, v, rel_k, rel_v, *, cu_seqlens_q, cu_seqlens_k, max_se
 def run_packed(backend: Backend, call: AttentionCall) -> torch.Tensor:
     """The (1, H, T, Dv) output of a packed call on ``backend``: whole where it serves packed calls, else one
     sequence at a time (each the dense call with ``query_offset = m - n``; a sequence without keys gives zeros)."""
-    if backend.serves.varlen:
-        return backend.run(as_served(backend, call))
+    if backend.packed is not None and backend.serves.varlen:
+        return backend.packed.run(as_served(backend, call))
     cu_q, cu_k = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
     rows = lambda t, a, b: None if t is None else t[:, :, a:b]  # noqa: E731
     outs = []

@@ -94,7 +94,8 @@ class Serves:
 
 @dataclass(frozen=True)
 class Backend:
-    """One backend: ``run(call)`` returns the (B,H,N,Dv) output; ``declares`` says for which calls, as a
+    """One backend: ``run(call)`` returns the (B,H,N,Dv) output (``packed.run(call)`` a packed call's, where it serves
+    them whole); ``declares`` says for which calls, as a
     :class:`Serves` or a function returning one when asked (what "triton" serves depends on ``TRITON_INTERPRET``
     at that moment); ``unavailable()`` says why it cannot run on this machine at all (a missing compiler or
     package), else None."""
@@ -105,10 +106,14 @@ class Backend:
     doc: str
     unavailable: Callable[[], str | None] = lambda: None
     stats: StatsOps | None = None  # the ops of a kernel that saves its log-sum-exp (``serves.chunk_pairs``)
+    packed: StatsOps | None = None  # the ops that run a packed call whole (``serves.varlen``; varlen=True)
 
     def __post_init__(self) -> None:
-        if self.serves.chunk_pairs != (self.stats is not None):
+        serves = self.serves
+        if serves.chunk_pairs != (self.stats is not None):
             raise ValueError(f"backend {self.name!r}: Serves(chunk_pairs=True) goes with stats ops, and only with them")
+        if serves.varlen != (self.packed is not None):
+            raise ValueError(f"backend {self.name!r}: Serves(varlen=True) goes with packed ops, and only with them")
 
     @property
     def serves(self) -> Serves:

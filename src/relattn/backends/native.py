@@ -379,16 +379,11 @@ OPS = StatsOps("native", forward, backward, flat_tables=True, planned=planned_fo
 VARLEN_OPS = StatsOps("native_varlen", varlen_forward, varlen_backward, varlen=True)
 
 
-def run(call):
-    """The output of ``call``: a packed call (``cu_seqlens_q``) through :data:`VARLEN_OPS`, else :data:`OPS`."""
-    return (VARLEN_OPS if call.cu_seqlens_q is not None else OPS).run(call)
 
-
-
-BACKEND = Backend("native", run,
+BACKEND = Backend("native", OPS.run,
                   Serves(devices=frozenset({"cpu"}), grouped_kv=True, pos_to_content=True, position_query=True,
                          chunk_pairs=True, varlen=True),
                   "C++ kernel, one flash pass: the key term added per row in three runs (left, band, right), "
                   "the value term as 2K+1 weights per row; CPU, masks, grouped k/v, rel_q, packed sequences in one "
                   "pass, no dropout (16-bit GEMMs where the CPU has 16-bit instructions, else float32)",
-                  unavailable=unavailable, stats=OPS)
+                  unavailable=unavailable, stats=OPS, packed=VARLEN_OPS)
