@@ -68,13 +68,13 @@ def _four(t):
 
 
 def _varlen(inputs, cu_q, cu_k, go, kw):
-    """The packed call through native's run: the output (T, H, Dv) and the gradients of the inputs given."""
+    """The packed call through native's packed ops: the output (T, H, Dv) and the gradients of the inputs given."""
     q, q_pos, k, v, rk, rv, rq = inputs
     lengths_q, lengths_k = cu_q.diff(), cu_k.diff()
     call = AttentionCall(_four(q), _four(k), _four(v), rk, rv, K, None, kw["causal"], 0.0, kw["scale"], 0, rel_q=rq,
                          q_pos=_four(q_pos), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                          max_seqlen_q=int(lengths_q.max()), max_seqlen_k=int(lengths_k.max()))
-    out = native.BACKEND.run(call)[0].transpose(0, 1)
+    out = native.BACKEND.packed.run(call)[0].transpose(0, 1)
     present = [t for t in inputs if t is not None]
     return out, torch.autograd.grad(out, present, go)
 

@@ -7,6 +7,7 @@ LogBuckets; and bad lengths are refused naming the argument.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -187,3 +188,21 @@ def test_packed_tensors_must_be_three_dimensional():
     with pytest.raises(ValueError, match="cu_seqlens_k is None .* k has 5 rows and q 6"):
         relative_attention_varlen(torch.zeros(6, 2, 4), torch.zeros(5, 2, 4), torch.zeros(5, 2, 4),
                                   cu_seqlens_q=torch.tensor([0, 6]), max_relative_position=2)
+
+
+def test_a_kernels_dense_ops_refuse_a_packed_call():
+    """A packed call handed to a kernel's dense ops (which would read it as one long sequence) is a ValueError, and
+    its packed ops refuse a dense call: only the backend's packed ops run packed calls."""
+    from relattn.backends import AttentionCall, blocked
+
+    x = torch.zeros(1, 2, 6, 4, dtype=torch.float64)
+    cu = torch.tensor([0, 2, 6])
+    packed = AttentionCall(x, x, x, None, None, 1, None, False, 0.0, 1.0, 0, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                           max_seqlen_q=4, max_seqlen_k=4)
+    with pytest.raises(ValueError, match="relattn::blocked takes no packed calls"):
+        blocked.OPS.run(packed, seed=torch.zeros((), dtype=torch.int64))
+    native = BACKENDS["native"]
+    with pytest.raises(ValueError, match="relattn::native takes no packed calls"):
+        native.run(packed)
+    with pytest.raises(ValueError, match="relattn::native_varlen takes only packed calls"):
+        native.packed.run(dataclasses.replace(packed, cu_seqlens_q=None, cu_seqlens_k=None))

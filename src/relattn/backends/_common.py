@@ -418,7 +418,11 @@ class StatsOps:
                 *(getattr(call, n) for n in self.scalar_names), call.rel_q, call.q_pos)
 
     def run(self, call: AttentionCall, *, seed: Tensor | None = None) -> Tensor:
-        """The output (B, H, N, Dv) of ``call`` (``seed``: the dropout seed, for a kernel with dropout)."""
+        """The output (B, H, N, Dv) of ``call`` (``seed``: the dropout seed, for a kernel with dropout); a packed call
+        only on ops built with ``varlen=True`` (the others would read it as one long sequence: a ValueError)."""
+        if (call.cu_seqlens_q is not None) != self.varlen:
+            raise ValueError(f"relattn::{self.name} takes {'only' if self.varlen else 'no'} packed calls "
+                             f"(cu_seqlens); the backend's packed ops run those")
         inputs = self._inputs(call, seed)
         if traced():
             return self.fwd(*inputs)[0]
