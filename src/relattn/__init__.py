@@ -1,6 +1,7 @@
 """relattn: self-attention with relative position representations (Shaw, Uszkoreit & Vaswani, 2018).
 
-- :func:`relative_attention`: the op, shaped like ``F.scaled_dot_product_attention``.
+- :func:`relative_attention`: the op, shaped like ``F.scaled_dot_product_attention``;
+  :func:`relative_attention_varlen` the same over packed sequences of different lengths (``cu_seqlens``).
 - :class:`RelativeMultiheadAttention`: the module, a drop-in for ``nn.MultiheadAttention`` (``from_mha`` upgrades
   one, :func:`upgrade_mha` every one in a model); :class:`KVCache` for decoding.
 - :func:`relative_position_index`: the (N, M) index into the tables, for a window K or (left, right).
@@ -10,7 +11,12 @@
 
 from .backends import BACKENDS
 from .cache import KVCache
-from .functional import relative_attention, relative_attention_weights, relative_attention_with_weights
+from .functional import (
+    relative_attention,
+    relative_attention_varlen,
+    relative_attention_weights,
+    relative_attention_with_weights,
+)
 from .modules import RelativeMultiheadAttention, upgrade_mha
 from .positions import relative_position_index
 
@@ -21,6 +27,7 @@ __all__ = [
     "KVCache",
     "RelativeMultiheadAttention",
     "relative_attention",
+    "relative_attention_varlen",
     "relative_attention_weights",
     "relative_attention_with_weights",
     "relative_position_index",

@@ -348,3 +348,163 @@ def relative_attention_weights(q, k, rel_k=None, *, max_relative_position, rel_q
                                  query_offset=query_offset, beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q,
                                  content_bias=content_bias, position_bias=position_bias)
     return _shaped_like(_dense_with_weights(call)[1], q)
+
+
+def _check_lengths(name: str, cu, *, total: int, like: torch.Tensor, what: str) -> list[int]:
+    """``cu`` checked as cumulative lengths of ``total`` packed rows (1-D int32/int64 on q's device, 0 first, never
+    decreasing, ``total`` last), read back as a list (one device-to-host copy on a GPU)."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a Tensor of cumulative lengths, got {type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64 (cumulative lengths), got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() == 0:
+        raise ValueError(f"{name} must be 1-D (S + 1,) for S sequences, got {cu.dim()} dims {_shape(cu)}")
+    if cu.device != like.device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {like.device}")
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    if any(b < a for a, b in zip(values, values[1:], strict=False)):
+        s = next(i for i, (a, b) in enumerate(zip(values, values[1:], strict=False)) if b < a)
+        raise ValueError(f"{name} must never decrease (cumulative lengths); entry {s + 1} is {values[s + 1]} "
+                         f"after {values[s]}")
+    if values[-1] != total:
+        raise ValueError(f"{name} must end at the number of packed {what}, {total}; got {values[-1]}")
+    return values
+
+
+def _check_longest(name: str, given, lengths: list[int], what: str) -> int:
+    """The longest of ``lengths``, checked against the ``max_seqlen`` given (None: not given)."""
+    longest = max(lengths, default=0)
+    if given is None:
+        return longest
+    if isinstance(given, bool) or not isinstance(given, int):
+        raise TypeError(f"{name} must be an int or None, got {type(given).__name__}")
+    if given < longest:
+        s = lengths.index(longest)
+        raise ValueError(f"{name} = {given} but sequence {s} has {longest} {what}")
+    return longest
+
+
+def _check_packed(name: str, t, dims: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if t.dim() != 3:
+        raise ValueError(f"{name} must be packed {dims}, 3-D; got {t.dim()} dims {_shape(t)}")
+
+
+def validate_varlen(q, k, v, rel_k, rel_v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    max_relative_position, rel_q, content_bias, position_bias, beyond, is_causal, dropout_p, scale,
+                    enable_gqa) -> AttentionCall:
+    """:func:`validate` for packed sequences: the lengths checked, then the call as one (1, H, T, D) batch entry with
+    the lengths attached (:class:`relattn.backends.AttentionCall`), its tables sized for the offsets of the longest
+    sequences."""
+    _check_packed("q", q, "(T, H, D)")
+    _check_packed("k", k, "(T_k, Hkv, D)")
+    _check_packed("v", v, "(T_k, Hkv, Dv)")
+    cu_q = _check_lengths("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], like=q, what="queries (q.shape[0])")
+    if cu_seqlens_k is None:
+        cu_k, cu_seqlens_k = cu_q, cu_seqlens_q
+        if k.shape[0] != q.shape[0]:
+            raise ValueError(f"cu_seqlens_k is None (the keys' lengths are the queries'), but k has {k.shape[0]} rows "
+                             f"and q {q.shape[0]}: pass cu_seqlens_k")
+    else:
+        cu_k = _check_lengths("cu_seqlens_k", cu_seqlens_k, total=k.shape[0], like=q, what="keys (k.shape[0])")
+        if len(cu_k) != len(cu_q):
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences; got {len(cu_q) - 1} "
+                             f"and {len(cu_k) - 1}")
+    n = [b - a for a, b in zip(cu_q, cu_q[1:], strict=False)]
+    m = [b - a for a, b in zip(cu_k, cu_k[1:], strict=False)]
+    longest_q = _check_longest("max_seqlen_q", max_seqlen_q, n, "queries")
+    longest_k = _check_longest("max_seqlen_k", max_seqlen_k, m, "keys")
+    met = [(ns, ms) for ns, ms in zip(n, m, strict=True) if ns > 0 and ms > 0]
+    offsets = (-max((ms - 1 for _, ms in met), default=0), max((ns - 1 for ns, _ in met), default=0))
+    call = validate(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), rel_k, rel_v,
+                    max_relative_position=max_relative_position, attn_mask=None, is_causal=is_causal,
+                    dropout_p=dropout_p, scale=scale, query_offset=0, beyond=beyond, enable_gqa=enable_gqa,
+                    rel_q=rel_q, content_bias=content_bias, position_bias=position_bias, offsets=offsets)
+    return dataclasses.replace(call, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=longest_q,
+                               max_seqlen_k=longest_k)
+
+
+def run_packed(backend: Backend, call: AttentionCall) -> torch.Tensor:
+    """The (1, H, T, Dv) output of a packed call on ``backend``: whole where it serves packed calls, else one
+    sequence at a time (each the dense call with ``query_offset = m - n``; a sequence without keys gives zeros)."""
+    if backend.serves.varlen:
+        return backend.run(as_served(backend, call))
+    cu_q, cu_k = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
+    rows = lambda t, a, b: None if t is None else t[:, :, a:b]  # noqa: E731
+    outs = []
+    for s in range(len(cu_q) - 1):
+        (q0, q1), (k0, k1) = (cu_q[s], cu_q[s + 1]), (cu_k[s], cu_k[s + 1])
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            outs.append(call.q.new_zeros(1, call.q.shape[1], q1 - q0, call.v.shape[-1]))
+            continue
+        offset = call.query_offset + (k1 - k0) - (q1 - q0)
+        one = dataclasses.replace(call, q=rows(call.q, q0, q1), k=rows(call.k, k0, k1), v=rows(call.v, k0, k1),
+                                  q_pos=rows(call.q_pos, q0, q1), query_offset=offset,
+                                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0)
+        outs.append(backend.run(as_served(backend, one)))
+    if not outs:
+        return call.q.new_zeros(1, call.q.shape[1], call.q.shape[2], call.v.shape[-1])
+    return torch.cat(outs, dim=2)
+
+
+def relative_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rel_k: torch.Tensor | None = None,
+    rel_v: torch.Tensor | None = None,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    max_relative_position: int | tuple[int, int],
+    rel_q: torch.Tensor | None = None,
+    content_bias: torch.Tensor | None = None,
+    position_bias: torch.Tensor | None = None,
+    beyond: str = "clip",
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """:func:`relative_attention` over packed sequences of different lengths, shaped as flash-attention's
+    ``flash_attn_varlen_func`` and torch's ``varlen_attn``: no padding is stored or computed.
+
+    Args:
+        q: (T, H, D), the queries of every sequence one after another.
+        k: (T_k, H, D) keys packed the same way; (T_k, Hkv, D) with ``enable_gqa``.
+        v: (T_k, H, Dv) values; (T_k, Hkv, Dv) with ``enable_gqa``.
+        rel_k, rel_v: the tables, as :func:`relative_attention`'s.
+        cu_seqlens_q: (S + 1,) int32 or int64 on q's device, the cumulative query lengths: sequence ``s`` holds the
+            query rows ``cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1``. It starts at 0, never decreases and ends at T.
+        cu_seqlens_k: the same for the keys, ending at T_k; None: ``cu_seqlens_q`` (self-attention).
+        max_seqlen_q, max_seqlen_k: the longest query and key lengths, as flash-attention takes them; optional
+            (the lengths are read back to check them, one device-to-host copy on a GPU, and the exact maxima used).
+        is_causal: forbid, in each sequence, keys after the query's position (bottom-right aligned, as
+            flash-attention's varlen causal and a cache: see below).
+        The other arguments are :func:`relative_attention`'s; there is no ``attn_mask`` and no ``query_offset``.
+
+    Positions count within each sequence, and a sequence's ``n`` queries sit at the end of its ``m`` keys: query
+    ``i`` at position ``i + m - n``, key ``j`` at ``j`` (self-attention: ``n = m``, query ``i`` at ``i``; a decoding
+    step against a cache: the new queries after the cached keys). Sequence ``s`` is exactly
+    ``relative_attention(q_s, k_s, v_s, ..., query_offset=m - n)`` on its own rows, and its queries never meet
+    another sequence's keys. A sequence without keys gives zeros; one without queries gives no rows.
+
+    Returns:
+        (T, H, Dv), contiguous. "native" (CPU) and "triton" (CUDA) run the packed batch in one kernel launch; the
+        other backends one sequence at a time.
+    """
+    call = validate_varlen(q, k, v, rel_k, rel_v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                           max_relative_position=max_relative_position, rel_q=rel_q, content_bias=content_bias,
+                           position_bias=position_bias, beyond=beyond, is_causal=is_causal, dropout_p=dropout_p,
+                           scale=scale, enable_gqa=enable_gqa)
+    chosen = resolve(backend, call)
+    return run_packed(chosen, call)[0].transpose(0, 1).contiguous()

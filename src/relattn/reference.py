@@ -42,6 +42,7 @@ __all__ = [
     "softmax",
     "RelativeSelfAttention",
     "relative_attention",
+    "relative_attention_varlen",
 ]
 
 
@@ -311,3 +312,30 @@ def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position
             out[bi, hi] = relative_attention_output_vectorized(weights[bi, hi], v[bi, hi], emb,
                                                                query_offset=query_offset)
     return (out, weights) if return_weights else out
+
+
+def relative_attention_varlen(q, k, v, rel_k=None, rel_v=None, *, cu_seqlens_q, cu_seqlens_k=None,
+                              max_relative_position, rel_q=None, content_bias=None, position_bias=None,
+                              beyond="clip", is_causal=False, scale=None):
+    """Packed sequences, one after another: q (T, H, D), k (T_k, Hkv, D), v (T_k, Hkv, Dv) with ``H % Hkv == 0``
+    (query head ``h`` reads key/value head ``h // (H // Hkv)``); sequence ``s`` holds the query rows
+    ``cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1`` and the key rows of ``cu_seqlens_k`` (None: ``cu_seqlens_q``)
+    likewise. Positions count within each sequence, and its ``n`` queries sit at the end of its ``m`` keys: the
+    sequence is :func:`relative_attention` with ``query_offset = m - n`` (causal: key ``j`` at most query ``i``'s
+    position ``i + m - n``). Returns (T, H, Dv) float64."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    cu_q = [int(x) for x in np.asarray(cu_seqlens_q)]
+    cu_k = cu_q if cu_seqlens_k is None else [int(x) for x in np.asarray(cu_seqlens_k)]
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[-1]))
+    for s in range(len(cu_q) - 1):
+        (q0, q1), (k0, k1) = (cu_q[s], cu_q[s + 1]), (cu_k[s], cu_k[s + 1])
+        if q1 == q0:
+            continue
+        one = relative_attention(*(x[None].transpose(0, 2, 1, 3) for x in (q[q0:q1], k[k0:k1], v[k0:k1])), rel_k,
+                                 rel_v, max_relative_position=max_relative_position, rel_q=rel_q,
+                                 content_bias=content_bias, position_bias=position_bias, beyond=beyond,
+                                 is_causal=is_causal, scale=scale, query_offset=(k1 - k0) - (q1 - q0))
+        out[q0:q1] = one[0].transpose(1, 0, 2)
+    return out

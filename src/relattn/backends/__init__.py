@@ -102,6 +102,8 @@ def refusals(name: str, *, device: str | None = None, dtype: torch.dtype | None 
 def priority(call: AttentionCall) -> tuple[str, ...]:
     """The backends "auto" tries for ``call``, in order."""
     n, m = call.q.shape[-2], call.k.shape[-2]
+    if call.cu_seqlens_q is not None:  # a packed call: the size of its longest sequences
+        n, m = call.max_seqlen_q, call.max_seqlen_k
     # symbolic sizes (torch.export with a dynamic length): no guard on N, take a size-independent order
     small = isinstance(n, int) and isinstance(m, int) and n * m <= dense_max_scores(call.max_relative_position)
     device = call.q.device.type
