@@ -120,6 +120,7 @@ def _compare(got, want, dtype, yardstick=None):
 
 
 @needs_kernels
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_packed_matches_per_sequence_oracle_float64(causal):
     """GQA 4 / 2 heads, per-head tables incl. rel_q, position queries (q_pos), D != Dv, K = 3 < the longest
@@ -190,3 +191,16 @@ def test_keys_split_across_programs(kernel_settings):
 def test_backend_declares_and_dispatches_packed_calls():
     assert tb.serves().varlen and tb.VARLEN_OPS.varlen and tb.VARLEN_OPS.name == "triton_varlen"
     assert tb.BACKEND.run is tb.run
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_opcheck_of_the_packed_ops():
+    """relattn::triton_varlen_fwd / _bwd: schema, fake kernels, autograd registration (torch.library.opcheck)."""
+    lengths = [(3, 5), (0, 2), (6, 6)]
+    x = _case(lengths, h=2, hkv=1, d=4, dv=4, kk=2, seed=6)
+    q, k, v = (x[n].float().transpose(0, 1).unsqueeze(0).to(DEVICE).requires_grad_() for n in ("q", "k", "v"))
+    rk, rq = (x[n].float().to(DEVICE).requires_grad_() for n in ("rel_k", "rel_q"))
+    cq, ck = _cu([n for n, _ in lengths]).to(DEVICE), _cu([m for _, m in lengths]).to(DEVICE)
+    torch.library.opcheck(torch.ops.relattn.triton_varlen_fwd.default,
+                          (q, k, v, rk, None, None, cq, ck, 2, True, 0.5, 0, 6, 6), dict(rel_q=rq))
