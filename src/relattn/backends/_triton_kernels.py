@@ -31,6 +31,11 @@ per (key, table row) for the term of ``a^Q`` (each bin written once, by the prog
 
 Key/value heads: query head ``h`` reads key/value head ``h // GROUP``; ``_dkdv_kernel``'s program for a
 key/value head loops over its group's query heads in a fixed order.
+
+Packed batches (the constexpr ``VARLEN``): one launch for all the sequences of a batch of one entry, the programs'
+"batch entries" its sequences; a program takes its sequence's first rows, lengths and query offset from the
+cumulative lengths ``CU_Q``, ``CU_K`` (``_sequence``), moves its pointers there, and exits when its tile starts past
+the sequence's end. Without ``VARLEN`` none of this is compiled.
 """
 
 from collections import namedtuple

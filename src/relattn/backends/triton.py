@@ -11,7 +11,9 @@ query tile for dq, sharing one tile body); the table gradients come from per-row
 each by the dq kernel, and (rel_q) per-key bins of dS, written once each by the dk/dv kernel, reduced by torch in
 a fixed order: no atomics, two backward passes are bitwise equal. k and v may have fewer heads than q
 (grouped-query attention): query head ``h`` reads key/value head ``h // (H // Hkv)``, and dk, dv of a key/value
-head are summed over its group by one program, in order.
+head are summed over its group by one program, in order. A packed batch (``cu_seqlens``: :func:`varlen_forward`,
+:func:`varlen_backward`) runs in the same kernels, one launch each for the whole batch, with the constexpr ``VARLEN``:
+each program reads its sequence's rows and lengths from the cumulative lengths.
 
 Serves CUDA tensors on the GPUs of ``CUDA_ARCHS`` (sm_80 and newer) when ``triton`` is importable; while
 ``TRITON_INTERPRET=1`` is in the environment (read when a call or a construction asks; Triton itself reads it when
@@ -350,7 +352,7 @@ def varlen_forward(q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, *, m
         raise ValueError("triton varlen_forward: a packed call takes no mask")
     return _forward(q, k, v, rel_k, rel_v, None, max_relative_position=max_relative_position, is_causal=is_causal,
                     scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos,
-                    packed=Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                    packed=Packed(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k))
 
 
 def _forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
@@ -418,7 +420,7 @@ def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seql
         raise ValueError("triton varlen_backward: a packed call takes no mask")
     return _backward(grad_out, q, k, v, rel_k, rel_v, None, out, lse, max_relative_position=max_relative_position,
                      is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos,
-                     packed=Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                     packed=Packed(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k))
 
 
 def _rows(t: Tensor) -> Tensor:
