@@ -76,6 +76,13 @@ GQA_RQ_CONFIGS = {("dkdv", 80, 64): (64, 32, 8, 1, 2), ("dkdv", 90, 64): (32, 64
 # One arch's own entries where the table it takes (TABLE_OF_ARCH) spills there: the forward at D = 128 without a
 # causal mask on sm_100a (144 bytes at 128 x 64, Triton 3.9) and sm_120 (16 bytes); 0 at 64 x 64 on both.
 ARCH_CONFIGS = {("fwd", 100, 128): (64, 64, 8, 2, 2), ("fwd", 120, 128): (64, 64, 8, 2, 2)}
+# Packed launches (VARLEN: every tile masked at its sequence's end) where the entries above spill, by the GPU's own
+# arch (Triton 3.9: 8 to 40 bytes on sm_80, 28 on sm_120; with rel_q 8 on sm_80, 24 on sm_90a, 100 on sm_90a with
+# grouped k/v, 24 to 132 in dq on sm_120): their own, compiled without spills (benchmarks/triton_compile.py).
+VARLEN_CONFIGS = {("fwd", 80, 128): (64, 64, 8, 2, 4), ("fwd", 120, 128): (64, 64, 8, 1, 2),
+                  ("dkdv", 80, 128): (32, 64, 8, 1, 2)}
+VARLEN_RQ_CONFIGS = {("fwd", 80, 64): (64, 64, 8, 2, 2), ("fwd", 90, 64): (128, 64, 8, 2, 2),
+                     ("dkdv", 90, 64): (32, 64, 8, 1, 2), ("dq", 120, 64): (64, 32, 8, 2, 2)}
 # Which table each served arch uses. The A100's (at most 64 KB of shared memory per launch) fits the 99 KB of
 # sm_86, sm_89 and sm_120; sm_100 (B200) takes it too. sm_100 and sm_120 have their own forward at D = 128
 # (ARCH_CONFIGS). Each pairing
@@ -174,15 +181,19 @@ def _sm_count(device: torch.device) -> int:
 
 
 def config(kernel: str, dtype: torch.dtype, head_dim: int, arch: int | None, rel_q: bool = False,
-           grouped: bool = False) -> tuple[int, int, int, int, int]:
+           grouped: bool = False, varlen: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, BAND_SPLIT) of ``kernel`` ("fwd", "dkdv", "dq") for a padded head
-    dim on a GPU of compute capability ``arch`` (None: interpreted), with or without the ``rel_q`` term and grouped
-    k/v heads."""
+    dim on a GPU of compute capability ``arch`` (None: interpreted), with or without the ``rel_q`` term, grouped
+    k/v heads, a packed batch (``varlen``)."""
     if arch is None:
         return (*INTERPRETED_TILES, 4, 1, 1)
     if dtype not in LOW_PRECISION:
         return FP32_CONFIGS[kernel]
     dim = 64 if head_dim <= 64 else 128
+    if varlen and rel_q and (kernel, arch, dim) in VARLEN_RQ_CONFIGS:
+        return VARLEN_RQ_CONFIGS[(kernel, arch, dim)]
+    if varlen and (kernel, arch, dim) in VARLEN_CONFIGS:
+        return VARLEN_CONFIGS[(kernel, arch, dim)]
     key = (kernel, TABLE_OF_ARCH.get(arch, 80), dim)
     if rel_q and grouped and key in GQA_RQ_CONFIGS:
         return GQA_RQ_CONFIGS[key]
@@ -213,7 +224,7 @@ def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None, packed: Pa
     n, m = (q.shape[2], k.shape[2]) if packed is None else (packed.max_q, packed.max_k)
     dp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
     bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device), rel_q is not None,
-                                          k.shape[1] != q.shape[1])
+                                          k.shape[1] != q.shape[1], packed is not None)
     settings = SETTINGS.current
     override = settings.fwd_tiles if kernel == "fwd" else settings.bwd_tiles
     if override is not None:
