@@ -178,6 +178,7 @@ def test_packed_bfloat16_within_2x_of_plain_pytorch():
 
 
 @needs_kernels
+@pytest.mark.slow
 def test_keys_split_across_programs(kernel_settings):
     """Decoding-like packed calls (one query per sequence against its cache) with the keys split three ways and
     merged by their log-sum-exp: a sequence shorter than a split sees nothing in the later ones."""

@@ -78,10 +78,11 @@ GQA_RQ_CONFIGS = {("dkdv", 80, 64): (64, 32, 8, 1, 2), ("dkdv", 90, 64): (32, 64
 ARCH_CONFIGS = {("fwd", 100, 128): (64, 64, 8, 2, 2), ("fwd", 120, 128): (64, 64, 8, 2, 2)}
 # Packed launches (VARLEN: every tile masked at its sequence's end) where the entries above spill, by the GPU's own
 # arch (Triton 3.9: 8 to 40 bytes on sm_80, 28 on sm_120; with rel_q 8 on sm_80, 24 on sm_90a, 100 on sm_90a with
-# grouped k/v, 24 to 132 in dq on sm_120): their own, compiled without spills (benchmarks/triton_compile.py).
+# grouped k/v, 24 to 132 in dq on sm_120; Triton 3.6 also 16 in dkdv on sm_90a at D = 128): their own, compiled
+# without spills under both (benchmarks/triton_compile.py).
 VARLEN_CONFIGS = {("fwd", 80, 128): (64, 64, 8, 2, 4), ("fwd", 120, 128): (64, 64, 8, 1, 2),
-                  ("dkdv", 80, 128): (32, 64, 8, 1, 2)}
-VARLEN_RQ_CONFIGS = {("fwd", 80, 64): (64, 64, 8, 2, 2), ("fwd", 90, 64): (128, 64, 8, 2, 2),
+                  ("dkdv", 80, 128): (32, 64, 8, 1, 2), ("dkdv", 90, 128): (32, 64, 8, 1, 2)}
+VARLEN_RQ_CONFIGS = {("fwd", 80, 64): (64, 64, 8, 2, 4), ("fwd", 90, 64): (128, 64, 8, 2, 2),
                      ("dkdv", 90, 64): (32, 64, 8, 1, 2), ("dq", 120, 64): (64, 32, 8, 2, 2)}
 # Which table each served arch uses. The A100's (at most 64 KB of shared memory per launch) fits the 99 KB of
 # sm_86, sm_89 and sm_120; sm_100 (B200) takes it too. sm_100 and sm_120 have their own forward at D = 128
