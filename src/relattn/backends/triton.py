@@ -78,12 +78,10 @@ GQA_RQ_CONFIGS = {("dkdv", 80, 64): (64, 32, 8, 1, 2), ("dkdv", 90, 64): (32, 64
 ARCH_CONFIGS = {("fwd", 100, 128): (64, 64, 8, 2, 2), ("fwd", 120, 128): (64, 64, 8, 2, 2)}
 # Packed launches (VARLEN: every tile masked at its sequence's end) where the entries above spill: their own, by
 # table (TABLE_OF_ARCH) or, first, by the GPU's own arch (the forward at D = 128 on sm_100a and sm_120). The entries
-# they replace
-# spill 8 to 40 bytes on sm_80, 28 on sm_120 (Triton 3.9); with rel_q 8 on sm_80, 24 on sm_90a, 100 on sm_90a with
-# grouped k/v, 24 to 132 in dq on sm_120 (3.9), 8 to 16 in the forward and dq on sm_80, sm_86, sm_89 and 16 in dkdv
-# on sm_90a at D = 128, 8 to 24 in dq on sm_86, sm_89, sm_100a, 32 in the forward on sm_100a (3.6). These compile
-# without spills under both
-# (benchmarks/triton_compile.py).
+# they replace spill 8 to 40 bytes on sm_80, 28 on sm_120 (Triton 3.9); with rel_q 8 on sm_80, 24 on sm_90a, 100
+# on sm_90a with grouped k/v, 24 to 132 in dq on sm_120 (3.9); 8 to 16 in the forward and dq on sm_80, sm_86, sm_89,
+# 16 in dkdv on sm_90a at D = 128, 8 to 24 in dq and 32 in the forward on sm_100a (3.6). These compile without
+# spills under both (benchmarks/triton_compile.py).
 VARLEN_CONFIGS = {("fwd", 80, 128): (64, 64, 8, 2, 4), ("fwd", 100, 128): (64, 64, 8, 1, 2),
                   ("fwd", 120, 128): (64, 64, 8, 1, 2), ("dkdv", 80, 128): (32, 64, 8, 1, 2),
                   ("dkdv", 90, 128): (32, 64, 8, 1, 2)}
