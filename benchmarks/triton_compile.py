@@ -200,7 +200,10 @@ def compile_launch(kernel, kwargs: dict, arch: int) -> dict:
 
 
 def _key(kernel, kwargs) -> tuple:
-    """What makes two launches compile to the same code: the kernel, the argument types and the constexprs."""
+    """What makes two launches compile to the same code: the kernel, the argument types and specialisation, the
+    constexprs' and launch options' values."""
+    exact = {p.name for p in kernel.params if p.is_constexpr} | {"num_warps", "num_stages"}
+
     def kind(x):
         if isinstance(x, torch.Tensor):
             return str(x.dtype)
@@ -208,7 +211,7 @@ def _key(kernel, kwargs) -> tuple:
             return "1" if x == 1 else ("16" if x % 16 == 0 else "i")
         return repr(x)
 
-    return (kernel.__name__, tuple(sorted((k, kind(v)) for k, v in kwargs.items())))
+    return (kernel.__name__, tuple(sorted((k, repr(v) if k in exact else kind(v)) for k, v in kwargs.items())))
 
 
 def main(argv=None) -> int:
