@@ -70,6 +70,7 @@ class Shape:
     offset: int = 0
     kv_heads: int = 8  # fewer than the 8 query heads: grouped-query attention
     position_query: bool = False  # q_pos, the key table's own queries (Transformer-XL's biases)
+    varlen: bool = False  # a packed batch (cu_seqlens): 3 sequences, the longest n queries and m keys
 
 
 SHAPES = [
@@ -104,12 +105,23 @@ SHAPES = [
           tables="keys", kk=2047, position_query=True),
     Shape("fp32 D=128 Transformer-XL causal: keys table per head + q_pos", dtype=torch.float32, d=128, causal=True,
           tables="xl", kk=2047, position_query=True),
+    Shape("packed bf16 D=64", varlen=True),
+    Shape("packed bf16 D=128 causal", d=128, causal=True, varlen=True),
+    Shape("packed fp16 D=64 keys + values + rel_q", dtype=torch.float16, tables="all", varlen=True),
+    Shape("packed bf16 D=64 DeBERTa: keys + rel_q per head", tables="deberta", varlen=True),
+    Shape("packed bf16 D=128 GQA 8 / 2 heads causal", d=128, causal=True, kv_heads=2, varlen=True),
+    Shape("packed bf16 D=64 GQA 8 / 1 heads, DeBERTa tables", kv_heads=1, tables="deberta", varlen=True),
+    Shape("packed bf16 D=64 decoding 1 x 4096", n=1, m=4096, causal=True, backward=False, varlen=True),
+    Shape("packed bf16 D=128 Transformer-XL: keys table per head + q_pos, K = N - 1", d=128, tables="xl", kk=2047,
+          position_query=True, varlen=True),
+    Shape("packed fp32 D=64 DeBERTa: keys + rel_q per head", dtype=torch.float32, tables="deberta", varlen=True),
 ]
 # the CI subset: one or two shapes per arch, every kernel, so that each arch and each kind of launch is compiled
 CI_PAIRS = [("bf16 D=64", 80), ("fp16 D=128 padding mask", 90), ("bf16 D=96 padding mask", 86),
             ("bf16 D=64 decoding 1 x 4096", 89), ("bf16 D=64 DeBERTa: keys + rel_q per head, padding mask", 100),
             ("bf16 D=128 GQA 8 / 2 heads causal", 120),
-            ("bf16 D=128 Transformer-XL: keys table per head + q_pos, K = N - 1, padding mask", 90)]
+            ("bf16 D=128 Transformer-XL: keys table per head + q_pos, K = N - 1, padding mask", 90),
+            ("packed bf16 D=64 DeBERTa: keys + rel_q per head", 80), ("packed bf16 D=128 GQA 8 / 2 heads causal", 90)]
 
 
 def record(shape: Shape, arch: int) -> list[tuple]:
@@ -122,8 +134,15 @@ def record(shape: Shape, arch: int) -> list[tuple]:
     try:
         b, h, heads = 2, 8, shape.kv_heads
         meta = dict(device="meta", dtype=shape.dtype)
-        q = torch.empty(b, h, shape.n, shape.d, **meta)
-        k, v = torch.empty(b, heads, shape.m, shape.d, **meta), torch.empty(b, heads, shape.m, shape.d, **meta)
+        if shape.varlen:  # (1, H, T, D) views of the packed (T, H, D), as the op passes them
+            t, tk = shape.n + shape.n // 2 + 1, shape.m + shape.m // 2 + 1
+            q = torch.empty(t, h, shape.d, **meta).transpose(0, 1)[None]
+            k, v = (torch.empty(tk, heads, shape.d, **meta).transpose(0, 1)[None] for _ in range(2))
+            cu = torch.empty(4, device="meta", dtype=torch.int32)
+            packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=shape.n, max_seqlen_k=shape.m)
+        else:
+            q = torch.empty(b, h, shape.n, shape.d, **meta)
+            k, v = torch.empty(b, heads, shape.m, shape.d, **meta), torch.empty(b, heads, shape.m, shape.d, **meta)
         rows = 2 * shape.kk + 1
         hr = h if shape.tables in ("per_head", "deberta", "xl") else 1
         rk = torch.empty(hr, rows, shape.d, **meta)
@@ -134,9 +153,15 @@ def record(shape: Shape, arch: int) -> list[tuple]:
                   query_offset=shape.offset, rel_q=rq)
         if shape.position_query:
             kw["q_pos"] = torch.empty_like(q)
-        out, lse = tb.forward(q, k, v, rk, rv, mask, **kw)
-        if shape.backward:
-            tb.backward(torch.empty_like(out), q, k, v, rk, rv, mask, out, lse, **kw)
+        if shape.varlen:
+            cu_q, cu_k = packed.pop("cu_seqlens_q"), packed.pop("cu_seqlens_k")
+            out, lse = tb.varlen_forward(q, k, v, rk, rv, None, cu_q, cu_k, **kw, **packed)
+            if shape.backward:
+                tb.varlen_backward(torch.empty_like(out), q, k, v, rk, rv, None, cu_q, cu_k, out, lse, **kw, **packed)
+        else:
+            out, lse = tb.forward(q, k, v, rk, rv, mask, **kw)
+            if shape.backward:
+                tb.backward(torch.empty_like(out), q, k, v, rk, rv, mask, out, lse, **kw)
     finally:
         tb._launch, tb._arch, tb._sm_count = saved
     return launches
@@ -175,7 +200,10 @@ def compile_launch(kernel, kwargs: dict, arch: int) -> dict:
 
 
 def _key(kernel, kwargs) -> tuple:
-    """What makes two launches compile to the same code: the kernel, the argument types and the constexprs."""
+    """What makes two launches compile to the same code: the kernel, the argument types and specialisation, the
+    constexprs' and launch options' values."""
+    exact = {p.name for p in kernel.params if p.is_constexpr} | {"num_warps", "num_stages"}
+
     def kind(x):
         if isinstance(x, torch.Tensor):
             return str(x.dtype)
@@ -183,7 +211,7 @@ def _key(kernel, kwargs) -> tuple:
             return "1" if x == 1 else ("16" if x % 16 == 0 else "i")
         return repr(x)
 
-    return (kernel.__name__, tuple(sorted((k, kind(v)) for k, v in kwargs.items())))
+    return (kernel.__name__, tuple(sorted((k, repr(v) if k in exact else kind(v)) for k, v in kwargs.items())))
 
 
 def main(argv=None) -> int:

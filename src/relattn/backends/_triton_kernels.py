@@ -31,6 +31,11 @@ per (key, table row) for the term of ``a^Q`` (each bin written once, by the prog
 
 Key/value heads: query head ``h`` reads key/value head ``h // GROUP``; ``_dkdv_kernel``'s program for a
 key/value head loops over its group's query heads in a fixed order.
+
+Packed batches (the constexpr ``VARLEN``): one launch for all the sequences of a batch of one entry, the programs'
+"batch entries" its sequences; a program takes its sequence's first rows, lengths and query offset from the
+cumulative lengths ``CU_Q``, ``CU_K`` (``_sequence``), moves its pointers there, and exits when its tile starts past
+the sequence's end. Without ``VARLEN`` none of this is compiled.
 """
 
 from collections import namedtuple
@@ -294,6 +299,20 @@ def _query_range(start_n, size, C, STAGE: tl.constexpr):
     return lo, hi
 
 
+# ------------------------------------------------------------------------------------------------ packed sequences
+
+
+@device_fn
+def _sequence(CU_Q, CU_K, seq, off):
+    """(first query row, first key row, n, m, query offset) of sequence ``seq`` of a packed batch (B = 1): its rows
+    from the cumulative lengths, its queries at the end of its keys (``off + m - n``)."""
+    q0 = tl.load(CU_Q + seq).to(tl.int64)
+    k0 = tl.load(CU_K + seq).to(tl.int64)
+    n = (tl.load(CU_Q + seq + 1) - q0).to(tl.int32)
+    m = (tl.load(CU_K + seq + 1) - k0).to(tl.int32)
+    return q0, k0, n, m, off + m - n
+
+
 # --------------------------------------------------------------------------------------------------- table scores
 
 
@@ -321,9 +340,6 @@ def _table_scores_kernel(X, T, S,
     s = dot(x, tT, PREC)
     _store_2d(S + offs_n[:, None] * stride_sn + offs_r[None, :], s.to(S.dtype.element_ty), offs_n, offs_r, N, R,
               False, False)
-
-
-# -------------------------------------------------------------------------------------------------------- forward
 
 
 # -------------------------------------------------------------------------------------------------------- forward
@@ -368,7 +384,7 @@ def _fwd_inner(acc, l_i, m_i, left, right, q, start_m, start, end, K, V, terms, 
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE,
+def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE, CU_Q, CU_K,
                 stride_qb, stride_qh, stride_qn, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
@@ -382,27 +398,36 @@ def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
                 CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-                PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr):
+                PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr, VARLEN: tl.constexpr):
     """Per (query tile, batch * head, split of the keys): out and lse of the split's keys. One split: the
     attention's out and lse. Several (decoding: too few query tiles to fill the GPU): each split's normalised out
     and lse at split strides stride_os and stride_ls, merged by the launcher. QA: the rows' table scores; KA: the
-    keys' (head ``h // KA_GROUP``); BINS: scratch (B, H, N, 2K+1) for the band's scores."""
+    keys' (head ``h // KA_GROUP``); BINS: scratch (B, H, N, 2K+1) for the band's scores. VARLEN: a packed batch
+    (B = 1) whose "batch entries" are the sequences of CU_Q, CU_K (:func:`_sequence`); N, M the longest lengths;
+    the programs past their sequence's end exit."""
     C: tl.constexpr = Meta(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
                            BAND_SPLIT=BAND_SPLIT, HAS_RK=HAS_RK, HAS_RQ=HAS_RQ, HAS_RV=HAS_RV, HAS_MASK=HAS_MASK,
                            CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PREC=PREC, ACC=ACC)
-    size = Sizes(N=N, M=M, D=D, DV=DV, MAX_REL=MAX_REL, off=off)
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     split = tl.program_id(2)
     off_b = (off_bh // H).to(tl.int64)
+    q0 = 0
+    k0 = 0
+    if VARLEN:  # a packed batch: entry off_b is a sequence of the one batch entry, from its rows q0 and keys k0 on
+        q0, k0, N, M, off = _sequence(CU_Q, CU_K, off_b, off)
+        off_b = 0
+        if start_m >= N:  # past this sequence's queries
+            return
+    size = Sizes(N=N, M=M, D=D, DV=DV, MAX_REL=MAX_REL, off=off)
     off_h = (off_bh % H).to(tl.int64)
     off_hkv = off_h // GROUP
-    Q += off_b * stride_qb + off_h * stride_qh
-    K += off_b * stride_kb + off_hkv * stride_kh
-    V += off_b * stride_vb + off_hkv * stride_vh
-    QA += off_b * stride_sb + off_h * stride_sh
-    KA += off_b * stride_kab + (off_h // KA_GROUP) * stride_kah
-    BINS += off_b * stride_sb + off_h * stride_sh
+    Q += off_b * stride_qb + off_h * stride_qh + q0 * stride_qn
+    K += off_b * stride_kb + off_hkv * stride_kh + k0 * stride_kn
+    V += off_b * stride_vb + off_hkv * stride_vh + k0 * stride_vn
+    QA += off_b * stride_sb + off_h * stride_sh + q0 * stride_sn
+    KA += off_b * stride_kab + (off_h // KA_GROUP) * stride_kah + k0 * stride_kan
+    BINS += off_b * stride_sb + off_h * stride_sh + q0 * stride_sn
     RV += off_h * stride_rvh
     MASK += off_b * stride_mb + off_h * stride_mh
     keys = Mat(ptr=K, stride_n=stride_kn, stride_d=stride_kd)
@@ -460,8 +485,8 @@ def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE,
     denom = tl.where(seen, l_i, 1.0)
     out = acc / denom[:, None]
     lse = tl.where(seen, (m_safe + tl.log2(denom)) * LN2, float("-inf"))
-    OUT += split * stride_os + off_b * stride_ob + off_h * stride_oh
-    LSE += split * stride_ls + off_b * stride_lb + off_h * stride_lh
+    OUT += split * stride_os + off_b * stride_ob + off_h * stride_oh + q0 * stride_on
+    LSE += split * stride_ls + off_b * stride_lb + off_h * stride_lh + q0 * stride_ln
     _store_2d(OUT + offs_m[:, None] * stride_on + offs_dv[None, :] * stride_od, cast(out, OUT.dtype.element_ty),
               offs_m, offs_dv, N, DV, EVEN_M, EVEN_D)
     _store_rows(LSE + offs_m * stride_ln, lse, offs_m, N, EVEN_M)
@@ -517,7 +542,7 @@ def _dkdv_inner(dk, dv, k_left, k_right, kT, vT, start_n, Q, DO, stats, terms, K
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, QA, KA, DOA, MASK, DO, LSE, DELTA, DK, DV_, KB,
+def _dkdv_kernel(Q, K, V, QA, KA, DOA, MASK, DO, LSE, DELTA, DK, DV_, KB, CU_Q, CU_K,
                  stride_qb, stride_qh, stride_qn, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
                  stride_vb, stride_vh, stride_vn, stride_vd,
@@ -531,21 +556,29 @@ def _dkdv_kernel(Q, K, V, QA, KA, DOA, MASK, DO, LSE, DELTA, DK, DV_, KB,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                  HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
                  CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-                 PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr):
+                 PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr, VARLEN: tl.constexpr):
     """Per (key tile, batch * key/value head): dk = scale dS^T q and dv = P^T dO, summed over the group's query
     heads in order (DK, DV_ laid out like k, v). HAS_RQ: KA, the keys' table scores (head ``h // KA_GROUP``), and
     KB (B, H, M, 2K+1), each query head's dS per (key, table row), every bin of this program's keys written once
-    (zeros where no pair falls are the launcher's)."""
+    (zeros where no pair falls are the launcher's). VARLEN: as the forward's, the programs past their sequence's
+    keys exit."""
     C: tl.constexpr = Meta(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
                            BAND_SPLIT=BAND_SPLIT, HAS_RK=HAS_RK, HAS_RQ=HAS_RQ, HAS_RV=HAS_RV, HAS_MASK=HAS_MASK,
                            CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PREC=PREC, ACC=ACC)
-    size = Sizes(N=N, M=M, D=D, DV=DV, MAX_REL=MAX_REL, off=off)
     start_n = tl.program_id(0) * BLOCK_N
     off_bh = tl.program_id(1)
     off_b = (off_bh // H_KV).to(tl.int64)
+    q0 = 0
+    k0 = 0
+    if VARLEN:  # as the forward's
+        q0, k0, N, M, off = _sequence(CU_Q, CU_K, off_b, off)
+        off_b = 0
+        if start_n >= M:  # past this sequence's keys
+            return
+    size = Sizes(N=N, M=M, D=D, DV=DV, MAX_REL=MAX_REL, off=off)
     off_hkv = (off_bh % H_KV).to(tl.int64)
-    K += off_b * stride_kb + off_hkv * stride_kh
-    V += off_b * stride_vb + off_hkv * stride_vh
+    K += off_b * stride_kb + off_hkv * stride_kh + k0 * stride_kn
+    V += off_b * stride_vb + off_hkv * stride_vh + k0 * stride_vn
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
@@ -559,16 +592,19 @@ def _dkdv_kernel(Q, K, V, QA, KA, DOA, MASK, DO, LSE, DELTA, DK, DV_, KB,
     # pair reads table row 2K (the keys right of their band), the band, rows whose every pair reads row 0
     for g in range(0, GROUP):
         off_h = off_hkv * GROUP + g
-        queries = Mat(ptr=Q + off_b * stride_qb + off_h * stride_qh, stride_n=stride_qn, stride_d=stride_qd)
-        grads = Mat(ptr=DO + off_b * stride_dob + off_h * stride_doh, stride_n=stride_don, stride_d=stride_dod)
-        stats = Stats(LSE=LSE + off_b * stride_lb + off_h * stride_lh,
-                      DELTA=DELTA + off_b * stride_lb + off_h * stride_lh, stride_n=stride_ln)
-        terms = Terms(QA=Table(ptr=QA + off_b * stride_sb + off_h * stride_sh, stride_n=stride_sn),
-                      KA=Table(ptr=KA + off_b * stride_kab + (off_h // KA_GROUP) * stride_kah, stride_n=stride_kan),
-                      DOA=Table(ptr=DOA + off_b * stride_sb + off_h * stride_sh, stride_n=stride_sn),
+        queries = Mat(ptr=Q + off_b * stride_qb + off_h * stride_qh + q0 * stride_qn, stride_n=stride_qn,
+                      stride_d=stride_qd)
+        grads = Mat(ptr=DO + off_b * stride_dob + off_h * stride_doh + q0 * stride_don, stride_n=stride_don,
+                    stride_d=stride_dod)
+        stats = Stats(LSE=LSE + off_b * stride_lb + off_h * stride_lh + q0 * stride_ln,
+                      DELTA=DELTA + off_b * stride_lb + off_h * stride_lh + q0 * stride_ln, stride_n=stride_ln)
+        terms = Terms(QA=Table(ptr=QA + off_b * stride_sb + off_h * stride_sh + q0 * stride_sn, stride_n=stride_sn),
+                      KA=Table(ptr=KA + off_b * stride_kab + (off_h // KA_GROUP) * stride_kah + k0 * stride_kan,
+                               stride_n=stride_kan),
+                      DOA=Table(ptr=DOA + off_b * stride_sb + off_h * stride_sh + q0 * stride_sn, stride_n=stride_sn),
                       MASK=Mask(ptr=MASK + off_b * stride_mb + off_h * stride_mh, stride_n=stride_mn,
                                 stride_m=stride_mm), qk_scale=qk_scale)
-        key_bins = Table(ptr=KB + off_b * stride_kbb + off_h * stride_kbh, stride_n=stride_kbn)
+        key_bins = Table(ptr=KB + off_b * stride_kbb + off_h * stride_kbh + k0 * stride_kbn, stride_n=stride_kbn)
         k_left = tl.zeros((BLOCK_N,), ACC)
         k_right = tl.zeros((BLOCK_N,), ACC)
         if not CAUSAL:  # causal rows never see keys right of their band
@@ -581,8 +617,8 @@ def _dkdv_kernel(Q, K, V, QA, KA, DOA, MASK, DO, LSE, DELTA, DK, DV_, KB,
         if HAS_RQ:
             _store_edges(key_bins, k_left, k_right, offs_n, M, MAX_REL, EVEN_N)
 
-    DK += off_b * stride_kb + off_hkv * stride_kh
-    DV_ += off_b * stride_vb + off_hkv * stride_vh
+    DK += off_b * stride_kb + off_hkv * stride_kh + k0 * stride_kn
+    DV_ += off_b * stride_vb + off_hkv * stride_vh + k0 * stride_vn
     _store_2d(DK + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, cast(dk * scale, DK.dtype.element_ty),
               offs_n, offs_d, M, D, EVEN_N, EVEN_D)
     _store_2d(DV_ + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, cast(dv, DV_.dtype.element_ty),
@@ -622,7 +658,7 @@ def _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, start_m,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB,
+def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB, CU_Q, CU_K,
                stride_qb, stride_qh, stride_qn, stride_qd,
                stride_kb, stride_kh, stride_kn, stride_kd,
                stride_vb, stride_vh, stride_vn, stride_vd,
@@ -636,29 +672,37 @@ def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
                CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-               PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr, KEY_TABLE_DQ: tl.constexpr):
+               PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr, KEY_TABLE_DQ: tl.constexpr,
+               VARLEN: tl.constexpr):
     """Per (query tile, batch * head): dq = scale (dS k + sum_t SB_it a^K_t), and the per-row bins of P (PB) and
     dS (SB) per table row (zeros where no pair falls), from which the launcher forms the table gradients.
     KEY_TABLE_DQ False (position queries q_pos read the key table): dq = scale dS k only, the launcher forms the
-    key table's share, the gradient of q_pos, from SB."""
+    key table's share, the gradient of q_pos, from SB. VARLEN: as the forward's."""
     C: tl.constexpr = Meta(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
                            BAND_SPLIT=BAND_SPLIT, HAS_RK=HAS_RK, HAS_RQ=HAS_RQ, HAS_RV=HAS_RV, HAS_MASK=HAS_MASK,
                            CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PREC=PREC, ACC=ACC)
-    size = Sizes(N=N, M=M, D=D, DV=DV, MAX_REL=MAX_REL, off=off)
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
+    q0 = 0
+    k0 = 0
+    if VARLEN:  # a packed batch: entry off_b is a sequence of the one batch entry, from its rows q0 and keys k0 on
+        q0, k0, N, M, off = _sequence(CU_Q, CU_K, off_b, off)
+        off_b = 0
+        if start_m >= N:  # past this sequence's queries
+            return
+    size = Sizes(N=N, M=M, D=D, DV=DV, MAX_REL=MAX_REL, off=off)
     off_h = (off_bh % H).to(tl.int64)
     off_hkv = off_h // GROUP
-    Q += off_b * stride_qb + off_h * stride_qh
-    DO += off_b * stride_dob + off_h * stride_doh
-    K += off_b * stride_kb + off_hkv * stride_kh
-    V += off_b * stride_vb + off_hkv * stride_vh
-    QA += off_b * stride_sb + off_h * stride_sh
-    KA += off_b * stride_kab + (off_h // KA_GROUP) * stride_kah
-    DOA += off_b * stride_sb + off_h * stride_sh
-    PB += off_b * stride_sb + off_h * stride_sh
-    SB += off_b * stride_sb + off_h * stride_sh
+    Q += off_b * stride_qb + off_h * stride_qh + q0 * stride_qn
+    DO += off_b * stride_dob + off_h * stride_doh + q0 * stride_don
+    K += off_b * stride_kb + off_hkv * stride_kh + k0 * stride_kn
+    V += off_b * stride_vb + off_hkv * stride_vh + k0 * stride_vn
+    QA += off_b * stride_sb + off_h * stride_sh + q0 * stride_sn
+    KA += off_b * stride_kab + (off_h // KA_GROUP) * stride_kah + k0 * stride_kan
+    DOA += off_b * stride_sb + off_h * stride_sh + q0 * stride_sn
+    PB += off_b * stride_sb + off_h * stride_sh + q0 * stride_sn
+    SB += off_b * stride_sb + off_h * stride_sh + q0 * stride_sn
     RK += off_h * stride_rkh
     MASK += off_b * stride_mb + off_h * stride_mh
     keys = Mat(ptr=K, stride_n=stride_kn, stride_d=stride_kd)
@@ -673,9 +717,9 @@ def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB,
     q = _load_2d(Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, offs_m, offs_d, N, D, EVEN_M, EVEN_D)
     do = _load_2d(DO + offs_m[:, None] * stride_don + offs_dv[None, :] * stride_dod, offs_m, offs_dv, N, DV, EVEN_M,
                   EVEN_D)
-    lse2 = _load_rows(LSE + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ln, offs_m, N, float("inf"),
-                      EVEN_M) * LOG2E
-    delta = _load_rows(DELTA + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ln, offs_m, N, 0.0, EVEN_M)
+    rows = off_b * stride_lb + off_h * stride_lh + q0 * stride_ln
+    lse2 = _load_rows(LSE + rows + offs_m * stride_ln, offs_m, N, float("inf"), EVEN_M) * LOG2E
+    delta = _load_rows(DELTA + rows + offs_m * stride_ln, offs_m, N, 0.0, EVEN_M)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), ACC)
     p_left = tl.zeros((BLOCK_M,), ACC)
     p_right = tl.zeros((BLOCK_M,), ACC)
@@ -708,6 +752,6 @@ def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB,
             a = _load_2d(RK + offs_t[:, None] * stride_rkr + offs_d[None, :] * stride_rkd, offs_t, offs_d,
                          2 * MAX_REL + 1, D, False, EVEN_D)
             dq += dot(cast(ds, a.dtype), a, PREC)
-    DQ += off_b * stride_qb + off_h * stride_qh
+    DQ += off_b * stride_qb + off_h * stride_qh + q0 * stride_qn
     _store_2d(DQ + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, cast(dq * scale, DQ.dtype.element_ty),
               offs_m, offs_d, N, D, EVEN_M, EVEN_D)

@@ -11,7 +11,9 @@ query tile for dq, sharing one tile body); the table gradients come from per-row
 each by the dq kernel, and (rel_q) per-key bins of dS, written once each by the dk/dv kernel, reduced by torch in
 a fixed order: no atomics, two backward passes are bitwise equal. k and v may have fewer heads than q
 (grouped-query attention): query head ``h`` reads key/value head ``h // (H // Hkv)``, and dk, dv of a key/value
-head are summed over its group by one program, in order.
+head are summed over its group by one program, in order. A packed batch (``cu_seqlens``: :func:`varlen_forward`,
+:func:`varlen_backward`) runs in the same kernels, one launch each for the whole batch, with the constexpr ``VARLEN``:
+each program reads its sequence's rows and lengths from the cumulative lengths.
 
 Serves CUDA tensors on the GPUs of ``CUDA_ARCHS`` (sm_80 and newer) when ``triton`` is importable; while
 ``TRITON_INTERPRET=1`` is in the environment (read when a call or a construction asks; Triton itself reads it when
@@ -38,6 +40,7 @@ from torch import Tensor
 
 from ._common import (
     LOW_PRECISION,
+    AttentionCall,
     Backend,
     Serves,
     StatsOps,
@@ -73,6 +76,17 @@ GQA_RQ_CONFIGS = {("dkdv", 80, 64): (64, 32, 8, 1, 2), ("dkdv", 90, 64): (32, 64
 # One arch's own entries where the table it takes (TABLE_OF_ARCH) spills there: the forward at D = 128 without a
 # causal mask on sm_100a (144 bytes at 128 x 64, Triton 3.9) and sm_120 (16 bytes); 0 at 64 x 64 on both.
 ARCH_CONFIGS = {("fwd", 100, 128): (64, 64, 8, 2, 2), ("fwd", 120, 128): (64, 64, 8, 2, 2)}
+# Packed launches (VARLEN: every tile masked at its sequence's end) where the entries above spill: their own, by
+# table (TABLE_OF_ARCH) or, first, by the GPU's own arch (the forward at D = 128 on sm_100a and sm_120). The entries
+# they replace spill 8 to 40 bytes on sm_80, 28 on sm_120 (Triton 3.9); with rel_q 8 on sm_80, 24 on sm_90a, 100
+# on sm_90a with grouped k/v, 24 to 132 in dq on sm_120 (3.9); 8 to 16 in the forward and dq on sm_80, sm_86, sm_89,
+# 16 in dkdv on sm_90a at D = 128, 8 to 24 in dq and 32 in the forward on sm_100a (3.6). These compile without
+# spills under both (benchmarks/triton_compile.py).
+VARLEN_CONFIGS = {("fwd", 80, 128): (64, 64, 8, 2, 4), ("fwd", 100, 128): (64, 64, 8, 1, 2),
+                  ("fwd", 120, 128): (64, 64, 8, 1, 2), ("dkdv", 80, 128): (32, 64, 8, 1, 2),
+                  ("dkdv", 90, 128): (32, 64, 8, 1, 2)}
+VARLEN_RQ_CONFIGS = {("fwd", 80, 64): (64, 64, 8, 2, 4), ("fwd", 90, 64): (128, 64, 8, 2, 2),
+                     ("dkdv", 90, 64): (32, 64, 8, 1, 2), ("dq", 80, 64): (64, 32, 8, 1, 2)}
 # Which table each served arch uses. The A100's (at most 64 KB of shared memory per launch) fits the 99 KB of
 # sm_86, sm_89 and sm_120; sm_100 (B200) takes it too. sm_100 and sm_120 have their own forward at D = 128
 # (ARCH_CONFIGS). Each pairing
@@ -171,16 +185,19 @@ def _sm_count(device: torch.device) -> int:
 
 
 def config(kernel: str, dtype: torch.dtype, head_dim: int, arch: int | None, rel_q: bool = False,
-           grouped: bool = False) -> tuple[int, int, int, int, int]:
+           grouped: bool = False, varlen: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, BAND_SPLIT) of ``kernel`` ("fwd", "dkdv", "dq") for a padded head
-    dim on a GPU of compute capability ``arch`` (None: interpreted), with or without the ``rel_q`` term and grouped
-    k/v heads."""
+    dim on a GPU of compute capability ``arch`` (None: interpreted), with or without the ``rel_q`` term, grouped
+    k/v heads, a packed batch (``varlen``)."""
     if arch is None:
         return (*INTERPRETED_TILES, 4, 1, 1)
     if dtype not in LOW_PRECISION:
         return FP32_CONFIGS[kernel]
     dim = 64 if head_dim <= 64 else 128
     key = (kernel, TABLE_OF_ARCH.get(arch, 80), dim)
+    for table in (VARLEN_RQ_CONFIGS if varlen and rel_q else {}), (VARLEN_CONFIGS if varlen else {}):
+        if (kernel, arch, dim) in table or key in table:
+            return table.get((kernel, arch, dim), table.get(key))
     if rel_q and grouped and key in GQA_RQ_CONFIGS:
         return GQA_RQ_CONFIGS[key]
     if rel_q and key in RQ_CONFIGS:
@@ -188,12 +205,29 @@ def config(kernel: str, dtype: torch.dtype, head_dim: int, arch: int | None, rel
     return ARCH_CONFIGS.get((kernel, arch, dim), CONFIGS[key])
 
 
-def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None):
-    """The constexprs and launch options of one kernel for these inputs."""
-    n, m = q.shape[2], k.shape[2]
+@dataclass(frozen=True)
+class Packed:
+    """A packed batch's sequences (:class:`~relattn.backends._common.AttentionCall`): q (1, H, T, D), k, v (1, Hkv,
+    T_k, D|Dv), sequence ``s`` the query rows ``cu_q[s]:cu_q[s + 1]`` and key rows ``cu_k[s]:cu_k[s + 1]``;
+    ``max_q``, ``max_k`` the longest lengths."""
+
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+
+    @property
+    def count(self) -> int:
+        return self.cu_q.shape[0] - 1
+
+
+def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None, packed: Packed | None = None):
+    """The constexprs and launch options of one kernel for these inputs (``packed``: of a packed batch, whose
+    lengths vary by sequence: the tiles cut to the longest, every tile masked at its sequence's end)."""
+    n, m = (q.shape[2], k.shape[2]) if packed is None else (packed.max_q, packed.max_k)
     dp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
     bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device), rel_q is not None,
-                                          k.shape[1] != q.shape[1])
+                                          k.shape[1] != q.shape[1], packed is not None)
     settings = SETTINGS.current
     override = settings.fwd_tiles if kernel == "fwd" else settings.bwd_tiles
     if override is not None:
@@ -205,7 +239,8 @@ def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None):
     return dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=dp, HEAD_DIM_V=dvp,
                 HAS_RK=rel_k is not None, HAS_RQ=rel_q is not None, HAS_RV=rel_v is not None,
                 HAS_MASK=_mask_kind(q, k, mask), CAUSAL=is_causal,
-                EVEN_M=n % bm == 0, EVEN_N=m % bn == 0, EVEN_D=(dp == q.shape[-1] and dvp == v.shape[-1]),
+                EVEN_M=packed is None and n % bm == 0, EVEN_N=packed is None and m % bn == 0,
+                EVEN_D=(dp == q.shape[-1] and dvp == v.shape[-1]), VARLEN=packed is not None,
                 PREC="ieee" if q.dtype not in LOW_PRECISION else "tf32",
                 ACC=kern.tl.float64 if q.dtype == torch.float64 else kern.tl.float32,
                 BAND_SPLIT=split, num_warps=warps, num_stages=stages)
@@ -300,11 +335,15 @@ def _key_table_grads(kb: Tensor, k: Tensor, rel_q: Tensor, scale: float) -> tupl
     return dk, (grad * scale).to(rel_q.dtype)
 
 
-def _common_args(q, k, v, max_relative_position, query_offset, scale) -> dict:
+def _common_args(q, k, v, max_relative_position, query_offset, scale, packed: Packed | None) -> dict:
+    """What every attention kernel takes: strides, sizes (a packed batch's: the longest lengths, and its cumulative
+    lengths), the query offset and the scale in log2 units."""
     b, h, n, d = q.shape
+    n, m = (n, k.shape[2]) if packed is None else (packed.max_q, packed.max_k)
     return dict(**_strides("q", q, "bhnd"), **_strides("k", k, "bhnd"), **_strides("v", v, "bhnd"),
-                GROUP=h // k.shape[1], N=n, M=k.shape[2], D=d, DV=v.shape[3], MAX_REL=max_relative_position,
-                off=query_offset, qk_scale=scale * LOG2E)
+                GROUP=h // k.shape[1], N=n, M=m, D=d, DV=v.shape[3], MAX_REL=max_relative_position,
+                off=query_offset, qk_scale=scale * LOG2E,
+                CU_Q=q if packed is None else packed.cu_q, CU_K=q if packed is None else packed.cu_k)
 
 
 def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
@@ -312,17 +351,41 @@ def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causa
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros and lse -inf.
     k, v: (B, Hkv, M, D|Dv) with H % Hkv == 0; rel_q: the position-to-content table (Hr, 2K+1, D) or None; q_pos:
     the queries the key table reads (q's shape; None: q)."""
+    return _forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position, is_causal=is_causal,
+                    scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos)
+
+
+def varlen_forward(q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, *, max_relative_position: int,
+                   is_causal: bool, scale: float, query_offset: int, max_seqlen_q: int, max_seqlen_k: int, rel_q=None,
+                   q_pos=None) -> tuple[Tensor, Tensor]:
+    """A packed batch's (out (1,H,T,Dv), laid out as the packed (T, H, Dv), lse (1,H,T)): q (1,H,T,D), k, v
+    (1,Hkv,T_k,D|Dv), sequence ``s`` its rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` and keys likewise, each the
+    dense call with ``query_offset + m_s - n_s`` (:class:`~relattn.backends._common.AttentionCall`); one launch of
+    each kernel for the whole batch, its programs over (query tile of the longest sequence, sequence * head)."""
+    if mask is not None:
+        raise ValueError("triton varlen_forward: a packed call takes no mask")
+    return _forward(q, k, v, rel_k, rel_v, None, max_relative_position=max_relative_position, is_causal=is_causal,
+                    scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos,
+                    packed=Packed(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k))
+
+
+def _forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
+             query_offset: int, rel_q=None, q_pos=None, packed: Packed | None = None) -> tuple[Tensor, Tensor]:
     b, h, n, _ = q.shape
     m, dv, kk = k.shape[2], v.shape[3], max_relative_position
     sdt = stats_dtype(q.dtype)
     if b * h * n == 0:
         return q.new_zeros(b, h, n, dv), q.new_full((b, h, n), float("-inf"), dtype=sdt)
-    meta = _meta("fwd", q, k, v, rel_k, rel_v, mask, is_causal, rel_q)
-    q_tiles = math.ceil(n / meta["BLOCK_M"])
-    splits = kv_splits(q_tiles, b * h, m, meta["BLOCK_N"], q.device)
-    split_len = math.ceil(math.ceil(max(m, 1) / splits) / meta["BLOCK_N"]) * meta["BLOCK_N"]
-    splits = max(1, math.ceil(m / split_len))
-    if splits == 1:
+    meta = _meta("fwd", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed)
+    # programs: (query tile, batch entry * head, split of the keys); a packed batch's entries are its sequences
+    rows_n, rows_m, entries = (n, m, b) if packed is None else (packed.max_q, packed.max_k, packed.count)
+    q_tiles = math.ceil(rows_n / meta["BLOCK_M"])
+    splits = kv_splits(q_tiles, entries * h, rows_m, meta["BLOCK_N"], q.device)
+    split_len = math.ceil(math.ceil(max(rows_m, 1) / splits) / meta["BLOCK_N"]) * meta["BLOCK_N"]
+    splits = max(1, math.ceil(rows_m / split_len))
+    if splits == 1 and packed is not None:  # laid out as the packed (T, H, Dv): the op's view back is free
+        out, lse = q.new_empty(1, 1, n, h, dv).transpose(2, 3), q.new_empty(1, b, h, n, dtype=sdt)
+    elif splits == 1:
         out, lse = q.new_empty(1, b, h, n, dv), q.new_empty(1, b, h, n, dtype=sdt)
     else:  # each split's normalised output, in the statistics' dtype, merged below
         out, lse = q.new_empty(splits, b, h, n, dv, dtype=sdt), q.new_empty(splits, b, h, n, dtype=sdt)
@@ -330,12 +393,13 @@ def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causa
     ka, ka_group = key_scores(k, rel_q, h, sdt)
     bins = q.new_empty(b, h, n, 2 * kk + 1, dtype=sdt) if rel_v is not None else None
     scratch = qa if qa is not None else bins
-    _launch(_kernels()._fwd_kernel, (q_tiles, b * h, splits),
+    _launch(_kernels()._fwd_kernel, (q_tiles, entries * h, splits),
             Q=q, K=k, V=v, QA=q if qa is None else qa, KA=q if ka is None else ka, RV=q if rel_v is None else rel_v,
             **_mask_args(q, k, mask), BINS=q if bins is None else bins, OUT=out, LSE=lse,
             **_strides("s", scratch, "bhn"), **_strides("ka", ka, "bhn"), **_table_strides("rv", rel_v),
             **_strides("o", out, "sbhnd"), **_strides("l", lse, "sbhn"),
-            **_common_args(q, k, v, kk, query_offset, scale), H=h, KA_GROUP=ka_group, split_len=split_len, **meta)
+            **_common_args(q, k, v, kk, query_offset, scale, packed), H=h, KA_GROUP=ka_group, split_len=split_len,
+            **meta)
     if splits == 1:
         return out[0], lse[0]
     total = torch.logsumexp(lse, 0)  # fixed order: deterministic
@@ -357,9 +421,36 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     """(dq, dk, dv, d_rel_k | None, d_rel_v | None), d_rel_q when rel_q is given, and (with q_pos) d_rel_q | None
     and d_q_pos, in their inputs' dtypes; dq, dk, dv contiguous; dk, dv of a key/value head summed over its group of
     query heads. With q_pos, dq is the content term's share and d_q_pos the key table's, ``scale * SB a^K``."""
+    return _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position=max_relative_position,
+                     is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos)
+
+
+def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, out, lse, *,
+                    max_relative_position: int, is_causal: bool, scale: float, query_offset: int, max_seqlen_q: int,
+                    max_seqlen_k: int, rel_q=None, q_pos=None) -> tuple[Tensor, ...]:
+    """The gradients of :func:`varlen_forward`, as :func:`backward`'s (dq, dk, dv laid out as q, k, v: the packed
+    layout); one launch of each kernel for the whole batch."""
+    if mask is not None:
+        raise ValueError("triton varlen_backward: a packed call takes no mask")
+    return _backward(grad_out, q, k, v, rel_k, rel_v, None, out, lse, max_relative_position=max_relative_position,
+                     is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos,
+                     packed=Packed(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k))
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``t`` as it is when its rows are contiguous (a packed batch's (1, H, T, D) view), else contiguous."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
+              scale: float, query_offset: int, rel_q=None, q_pos=None,
+              packed: Packed | None = None) -> tuple[Tensor, ...]:
     b, h, n, _ = q.shape
     hkv, m, kk = k.shape[1], k.shape[2], max_relative_position
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if packed is None:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    else:  # the packed layout kept (the gradients' too: zeros_like keeps it)
+        q, k, v = _rows(q), _rows(k), _rows(v)
     sdt = stats_dtype(q.dtype)
     # with rel_q, dk is kept in the statistics' dtype until the table's share is added
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k, dtype=k.dtype if rel_q is None else sdt), torch.zeros_like(v)
@@ -370,7 +461,8 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
         more = (None if rel_q is None else more[0], torch.zeros_like(q_pos))
     if b * h == 0 or n == 0 or m == 0:
         return dq, dk.to(k.dtype), dv, d_rel_k, d_rel_v, *more
-    grad_out = grad_out.to(q.dtype).contiguous()
+    grad_out = grad_out.to(q.dtype)
+    grad_out = grad_out.contiguous() if packed is None else _rows(grad_out)
     delta = (grad_out.to(sdt) * out.to(sdt)).sum(-1)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse).contiguous()  # empty rows: P = 0
     reader = q if q_pos is None else q_pos.contiguous()  # the queries the key table reads
@@ -386,13 +478,17 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     args = dict(Q=q, K=k, V=v, QA=q if qa is None else qa, KA=q if ka is None else ka,
                 DOA=q if doa is None else doa, **_mask_args(q, k, mask), DO=grad_out, LSE=lse, DELTA=delta,
                 **_strides("s", scratch, "bhn"), **_strides("ka", ka, "bhn"), **_strides("do", grad_out, "bhnd"),
-                **_strides("l", lse, "bhn"), **_common_args(q, k, v, kk, query_offset, scale), KA_GROUP=ka_group,
-                scale=scale)
-    meta = _meta("dkdv", q, k, v, rel_k, rel_v, mask, is_causal, rel_q)
-    _launch(_kernels()._dkdv_kernel, (math.ceil(m / meta["BLOCK_N"]), b * hkv), DK=dk, DV_=dv,
+                **_strides("l", lse, "bhn"), **_common_args(q, k, v, kk, query_offset, scale, packed),
+                KA_GROUP=ka_group, scale=scale)
+    # programs: (key tile, batch entry * key/value head) and (query tile, batch entry * head); a packed batch's
+    # entries are its sequences
+    rows_n, rows_m, entries = (n, m, b) if packed is None else (packed.max_q, packed.max_k, packed.count)
+    meta = _meta("dkdv", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed)
+    _launch(_kernels()._dkdv_kernel, (math.ceil(rows_m / meta["BLOCK_N"]), entries * hkv), DK=dk, DV_=dv,
             KB=q if kb is None else kb, **_strides("kb", kb, "bhn"), H_KV=hkv, **args, **meta)
-    meta = _meta("dq", q, k, v, rel_k, rel_v, mask, is_causal, rel_q)
-    _launch(_kernels()._dq_kernel, (math.ceil(n / meta["BLOCK_M"]), b * h), DQ=dq, RK=q if rel_k is None else rel_k,
+    meta = _meta("dq", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed)
+    _launch(_kernels()._dq_kernel, (math.ceil(rows_n / meta["BLOCK_M"]), entries * h), DQ=dq,
+            RK=q if rel_k is None else rel_k,
             PB=q if pb is None else pb, SB=q if sb is None else sb, H=h, **_table_strides("rk", rel_k), **args,
             KEY_TABLE_DQ=rel_k is not None and q_pos is None, **meta)
     if rel_k is not None:
@@ -411,6 +507,12 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
 
 # relattn::triton_fwd / relattn::triton_bwd, the eager path and the ring's pair calls: see _common.StatsOps.
 OPS = StatsOps("triton", forward, backward)
+VARLEN_OPS = StatsOps("triton_varlen", varlen_forward, varlen_backward, varlen=True)
+
+
+def run(call: AttentionCall) -> Tensor:
+    """A call's output: a packed one (``cu_seqlens_q``) whole, by :data:`VARLEN_OPS`."""
+    return (VARLEN_OPS if call.cu_seqlens_q is not None else OPS).run(call)
 
 
 def interpreted() -> bool:
@@ -421,7 +523,7 @@ def interpreted() -> bool:
 _DECLARATIONS = {interpret: Serves(devices=frozenset({"cuda", "cpu"} if interpret else {"cuda"}),
                                    cuda_archs=CUDA_ARCHS, max_head_dim=MAX_HEAD_DIM, grouped_kv=True,
                                    pos_to_content=True, position_query=True,
-                                   chunk_pairs=True) for interpret in (False, True)}
+                                   chunk_pairs=True, varlen=True) for interpret in (False, True)}
 
 
 def serves() -> Serves:
@@ -430,7 +532,7 @@ def serves() -> Serves:
     return _DECLARATIONS[interpreted()]
 
 
-BACKEND = Backend("triton", OPS.run, serves,
+BACKEND = Backend("triton", run, serves,
                   "Triton flash kernels: key loops in three stages (left of the band, band, right), the key term "
                   "gathered from q a^K^T, the position-to-content term (rel_q) from k a^Q^T, the value term as "
                   "per-row bins times a^V (the CPU only under TRITON_INTERPRET=1)",
