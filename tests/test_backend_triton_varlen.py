@@ -75,7 +75,7 @@ def _varlen(x, lengths, kk, *, causal, dtype, device=DEVICE, position_query=True
                          is_causal=causal, dropout_p=0.0, scale=scale, query_offset=query_offset, rel_q=y["rel_q"],
                          q_pos=q_pos, cu_seqlens_q=cq, cu_seqlens_k=ck,
                          max_seqlen_q=max(n for n, _ in lengths), max_seqlen_k=max(m for _, m in lengths))
-    out = tb.BACKEND.run(call)[0].transpose(0, 1)
+    out = tb.BACKEND.packed.run(call)[0].transpose(0, 1)
     leaves = [t for n, t in y.items() if t is not None and (position_query or n != "position_bias")]
     got = iter(torch.autograd.grad(out, leaves, x["go"].to(device, dtype), allow_unused=True))
     return out, {n: next(got) if t is not None and (position_query or n != "position_bias") else None
@@ -191,7 +191,7 @@ def test_keys_split_across_programs(kernel_settings):
 
 def test_backend_declares_and_dispatches_packed_calls():
     assert tb.serves().varlen and tb.VARLEN_OPS.varlen and tb.VARLEN_OPS.name == "triton_varlen"
-    assert tb.BACKEND.run is tb.run
+    assert tb.BACKEND.run == tb.OPS.run and tb.BACKEND.packed is tb.VARLEN_OPS
 
 
 @needs_kernels

@@ -40,7 +40,6 @@ from torch import Tensor
 
 from ._common import (
     LOW_PRECISION,
-    AttentionCall,
     Backend,
     Serves,
     StatsOps,
@@ -505,14 +504,10 @@ def _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_p
     return dq, (dk + dk_q).to(k.dtype), dv, d_rel_k, d_rel_v, d_rel_q, *d_q_pos
 
 
-# relattn::triton_fwd / relattn::triton_bwd, the eager path and the ring's pair calls: see _common.StatsOps.
+# relattn::triton_fwd / relattn::triton_bwd, the eager path and the ring's pair calls, and relattn::triton_varlen_fwd /
+# _bwd for packed calls (Backend.packed): see _common.StatsOps.
 OPS = StatsOps("triton", forward, backward)
 VARLEN_OPS = StatsOps("triton_varlen", varlen_forward, varlen_backward, varlen=True)
-
-
-def run(call: AttentionCall) -> Tensor:
-    """A call's output: a packed one (``cu_seqlens_q``) whole, by :data:`VARLEN_OPS`."""
-    return (VARLEN_OPS if call.cu_seqlens_q is not None else OPS).run(call)
 
 
 def interpreted() -> bool:
@@ -532,8 +527,8 @@ def serves() -> Serves:
     return _DECLARATIONS[interpreted()]
 
 
-BACKEND = Backend("triton", run, serves,
+BACKEND = Backend("triton", OPS.run, serves,
                   "Triton flash kernels: key loops in three stages (left of the band, band, right), the key term "
                   "gathered from q a^K^T, the position-to-content term (rel_q) from k a^Q^T, the value term as "
                   "per-row bins times a^V (the CPU only under TRITON_INTERPRET=1)",
-                  unavailable=unavailable, stats=OPS)
+                  unavailable=unavailable, stats=OPS, packed=VARLEN_OPS)
