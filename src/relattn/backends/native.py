@@ -279,6 +279,16 @@ def _tables_and_mask(rel_k, rel_v, mask, rel_q):
             None if rel_q is None else _as_float(rel_q.contiguous()))
 
 
+def _tiles(n: int, m: int, is_causal: bool, max_relative_position: int) -> tuple[int, int]:
+    """(queries per tile, keys per block) for ``n`` queries against ``m`` keys (a packed call: the longest)."""
+    return tile_q(n, is_causal, 2 * max_relative_position + 1, m), SETTINGS.current.tile_k
+
+
+def _in_dtypes(grads, inputs) -> tuple:
+    """The kernel's gradients (its compute type) in their inputs' dtypes (an absent input's left as it is)."""
+    return tuple(g if t is None or g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, inputs, strict=True))
+
+
 def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
             query_offset: int, rel_q=None, q_pos=None):
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros, lse -inf.
@@ -291,7 +301,7 @@ def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causa
     else:  # a decoding step's path: every microsecond here is a few percent of it
         tables = (None if rel_k is None else rel_k.contiguous(), None if rel_v is None else rel_v.contiguous(), mask,
                   None if rel_q is None else rel_q.contiguous())
-    tiles = tile_q(q.shape[-2], is_causal, 2 * max_relative_position + 1, k.shape[-2]), SETTINGS.current.tile_k
+    tiles = _tiles(q.shape[-2], k.shape[-2], is_causal, max_relative_position)
     out, lse = torch.ops.relattn_native.fwd.default(q, k, v, *tables, q_pos, max_relative_position, is_causal, scale,
                                                     query_offset, *tiles)
     return (out if out.dtype == dtype else out.to(dtype)), lse
@@ -305,13 +315,11 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     _require()
     gemm16 = uses_gemm16(q.dtype)
     go, q_, k_, v_, out_, qp = _data(gemm16, grad_out, q, k, v, out, q_pos)
-    settings = SETTINGS.current
-    tiles = tile_q(q.shape[-2], is_causal, 2 * max_relative_position + 1, k.shape[-2]), settings.tile_k
+    tiles = _tiles(q.shape[-2], k.shape[-2], is_causal, max_relative_position)
     grads = torch.ops.relattn_native.bwd(go, q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), qp, out_,
                                          lse, max_relative_position, is_causal, scale, query_offset, *tiles,
-                                         settings.kv_splits)
-    return tuple(g if t is None or g.dtype == t.dtype else g.to(t.dtype)
-                 for g, t in zip(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos), strict=True))
+                                         SETTINGS.current.kv_splits)
+    return _in_dtypes(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos))
 
 
 def _no_mask(mask) -> None:
@@ -329,7 +337,7 @@ def varlen_forward(q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, *, m
     _require()
     _no_mask(mask)
     gemm16 = uses_gemm16(q.dtype)
-    tiles = tile_q(max_seqlen_q, is_causal, 2 * max_relative_position + 1, max_seqlen_k), SETTINGS.current.tile_k
+    tiles = _tiles(max_seqlen_q, max_seqlen_k, is_causal, max_relative_position)
     q_, k_, v_, qp = _data(gemm16, q, k, v, q_pos)
     rel_k, rel_v, _, rel_q = _tables_and_mask(rel_k, rel_v, None, rel_q)
     out, lse = torch.ops.relattn_native.varlen_fwd(q_, k_, v_, rel_k, rel_v, rel_q, qp, cu_seqlens_q, cu_seqlens_k,
@@ -347,14 +355,12 @@ def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seql
     _no_mask(mask)
     gemm16 = uses_gemm16(q.dtype)
     go, q_, k_, v_, out_, qp = _data(gemm16, grad_out, q, k, v, out, q_pos)
-    settings = SETTINGS.current
-    tiles = tile_q(max_seqlen_q, is_causal, 2 * max_relative_position + 1, max_seqlen_k), settings.tile_k
+    tiles = _tiles(max_seqlen_q, max_seqlen_k, is_causal, max_relative_position)
     rel_k_, rel_v_, _, rel_q_ = _tables_and_mask(rel_k, rel_v, None, rel_q)
     grads = torch.ops.relattn_native.varlen_bwd(go, q_, k_, v_, rel_k_, rel_v_, rel_q_, qp, out_, lse, cu_seqlens_q,
                                                 cu_seqlens_k, max_relative_position, is_causal, scale, query_offset,
-                                                *tiles, settings.kv_splits)
-    return tuple(g if t is None or g.dtype == t.dtype else g.to(t.dtype)
-                 for g, t in zip(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos), strict=True))
+                                                *tiles, SETTINGS.current.kv_splits)
+    return _in_dtypes(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos))
 
 
 def planned_forward(call):
