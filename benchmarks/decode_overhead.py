@@ -48,7 +48,7 @@ def case(m: int, kk: int, calls: int) -> dict:
         return run
 
     return {"relattn": loop(lambda: relative_attention(q, k, v, rk, rv, max_relative_position=kk, query_offset=m - 1)),
-            "op": loop(lambda: op(q, k, v, rk3, rv3, None, None, None, reach, False, 0.125, m - 1, *tiles)),
+            "op": loop(lambda: op(q, k, v, rk3, rv3, None, None, None, None, reach, False, 0.125, m - 1, *tiles)),
             "sdpa": loop(lambda: F.scaled_dot_product_attention(q, k, v))}
 
 

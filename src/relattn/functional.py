@@ -51,6 +51,21 @@ def _check_table(name, table, *, heads, rows, dim, like) -> torch.Tensor | None:
     return table.unsqueeze(0) if len(shape) == 2 else table
 
 
+def _check_scalar_table(table, *, heads, rows, like) -> torch.Tensor | None:
+    """``rel_bias`` checked against (rows,) or (heads, rows) and q's dtype and device; (1 | heads, rows)."""
+    if table is None:
+        return None
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"rel_bias must be a Tensor or None, got {type(table).__name__}")
+    shape = tuple(table.shape)
+    if shape not in ((rows,), (heads, rows)):
+        raise ValueError(f"rel_bias must be ({rows},) or ({heads}, {rows}): one scalar per table row ({rows} rows), "
+                         f"shared or per head (H={heads}); got {_shape(table)}")
+    if table.dtype != like.dtype or table.device != like.device:
+        _check_like("rel_bias", table, like)
+    return table.unsqueeze(0) if len(shape) == 1 else table
+
+
 def _check_like(name, t, like) -> None:
     if t.dtype != like.dtype:
         raise TypeError(f"{name} has dtype {t.dtype} but q has dtype {like.dtype}; all inputs must match")
@@ -106,7 +121,7 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
 
 def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_causal, dropout_p, scale,
              query_offset, beyond="clip", enable_gqa=False, rel_q=None, content_bias=None,
-             position_bias=None, offsets=None) -> AttentionCall:
+             position_bias=None, rel_bias=None, offsets=None) -> AttentionCall:
     """Check every argument and bring it to the canonical form backends receive (k and v keep their ``Hkv``
     heads; :func:`relative_attention` repeats them for the backends that need H).
 
@@ -134,8 +149,8 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
     device = q.device
-    q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias = _autocast(
-        [q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias], device.type)
+    q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, rel_bias = _autocast(
+        [q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, rel_bias], device.type)
     dtype = q.dtype
     if k.dtype != dtype or k.device != device:
         _check_like("k", k, q)
@@ -165,11 +180,14 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
         rows = table_rows(window)
     rel_k, rel_v, rel_q = (_check_table(name, t, heads=h, rows=rows, dim=dim, like=q) for name, t, dim in
                            (("rel_k", rel_k, d), ("rel_v", rel_v, vs[-1]), ("rel_q", rel_q, d)))
+    rel_bias = _check_scalar_table(rel_bias, heads=h, rows=rows, like=q)
     if not symmetric:
         if offsets is None:
             offsets = (-(n - 1) - query_offset, m - 1 - query_offset) if isinstance(query_offset, int) else (0, 0)
         (rel_k, kk), (rel_v, _), (rel_q, _) = (symmetric_table(t, window, beyond, offsets=offsets)
                                                for t in (rel_k, rel_v, rel_q))
+        if rel_bias is not None:
+            rel_bias = symmetric_table(rel_bias.unsqueeze(-1), window, beyond, offsets=offsets)[0][..., 0]
     mask = None if attn_mask is None else check_mask(attn_mask, target=(*qs[:-2], n, m), like=q)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
@@ -189,7 +207,7 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
         raise ValueError("position_bias is added to the queries that read the key table rel_k, and rel_k is None: "
                          "it would have no effect (pass rel_k, or no position_bias)")
     return _assemble(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, mask, kk, min(kk, reach), is_causal,
-                     float(dropout_p), float(scale), query_offset)
+                     float(dropout_p), float(scale), query_offset, rel_bias=rel_bias)
 
 
 def _canonical(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, kk, reach) -> tuple:
@@ -215,12 +233,15 @@ def _canonical(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, kk, re
 
 
 def _assemble(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, mask, kk, reach, is_causal, dropout_p, scale,
-              query_offset) -> AttentionCall:
-    """The canonical call from checked arguments (:func:`_canonical`; the mask canonical already)."""
+              query_offset, *, rel_bias=None) -> AttentionCall:
+    """The canonical call from checked arguments (:func:`_canonical`; the mask canonical already; ``rel_bias``
+    (Hr, 2K+1) narrowed as the tables are)."""
+    if rel_bias is not None and reach < kk:
+        rel_bias = rel_bias[..., kk - reach:kk + reach + 1]
     q, k, v, rel_k, rel_v, rel_q, q_pos, kk = _canonical(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias,
                                                          kk, reach)
     return AttentionCall(q, k, v, rel_k, rel_v, kk, mask, is_causal, dropout_p, scale, query_offset, rel_q=rel_q,
-                         q_pos=q_pos)
+                         q_pos=q_pos, rel_bias=rel_bias)
 
 
 def _check_bias(name, bias, *, heads, dim, like) -> torch.Tensor | None:
@@ -367,6 +388,7 @@ def relative_attention(
     rel_q: torch.Tensor | None = None,
     content_bias: torch.Tensor | None = None,
     position_bias: torch.Tensor | None = None,
+    rel_bias: torch.Tensor | None = None,
     beyond: str = "clip",
     attn_mask: torch.Tensor | None = None,
     is_causal: bool = False,
@@ -395,10 +417,16 @@ def relative_attention(
             ``v_h . a^K[idx_ij]``: the key term reads ``q_i + v``. With a window as long as the sequence
             (``K >= N - 1``, ``beyond="clip"``) and the table a projection of sinusoids, the call is
             Transformer-XL's attention (Dai et al., 2019); the op computes only the table rows the call reaches.
+        rel_bias: a scalar per table row (T5's and MPNet's relative attention bias): (R,) shared by all heads, (H, R)
+            one per head (R the tables' rows), or None. It adds ``rel_bias[h, idx_ij]`` to the scores, unscaled, at
+            the key term's row (T5 passes ``scale=1.0`` and no tables; MPNet its bias beside ``1/sqrt(D)``); its
+            gradient is the sum of the scores' gradients over the pairs of each row (no atomics: deterministic).
         max_relative_position: ``K``; offsets ``j - i`` are clipped to ``[-K, K]`` and shifted by ``K``.
             A pair ``(left, right)`` clips to ``[-left, right]`` and shifts by ``left`` (tables of
             ``left + right + 1`` rows). A :class:`relattn.positions.LogBuckets` maps offsets to the rows of
-            tables of ``2 * span`` rows as DeBERTa does (log buckets, saturating); ``beyond`` must be ``"clip"``.
+            tables of ``2 * span`` rows as DeBERTa does (log buckets, saturating), a
+            :class:`relattn.positions.T5Buckets` to the ``num_buckets`` rows of T5's buckets; ``beyond`` must then be
+            ``"clip"``.
         beyond: ``"clip"`` (offsets beyond the window take the edge rows, Shaw et al.) or ``"zero"``
             (they get no relative term: zero embeddings).
         attn_mask: bool (True = may attend, as SDPA) or float (added to the scores), broadcastable
@@ -416,14 +444,16 @@ def relative_attention(
 
     Returns:
         (B, H, N, Dv) (q's leading dims, then (N, Dv)): ``out_i = sum_j w_ij (v_j + a^V[idx_ij])`` with
-        ``w_i = softmax_j(((q_i + u) . k_j + (q_i + v) . a^K[idx_ij] + k_j . a^Q[idx_ij]) * scale + mask_ij)``
+        ``w_i = softmax_j(((q_i + u) . k_j + (q_i + v) . a^K[idx_ij] + k_j . a^Q[idx_ij]) * scale + b[idx_ij]
+        + mask_ij)`` (``b`` = ``rel_bias``)
         (``u``, ``v`` the biases, zero when None) and
         ``idx_ij = clip(j - i - query_offset, -K, K) + K``. A row with nothing to attend to gives
         zeros (and zero gradients); a NaN in the inputs reaches the rows it touches, as in the reference.
         Under ``torch.autocast`` the inputs are cast as autocast casts SDPA's (tables included).
     """
-    key = _plan_key(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, attn_mask, max_relative_position, beyond,
-                    is_causal, dropout_p, scale, query_offset, enable_gqa, backend)
+    key = None if rel_bias is not None else _plan_key(
+        q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, attn_mask, max_relative_position, beyond, is_causal,
+        dropout_p, scale, query_offset, enable_gqa, backend)
     if key is not None and (plan := _PLANS.get(key)) is not None and plan.holds():
         if plan.direct:
             return plan.forward(q, k, v, rel_k, rel_v, rel_q, None, query_offset)
@@ -441,7 +471,7 @@ def relative_attention(
         call = validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, attn_mask=attn_mask,
                         is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset,
                         beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q, content_bias=content_bias,
-                        position_bias=position_bias)
+                        position_bias=position_bias, rel_bias=rel_bias)
         chosen = resolve(backend, call)
         if key is not None:
             as_given = (q.dim() == 4 and content_bias is None and position_bias is None
@@ -458,7 +488,7 @@ def _dense_with_weights(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor
 
 
 def relative_attention_with_weights(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, rel_q=None,
-                                    content_bias=None, position_bias=None, beyond="clip", attn_mask=None,
+                                    content_bias=None, position_bias=None, rel_bias=None, beyond="clip", attn_mask=None,
                                     is_causal=False, dropout_p=0.0, scale=None, query_offset=0,
                                     enable_gqa=False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`relative_attention`'s output and its attention weights ``w`` (before dropout), ``(out, w)``:
@@ -467,20 +497,20 @@ def relative_attention_with_weights(q, k, v, rel_k=None, rel_v=None, *, max_rela
     call = validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position,
                                  attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
                                  query_offset=query_offset, beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q,
-                                 content_bias=content_bias, position_bias=position_bias)
+                                 content_bias=content_bias, position_bias=position_bias, rel_bias=rel_bias)
     out, weights = _dense_with_weights(call)
     return _shaped_like(out, q), _shaped_like(weights, q)
 
 
 def relative_attention_weights(q, k, rel_k=None, *, max_relative_position, rel_q=None, content_bias=None,
-                               position_bias=None, beyond="clip",
+                               position_bias=None, rel_bias=None, beyond="clip",
                                attn_mask=None, is_causal=False, scale=None, query_offset=0,
                                enable_gqa=False) -> torch.Tensor:
     """The (B, H, N, M) attention weights ``w`` of :func:`relative_attention` (no dropout), in q's leading dims."""
     call = validate(q, k, k[..., :0], rel_k, None, max_relative_position=max_relative_position,
                                  attn_mask=attn_mask, is_causal=is_causal, dropout_p=0.0, scale=scale,
                                  query_offset=query_offset, beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q,
-                                 content_bias=content_bias, position_bias=position_bias)
+                                 content_bias=content_bias, position_bias=position_bias, rel_bias=rel_bias)
     return _shaped_like(_dense_with_weights(call)[1], q)
 
 
@@ -529,7 +559,7 @@ def _check_packed(name: str, t, dims: str) -> None:
 
 def validate_varlen(q, k, v, rel_k, rel_v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     max_relative_position, rel_q, content_bias, position_bias, beyond, is_causal, dropout_p, scale,
-                    enable_gqa) -> AttentionCall:
+                    enable_gqa, rel_bias=None) -> AttentionCall:
     """:func:`validate` for packed sequences: the lengths checked, then the call as one (1, H, T, D) batch entry with
     the lengths attached (:class:`relattn.backends.AttentionCall`), its tables sized for the offsets of the longest
     sequences."""
@@ -556,7 +586,8 @@ def validate_varlen(q, k, v, rel_k, rel_v, *, cu_seqlens_q, cu_seqlens_k, max_se
     call = validate(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), rel_k, rel_v,
                     max_relative_position=max_relative_position, attn_mask=None, is_causal=is_causal,
                     dropout_p=dropout_p, scale=scale, query_offset=0, beyond=beyond, enable_gqa=enable_gqa,
-                    rel_q=rel_q, content_bias=content_bias, position_bias=position_bias, offsets=offsets)
+                    rel_q=rel_q, content_bias=content_bias, position_bias=position_bias, rel_bias=rel_bias,
+                    offsets=offsets)
     return dataclasses.replace(call, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=longest_q,
                                max_seqlen_k=longest_k)
 
@@ -601,6 +632,7 @@ def relative_attention_varlen(
     rel_q: torch.Tensor | None = None,
     content_bias: torch.Tensor | None = None,
     position_bias: torch.Tensor | None = None,
+    rel_bias: torch.Tensor | None = None,
     beyond: str = "clip",
     is_causal: bool = False,
     dropout_p: float = 0.0,
@@ -615,7 +647,7 @@ def relative_attention_varlen(
         q: (T, H, D), the queries of every sequence one after another.
         k: (T_k, H, D) keys packed the same way; (T_k, Hkv, D) with ``enable_gqa``.
         v: (T_k, H, Dv) values; (T_k, Hkv, Dv) with ``enable_gqa``.
-        rel_k, rel_v: the tables, as :func:`relative_attention`'s.
+        rel_k, rel_v: the tables, as :func:`relative_attention`'s (and ``rel_bias``, its scalar bias table).
         cu_seqlens_q: (S + 1,) int32 or int64 on q's device, the cumulative query lengths: sequence ``s`` holds the
             query rows ``cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1``. It starts at 0, never decreases and ends at T.
         cu_seqlens_k: the same for the keys, ending at T_k; None: ``cu_seqlens_q`` (self-attention).
@@ -639,6 +671,6 @@ def relative_attention_varlen(
                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                            max_relative_position=max_relative_position, rel_q=rel_q, content_bias=content_bias,
                            position_bias=position_bias, beyond=beyond, is_causal=is_causal, dropout_p=dropout_p,
-                           scale=scale, enable_gqa=enable_gqa)
+                           scale=scale, enable_gqa=enable_gqa, rel_bias=rel_bias)
     chosen = resolve(backend, call)
     return run_packed(chosen, call)[0].transpose(0, 1).contiguous()

@@ -9,11 +9,14 @@ gives zero embeddings (tensor2tensor's ``relative_v2``, VITS).
 Offset maps beyond clipping: :class:`LogBuckets` is DeBERTa's map from an offset to a row of a ``2 * span``-row
 table (log-spaced buckets far away, or plain clipping without buckets). The row depends only on the offset, so
 the op turns such a table into the equivalent symmetric clipped one (:meth:`LogBuckets.expand`, gradients flowing
-back to the compact table) and the kernels see only ``clip(j - i, -K, K) + K``.
+back to the compact table) and the kernels see only ``clip(j - i, -K, K) + K``. :class:`T5Buckets` is T5's and
+MPNet's map (transformers' ``_relative_position_bucket``: exact near, log-spaced up to ``max_distance``, split by
+sign or causal), brought to the clipped form the same way.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -115,8 +118,96 @@ class LogBuckets:
 @torch.compiler.assume_constant_result
 def _saturation(span: int, buckets: int, max_position: int, lowest: int, highest: int) -> int:
     """:meth:`LogBuckets.max_relative_position` (plain ints in: what the compiler takes as a constant's key)."""
+    return _saturating(LogBuckets(span, buckets, max_position).row, lowest, highest)
+
+
+@dataclass(frozen=True)
+class T5Buckets:
+    """T5's relative positions (transformers' ``T5Attention._relative_position_bucket``; MPNet's
+    ``relative_position_bucket`` is the bidirectional map): relattn's offset ``r = j - i`` (T5's ``memory_position -
+    context_position``) to a row of a table of ``num_buckets`` rows, T5's bucket.
+
+    Bidirectional: half the buckets for ``r <= 0``, half (from ``num_buckets // 2``) for ``r > 0``; causal
+    (``bidirectional=False``): ``r > 0`` (the future) takes the bucket of 0. Within each half, with ``n = |r|`` (causal:
+    ``max(-r, 0)``) and ``exact`` half its buckets, ``n`` itself below ``exact``, beyond ``exact + floor(log(n / exact)
+    / log(max_distance / exact) * (half - exact))`` capped at the last (computed in float32 as transformers does, so
+    the buckets match bit for bit). The buckets saturate at ``max_distance``: the op then serves any length with the
+    table of the offsets that occur (:meth:`expand`), each row the compact table's bucket.
+
+    Attributes:
+        num_buckets: ``relative_attention_num_buckets`` (T5: 32).
+        max_distance: ``relative_attention_max_distance`` (T5: 128).
+        bidirectional: True for encoders (and MPNet), False for T5's decoder self-attention.
+    """
+
+    num_buckets: int = 32
+    max_distance: int = 128
+    bidirectional: bool = True
+
+    def __post_init__(self):
+        for name in ("num_buckets", "max_distance"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"T5Buckets.{name} must be an int, got {type(value).__name__}")
+        if not isinstance(self.bidirectional, bool):
+            raise TypeError(f"T5Buckets.bidirectional must be a bool, got {type(self.bidirectional).__name__}")
+        half = self.num_buckets // 2 if self.bidirectional else self.num_buckets
+        if half < 2:
+            raise ValueError(f"T5Buckets needs num_buckets >= {4 if self.bidirectional else 2} (at least two buckets "
+                             f"per side); got {self.num_buckets}")
+        if self.max_distance <= half // 2:
+            raise ValueError(f"T5Buckets needs max_distance > {half // 2} (the exact buckets' reach: the log buckets "
+                             f"divide by log(max_distance / {half // 2})); got {self.max_distance}")
+
+    @property
+    def rows(self) -> int:
+        """Rows of the compact table: ``num_buckets``."""
+        return self.num_buckets
+
+    def row(self, offsets: torch.Tensor) -> torch.Tensor:
+        """LongTensor: the compact table's row (T5's bucket) for each raw offset ``r = j - i``."""
+        return t5_bucket(offsets, self.num_buckets, self.max_distance, self.bidirectional)
+
+    def max_relative_position(self, lowest: int, highest: int) -> int:
+        """The smallest ``K`` such that clipping to ``[-K, K]`` gives every offset in ``[lowest, highest]`` its row
+        (:meth:`LogBuckets.max_relative_position`'s rule)."""
+        return _t5_saturation(self.num_buckets, self.max_distance, self.bidirectional, lowest, highest)
+
+    def expand(self, table: torch.Tensor, max_relative_position: int) -> torch.Tensor:
+        """``(..., num_buckets, D)`` -> the equivalent ``(..., 2K + 1, D)`` table of clipped offsets: row ``r + K`` is
+        the compact table's :meth:`row` of ``r``. An index (gradients flow back, summed over rows sharing one)."""
+        kk = max_relative_position
+        index = self.row(torch.arange(-kk, kk + 1)).to(table.device)
+        return table.index_select(-2, index)
+
+
+def t5_bucket(offsets: torch.Tensor, num_buckets: int, max_distance: int, bidirectional: bool) -> torch.Tensor:
+    """T5's bucket of each offset ``j - i`` (transformers' ``_relative_position_bucket``), LongTensor."""
+    offsets = offsets.long()
+    buckets = torch.zeros_like(offsets)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (offsets > 0).long() * num_buckets
+        distance = offsets.abs()
+    else:
+        distance = -torch.min(offsets, torch.zeros_like(offsets))
+    exact = num_buckets // 2
+    far = exact + (torch.log(distance.float() / exact) / math.log(max_distance / exact)
+                   * (num_buckets - exact)).to(torch.long)
+    far = torch.min(far, torch.full_like(far, num_buckets - 1))
+    return buckets + torch.where(distance < exact, distance, far)
+
+
+@torch.compiler.assume_constant_result
+def _t5_saturation(num_buckets: int, max_distance: int, bidirectional: bool, lowest: int, highest: int) -> int:
+    """:meth:`T5Buckets.max_relative_position` (plain ints in: what the compiler takes as a constant's key)."""
+    return _saturating(T5Buckets(num_buckets, max_distance, bidirectional).row, lowest, highest)
+
+
+def _saturating(row, lowest: int, highest: int) -> int:
+    """The smallest ``K`` past which ``row`` (offsets -> rows) no longer changes within ``[lowest, highest]``."""
     reach = max(-lowest, highest, 0)
-    rows = LogBuckets(span, buckets, max_position).row(torch.arange(-reach, reach + 1))
+    rows = row(torch.arange(-reach, reach + 1))
     changes_right = torch.nonzero(rows[reach:] != rows[-1])
     changes_left = torch.nonzero(rows[: reach + 1].flip(0) != rows[0])
     right = int(changes_right[-1]) + 1 if len(changes_right) else 0
@@ -142,9 +233,13 @@ def log_bucket_position(relative_pos: torch.Tensor, buckets: int, max_position: 
     return torch.where(abs_pos <= mid, relative_pos, (log_pos * sign).long())
 
 
-def check_positions(max_relative_position: object) -> tuple[int, int] | LogBuckets:
-    """A window ``(left, right)`` (:func:`check_window`), or a :class:`LogBuckets` map as it is."""
-    if isinstance(max_relative_position, LogBuckets):
+BUCKET_MAPS = (LogBuckets, T5Buckets)  # offset maps the op expands to the clipped table (they saturate)
+
+
+def check_positions(max_relative_position: object) -> tuple[int, int] | LogBuckets | T5Buckets:
+    """A window ``(left, right)`` (:func:`check_window`), or a :class:`LogBuckets` or :class:`T5Buckets` map as it
+    is."""
+    if isinstance(max_relative_position, BUCKET_MAPS):
         return max_relative_position
     return check_window(max_relative_position)
 
@@ -157,8 +252,8 @@ def check_beyond(beyond: object) -> str:
 
 def table_rows(max_relative_position) -> int:
     """Rows of a table for this window: ``left + right + 1`` (``2K + 1`` for an int K; ``2 * span`` for
-    :class:`LogBuckets`)."""
-    if isinstance(max_relative_position, LogBuckets):
+    :class:`LogBuckets`, ``num_buckets`` for :class:`T5Buckets`)."""
+    if isinstance(max_relative_position, BUCKET_MAPS):
         return max_relative_position.rows
     left, right = check_window(max_relative_position)
     return left + right + 1
@@ -208,7 +303,7 @@ def relative_position_index(
     return index
 
 
-def symmetric_table(table: torch.Tensor | None, window: tuple[int, int] | LogBuckets,
+def symmetric_table(table: torch.Tensor | None, window: tuple[int, int] | LogBuckets | T5Buckets,
                     beyond: str, *, offsets: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor | None, int]:
     """A ``(..., left + right + 1, D)`` table as the equivalent symmetric one the kernels take, and its ``K``.
 
@@ -216,11 +311,12 @@ def symmetric_table(table: torch.Tensor | None, window: tuple[int, int] | LogBuc
     repeated out to ``K``; zero beyond the window equals clipping to ``K = max(left, right) + 1`` with zero rows
     out to ``K``. The symmetric clipped window is returned as it is. A :class:`LogBuckets` table
     (``2 * span`` rows) becomes :meth:`LogBuckets.expand`'s, for the offsets ``j - i`` in the range ``offsets``
-    (lowest, highest) that occur. Gradients flow back to ``table``.
+    (lowest, highest) that occur (a :class:`T5Buckets` table likewise). Gradients flow back to ``table``.
     """
-    if isinstance(window, LogBuckets):
+    if isinstance(window, BUCKET_MAPS):
         if beyond != "clip":
-            raise ValueError(f"beyond={beyond!r} does not apply to LogBuckets positions (they saturate); use 'clip'")
+            raise ValueError(f"beyond={beyond!r} does not apply to {type(window).__name__} positions (they saturate); "
+                             "use 'clip'")
         k = window.max_relative_position(*offsets)
         return (None if table is None else window.expand(table, k)), k
     left, right = window

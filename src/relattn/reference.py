@@ -21,6 +21,11 @@ vectors per head: the content bias ``u`` on the content term and the position bi
 ``e_ij = ((q_i + u) . k_j + (q_i + v) . a^K_{j-i} + k_j . a^Q_{j-i}) * scale``, its table covering every offset of
 the sequence (a window ``K >= N - 1``).
 
+T5 (Raffel et al., 2020) and MPNet add a learned scalar per head and offset, ``b_{j-i}``, to the scores, unscaled,
+read at the same row as ``a^K``: ``e_ij = (q_i . k_j + q_i . a^K_{j-i} + k_j . a^Q_{j-i}) * scale + b_{j-i}`` (T5 itself
+has no tables and ``scale = 1``). T5's row of an offset is its bucket (:func:`t5_bucket`: exact near, log-spaced up
+to ``max_distance``, split by sign or causal); a window ``K`` past the buckets' saturation clips to the same rows.
+
 Seeding: the spec seeds numpy's *global* generator. Here every random draw goes through a local
 ``np.random.RandomState`` built from ``seed`` (legacy ``RandomState(s)`` draws exactly what
 ``np.random.seed(s)`` followed by ``np.random.randn`` draws), so the spec's printed numbers are
@@ -43,7 +48,30 @@ __all__ = [
     "RelativeSelfAttention",
     "relative_attention",
     "relative_attention_varlen",
+    "t5_bucket",
 ]
+
+
+def t5_bucket(rel_pos: int, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True) -> int:
+    """T5's bucket of the offset ``rel_pos = j - i`` (its ``memory_position - context_position``), literally as
+    Mesh TensorFlow and transformers' ``_relative_position_bucket`` compute it (the log in float32)."""
+    bucket = 0
+    if bidirectional:
+        num_buckets //= 2
+        bucket += num_buckets if rel_pos > 0 else 0
+        n = abs(rel_pos)
+    else:
+        n = max(-rel_pos, 0)
+    max_exact = num_buckets // 2
+    if n < max_exact:
+        return bucket + n
+    ratio = np.float32(np.log(np.float32(n) / np.float32(max_exact)))
+    large = max_exact + int(ratio / np.float32(np.log(max_distance / max_exact)) * np.float32(num_buckets - max_exact))
+    return bucket + min(large, num_buckets - 1)
+
+
+def _is_t5(positions) -> bool:
+    return all(hasattr(positions, a) for a in ("num_buckets", "max_distance", "bidirectional"))
 
 
 def _check_window(max_relative_position) -> tuple[int, int]:
@@ -116,14 +144,21 @@ class RelativePositionEmbedding:
         self.a_K = _randn(gen, n_positions, d_k) * scale_k
         self.a_V = _randn(gen, n_positions, d_v) * scale_v
         self.a_Q = None  # no position-to-content term unless given (from_tables)
+        self.b = None  # no scalar bias unless given (from_tables)
+        self.buckets = None  # T5's buckets (num_buckets, max_distance, bidirectional) in place of the window
         self.beyond = beyond
 
     @classmethod
-    def from_tables(cls, a_K, a_V, max_distance, *, beyond: str = "clip", a_Q=None) -> RelativePositionEmbedding:
-        """Given tables (``left + right + 1`` rows each) instead of drawn ones; ``a_Q`` (rows as ``a_K``) or None."""
+    def from_tables(cls, a_K, a_V, max_distance, *, beyond: str = "clip", a_Q=None, b=None,
+                    buckets=None) -> RelativePositionEmbedding:
+        """Given tables (``left + right + 1`` rows each) instead of drawn ones; ``a_Q`` (rows as ``a_K``) or None;
+        ``b`` (rows,), the scalar bias, or None. ``buckets``: ``(num_buckets, max_distance, bidirectional)``, T5's
+        map of offsets to the tables' ``num_buckets`` rows (:func:`t5_bucket`) in place of the window."""
         emb = cls(max_distance, 1, 1, rng=np.random.RandomState(0), beyond=beyond)
         emb.a_K, emb.a_V = np.asarray(a_K, dtype=np.float64), np.asarray(a_V, dtype=np.float64)
         emb.a_Q = None if a_Q is None else np.asarray(a_Q, dtype=np.float64)
+        emb.b = None if b is None else np.asarray(b, dtype=np.float64)
+        emb.buckets = buckets
         return emb
 
     @property
@@ -135,7 +170,9 @@ class RelativePositionEmbedding:
 
     def index(self, rel_pos: int) -> int | None:
         """Row of the table for a raw offset ``j - i``: clip to ``[-left, right]``, then shift by ``left``; None
-        (no embedding) outside the window when ``beyond="zero"``."""
+        (no embedding) outside the window when ``beyond="zero"``; T5's bucket with ``buckets``."""
+        if self.buckets is not None:
+            return t5_bucket(rel_pos, *self.buckets)
         if self.beyond == "zero" and not -self.max_left <= rel_pos <= self.max_right:
             return None
         return max(-self.max_left, min(self.max_right, rel_pos)) + self.max_left
@@ -156,9 +193,17 @@ class RelativePositionEmbedding:
         """``a^Q`` (position-to-content) for the raw offset ``rel_pos = j - i``; None without that table."""
         return None if self.a_Q is None else self._row(self.a_Q, rel_pos)
 
+    def get_bias(self, rel_pos: int) -> float:
+        """The scalar bias ``b`` for the raw offset ``rel_pos = j - i``; 0 without it (or outside a zero-beyond
+        window)."""
+        if self.b is None:
+            return 0.0
+        row = self.index(rel_pos)
+        return 0.0 if row is None else float(self.b[row])
+
     def index_matrix(self, n: int, m: int, *, query_offset: int = 0) -> np.ndarray:
         """(N, M) rows of :meth:`index`, with ``left + right + 1`` (one past the last row) for None."""
-        rows = self.max_left + self.max_right + 1
+        rows = self.buckets[0] if self.buckets is not None else self.max_left + self.max_right + 1
         out = np.empty((n, m), dtype=np.int64)
         for i in range(n):
             for j in range(m):
@@ -173,8 +218,9 @@ def _with_zero_row(table: np.ndarray) -> np.ndarray:
 
 def relative_attention_scores(Q, K, rel_embed: RelativePositionEmbedding, *, query_offset: int = 0, scale=None,
                               content_bias=None, position_bias=None):
-    """Loop form: ``e_ij = ((q_i + u) . k_j + (q_i + v) . a^K_{j-i} [+ k_j . a^Q_{j-i}]) * scale``, scale
-    ``1/sqrt(d_k)`` by default; the bracketed position-to-content term when ``rel_embed`` has an ``a_Q`` table;
+    """Loop form: ``e_ij = ((q_i + u) . k_j + (q_i + v) . a^K_{j-i} [+ k_j . a^Q_{j-i}]) * scale [+ b_{j-i}]``, scale
+    ``1/sqrt(d_k)`` by default; the bracketed position-to-content term when ``rel_embed`` has an ``a_Q`` table, the
+    scalar bias (unscaled) when it has ``b``;
     ``u`` = ``content_bias`` and ``v`` = ``position_bias`` (d_k,) (Transformer-XL's), zero when None.
 
     Q (N, d_k), K (M, d_k) -> (N, M). Query ``i`` sits at absolute position ``i + query_offset``.
@@ -192,7 +238,8 @@ def relative_attention_scores(Q, K, rel_embed: RelativePositionEmbedding, *, que
             a_q = rel_embed.get_query_embedding(j - (i + query_offset))
             if a_q is not None:
                 scores[i, j] += np.dot(K[j], a_q)
-    return scores * (1.0 / np.sqrt(d_k) if scale is None else scale)
+    bias = np.array([[rel_embed.get_bias(j - (i + query_offset)) for j in range(m)] for i in range(n)]).reshape(n, m)
+    return scores * (1.0 / np.sqrt(d_k) if scale is None else scale) + bias
 
 
 def relative_attention_scores_vectorized(Q, K, rel_embed, *, query_offset: int = 0, scale=None, content_bias=None,
@@ -207,7 +254,8 @@ def relative_attention_scores_vectorized(Q, K, rel_embed, *, query_offset: int =
     rel = ((Q + v) @ _with_zero_row(rel_embed.a_K).T)[np.arange(n)[:, None], idx]
     if rel_embed.a_Q is not None:
         rel = rel + (K @ _with_zero_row(rel_embed.a_Q).T)[np.arange(m)[None, :], idx]
-    return ((Q + u) @ K.T + rel) * (1.0 / np.sqrt(d_k) if scale is None else scale)
+    bias = 0.0 if rel_embed.b is None else np.append(rel_embed.b, 0.0)[idx]
+    return ((Q + u) @ K.T + rel) * (1.0 / np.sqrt(d_k) if scale is None else scale) + bias
 
 
 def relative_attention_output(attention_weights, V, rel_embed: RelativePositionEmbedding, *, query_offset: int = 0):
@@ -268,27 +316,37 @@ class RelativeSelfAttention:
 
 
 def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, rel_q=None, content_bias=None,
-                       position_bias=None, beyond="clip", attn_mask=None, is_causal=False, scale=None, query_offset=0,
-                       return_weights=False):
+                       position_bias=None, rel_bias=None, beyond="clip", attn_mask=None, is_causal=False, scale=None,
+                       query_offset=0, return_weights=False):
     """Batched multi-head reference for the torch op, built from the spec's functions above.
 
     q (B, H, N, D), k (B, H, M, D), v (B, H, M, Dv); rel_k/rel_v/rel_q (R, D) or (H, R, D) or None, R = 2K+1 rows
     (``left + right + 1`` for a window ``max_relative_position=(left, right)``); ``beyond`` as in
     :class:`RelativePositionEmbedding`; content_bias/position_bias (H, D) or None, Transformer-XL's ``u`` and
-    ``v``, one row per head (:func:`relative_attention_scores`);
+    ``v``, one row per head (:func:`relative_attention_scores`); rel_bias (R,) or (H, R) or None, the scalar bias
+    added unscaled at the same row; ``max_relative_position`` may also be T5's buckets (anything with
+    ``num_buckets``, ``max_distance``, ``bidirectional``, as :class:`relattn.positions.T5Buckets`): R = num_buckets
+    rows, each offset's row its bucket (:func:`t5_bucket`);
     attn_mask bool (True = may attend) or float (added), broadcastable to (B, H, N, M). Fully masked
     rows give zero output. Returns (B, H, N, Dv) float64 [and the (B, H, N, M) weights].
     """
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     b, h, n, d = q.shape
     m, dv = k.shape[2], v.shape[-1]
-    left, right = _check_window(max_relative_position)
-    rows = left + right + 1
+    buckets = None
+    if _is_t5(max_relative_position):
+        t5 = max_relative_position
+        buckets = (t5.num_buckets, t5.max_distance, t5.bidirectional)
+        left, right, rows = 0, 0, t5.num_buckets
+    else:
+        left, right = _check_window(max_relative_position)
+        rows = left + right + 1
     tables = []
     for t, dim in ((rel_k, d), (rel_v, dv)):
         t = np.zeros((h, rows, dim)) if t is None else np.asarray(t, dtype=np.float64)
         tables.append(np.broadcast_to(t, (h, rows, dim)))
     rel_q = None if rel_q is None else np.broadcast_to(np.asarray(rel_q, dtype=np.float64), (h, rows, d))
+    rel_bias = None if rel_bias is None else np.broadcast_to(np.asarray(rel_bias, dtype=np.float64), (h, rows))
     biases = [None if t is None else np.broadcast_to(np.asarray(t, dtype=np.float64), (h, d))
               for t in (content_bias, position_bias)]
     bias = np.zeros((b, h, n, m))
@@ -303,7 +361,8 @@ def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position
     for bi in range(b):
         for hi in range(h):
             emb = RelativePositionEmbedding.from_tables(tables[0][hi], tables[1][hi], (left, right), beyond=beyond,
-                                                        a_Q=None if rel_q is None else rel_q[hi])
+                                                        a_Q=None if rel_q is None else rel_q[hi],
+                                                        b=None if rel_bias is None else rel_bias[hi], buckets=buckets)
             s = relative_attention_scores_vectorized(
                 q[bi, hi], k[bi, hi], emb, query_offset=query_offset, scale=scale,
                 content_bias=None if biases[0] is None else biases[0][hi],
@@ -316,7 +375,7 @@ def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position
 
 def relative_attention_varlen(q, k, v, rel_k=None, rel_v=None, *, cu_seqlens_q, cu_seqlens_k=None,
                               max_relative_position, rel_q=None, content_bias=None, position_bias=None,
-                              beyond="clip", is_causal=False, scale=None):
+                              rel_bias=None, beyond="clip", is_causal=False, scale=None):
     """Packed sequences, one after another: q (T, H, D), k (T_k, Hkv, D), v (T_k, Hkv, Dv) with ``H % Hkv == 0``
     (query head ``h`` reads key/value head ``h // (H // Hkv)``); sequence ``s`` holds the query rows
     ``cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1`` and the key rows of ``cu_seqlens_k`` (None: ``cu_seqlens_q``)
@@ -335,7 +394,7 @@ def relative_attention_varlen(q, k, v, rel_k=None, rel_v=None, *, cu_seqlens_q, 
             continue
         one = relative_attention(*(x[None].transpose(0, 2, 1, 3) for x in (q[q0:q1], k[k0:k1], v[k0:k1])), rel_k,
                                  rel_v, max_relative_position=max_relative_position, rel_q=rel_q,
-                                 content_bias=content_bias, position_bias=position_bias, beyond=beyond,
-                                 is_causal=is_causal, scale=scale, query_offset=(k1 - k0) - (q1 - q0))
+                                 content_bias=content_bias, position_bias=position_bias, rel_bias=rel_bias,
+                                 beyond=beyond, is_causal=is_causal, scale=scale, query_offset=(k1 - k0) - (q1 - q0))
         out[q0:q1] = one[0].transpose(1, 0, 2)
     return out

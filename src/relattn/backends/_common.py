@@ -40,6 +40,9 @@ class AttentionCall:
     ``q_pos`` (B,H,N,D) or None: the queries the key table ``rel_k`` reads, apart from the content queries ``q``
     (Transformer-XL's biases: ``q = q + content_bias``, ``q_pos = q + position_bias``); None means ``q`` itself.
     Only backends declaring ``Serves(position_query=True)`` ever see one; they return its gradient apart from q's.
+    ``rel_bias`` (Hr,2K+1) or None: a scalar per table row (T5's and MPNet's bias), added unscaled at the key term's
+    row: ``score_ij = scale * (q_i . k_j + q_i . a^K[idx_ij] + ...) + rel_bias[h, idx_ij]``; its gradient is the sum
+    of dS over the pairs of each row. Only backends declaring ``Serves(rel_bias=True)`` ever see one.
 
     A packed call (:func:`relattn.relative_attention_varlen`) has ``cu_seqlens_q`` and ``cu_seqlens_k``: q is
     (1, H, T, D) and k, v (1, Hkv, T_k, D|Dv) (views of the packed (T, H, D) tensors), sequence ``s`` holding the
@@ -64,6 +67,7 @@ class AttentionCall:
     query_offset: int
     rel_q: Tensor | None = None
     q_pos: Tensor | None = None
+    rel_bias: Tensor | None = None
     cu_seqlens_q: Tensor | None = None
     cu_seqlens_k: Tensor | None = None
     max_seqlen_q: int = 0
@@ -84,6 +88,7 @@ class Serves:
     grouped_kv: bool = False  # takes k, v with fewer heads than q (H % Hkv == 0) without repeating them
     pos_to_content: bool = False  # takes rel_q, the position-to-content table (DeBERTa's p2c, BERT's key_query)
     position_query: bool = False  # takes q_pos, queries for the key table apart from q (Transformer-XL's biases)
+    rel_bias: bool = False  # takes rel_bias, a scalar per table row added unscaled to the scores (T5's, MPNet's)
     chunk_pairs: bool = False  # computes one chunk pair of a larger softmax (its log-sum-exp, and its gradients
     # given the merged output and log-sum-exp): what context parallelism's ring runs; such a backend has ``stats``
     varlen: bool = False  # takes a packed call (cu_seqlens) whole, in one launch (the op runs others per sequence)
@@ -136,14 +141,15 @@ def _sm(arch: int) -> str:
 def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.dtype | None = None,
                      dropout: bool = False, mask: bool = False, mask_grad: bool = False, head_dim: int | None = None,
                      v_head_dim: int | None = None, pos_to_content: bool = False,
-                     position_query: bool = False, chunk_pairs: bool = False,
+                     position_query: bool = False, rel_bias: bool = False, chunk_pairs: bool = False,
                      arch: int | None = None) -> list[str]:
     """Every reason a backend declaring ``serves`` refuses calls of this kind; empty when it serves them.
 
     ``device`` (a device type), ``dtype`` and the head dims ``D`` (``head_dim``) and ``Dv`` (``v_head_dim``, default
     ``D``) are left unchecked when None; ``dropout``, ``mask`` and ``mask_grad`` say whether the calls have
     ``dropout_p > 0``, an ``attn_mask``, a mask that requires grad; ``pos_to_content`` whether they carry a
-    ``rel_q`` table; ``position_query`` whether they carry a ``q_pos`` (content or position biases);
+    ``rel_q`` table; ``position_query`` whether they carry a ``q_pos`` (content or position biases); ``rel_bias``
+    whether they carry a scalar bias table;
     ``chunk_pairs`` whether they are a context-parallel ring's chunk pairs; ``arch`` the GPU's compute capability
     on CUDA (None: unchecked). :func:`not_supported_reasons` asks this about one call; the module and ``relattn
     train`` ask it at construction, before there is any call.
@@ -178,6 +184,8 @@ def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.
     if position_query and not s.position_query:
         reasons.append("a separate position query q_pos (content/position biases; 'native', 'triton', 'blocked' and "
                        "'dense' take it)")
+    if rel_bias and not s.rel_bias:
+        reasons.append("a scalar bias table rel_bias (T5's; 'native', 'blocked' and 'dense' take it)")
     if chunk_pairs and not s.chunk_pairs:
         reasons.append("a context-parallel chunk pair (returns no log-sum-exp to merge by)")
     return reasons
@@ -191,7 +199,8 @@ def not_supported_reasons(backend: Backend, call: AttentionCall, *, chunk_pairs:
                                mask=mask is not None, mask_grad=mask is not None and mask.requires_grad,
                                head_dim=q.shape[-1], v_head_dim=call.v.shape[-1],
                                pos_to_content=call.rel_q is not None, position_query=call.q_pos is not None,
-                               chunk_pairs=chunk_pairs, arch=compute_capability(q.device))
+                               rel_bias=call.rel_bias is not None, chunk_pairs=chunk_pairs,
+                               arch=compute_capability(q.device))
     if not reasons and (why := backend.unavailable()) is not None:
         reasons.append(why)
     return reasons
@@ -243,10 +252,10 @@ def grads_laid_out(inputs, grads) -> tuple[Tensor, ...]:
 
 # The arguments every kernel with a saved log-sum-exp takes, in its ops' order: the leading tensors (q, k, v, rel_k?,
 # rel_v?, mask?), the scalars, then the optional tensors that came later, each with a gradient after the first five
-# (rel_q, the position-to-content table; q_pos, the queries of the key table).
+# (rel_q, the position-to-content table; q_pos, the queries of the key table; rel_bias, the scalar bias table).
 LEADING = ("q", "k", "v", "rel_k", "rel_v", "mask")
 SCALARS = (("max_relative_position", "int"), ("is_causal", "bool"), ("scale", "float"), ("query_offset", "int"))
-TABLES = ("rel_q", "q_pos")
+TABLES = ("rel_q", "q_pos", "rel_bias")
 # What a packed call adds (``StatsOps(varlen=True)``): the cumulative lengths after the leading tensors, the longest
 # lengths after the scalars (:class:`AttentionCall`).
 VARLEN_LEADING = ("cu_seqlens_q", "cu_seqlens_k")
@@ -308,7 +317,8 @@ class StatsAutograd:
 def _differentiated(call: AttentionCall) -> bool:
     """Whether autograd will ask for a backward of this call."""
     return torch.is_grad_enabled() and (call.q.requires_grad or call.k.requires_grad or call.v.requires_grad or any(
-        t is not None and t.requires_grad for t in (call.rel_k, call.rel_v, call.mask, call.rel_q, call.q_pos)))
+        t is not None and t.requires_grad for t in (call.rel_k, call.rel_v, call.mask, call.rel_q, call.q_pos,
+                                                    call.rel_bias)))
 
 
 def traced() -> bool:
@@ -321,7 +331,7 @@ def traced() -> bool:
 
 def _padded(grads: tuple) -> tuple:
     """A kernel backward's gradients as (dq, dk, dv, d_rel_k, d_rel_v, *one per TABLES): None for those it left out
-    (a kernel returns d_rel_q and d_q_pos only when given them)."""
+    (a kernel returns d_rel_q, d_q_pos and d_rel_bias only when given them)."""
     return (*grads, *(None,) * len(TABLES))[:5 + len(TABLES)]
 
 
@@ -332,8 +342,9 @@ class StatsOps:
     not take one is never handed it: its declaration refuses the calls that carry it).
 
     * ``relattn::{name}_fwd(q, k, v, rel_k?, rel_v?, mask?, [seed,] K, is_causal, [dropout_p,] scale, query_offset,
-      rel_q?=None, q_pos?=None) -> (out, lse)`` and ``relattn::{name}_bwd(grad_out, <the same leading tensors>, out,
-      lse, <the same scalars>, rel_q?=None, q_pos?=None) -> (dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos)`` (a
+      rel_q?=None, q_pos?=None, rel_bias?=None) -> (out, lse)`` and ``relattn::{name}_bwd(grad_out, <the same leading
+      tensors>, out, lse, <the same scalars>, rel_q?=None, q_pos?=None, rel_bias?=None) -> (dq, dk, dv, d_rel_k,
+      d_rel_v, d_rel_q, d_q_pos, d_rel_bias)`` (a
       missing tensor's gradient an empty tensor): custom ops with fake kernels and autograd, which torch.compile
       and torch.export see as one opaque, shape-correct op each. ``dropout=True`` adds the seed tensor and
       ``dropout_p``; ``varlen=True`` (a packed call) the tensors ``cu_seqlens_q, cu_seqlens_k`` after the leading
@@ -407,7 +418,8 @@ class StatsOps:
         return self.kernel_forward(*inputs[:lead], **self._keywords(inputs[lead:lead + ns], inputs[lead + ns:]))
 
     def _backward(self, grad_out, *inputs):
-        """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos) from ``(*leading, out, lse, *scalars, *tables)``."""
+        """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos, d_rel_bias) from ``(*leading, out, lse, *scalars,
+        *tables)``."""
         lead, ns = self._leading, self._scalars
         return _padded(self.kernel_backward(grad_out, *inputs[:lead + 2],
                                             **self._keywords(inputs[lead + 2:lead + 2 + ns], inputs[lead + 2 + ns:])))
@@ -415,7 +427,7 @@ class StatsOps:
     def _inputs(self, call: AttentionCall, seed: Tensor | None) -> tuple:
         """The op's inputs from ``call``: each leading tensor and scalar is the call's field of that name."""
         return (*(seed if n == "seed" else getattr(call, n) for n in self.leading_names),
-                *(getattr(call, n) for n in self.scalar_names), call.rel_q, call.q_pos)
+                *(getattr(call, n) for n in self.scalar_names), *(getattr(call, n) for n in TABLES))
 
     def run(self, call: AttentionCall, *, seed: Tensor | None = None) -> Tensor:
         """The output (B, H, N, Dv) of ``call`` (``seed``: the dropout seed, for a kernel with dropout); a packed call
@@ -459,7 +471,7 @@ class StatsOps:
                 return kernel(q, k, v, rel_k, rel_v, *pad, query_offset=query_offset, **scalars)[0]
         else:
             def forward(q, k, v, rel_k, rel_v, rel_q, q_pos, query_offset):
-                tables = dict(zip(TABLES, (rel_q, q_pos), strict=True))
+                tables = {"rel_q": rel_q, "q_pos": q_pos}  # a call with a rel_bias is never planned
                 return kernel(q, k, v, rel_k, rel_v, *pad, query_offset=query_offset, **scalars,
                               **{n: tables[n] for n in named})[0]
         return forward
@@ -467,6 +479,7 @@ class StatsOps:
     def _pair(self, q, k, v, rel_k, rel_v, mask, tables, scalars: dict) -> tuple[tuple, dict]:
         """The kernel's positional inputs and keywords for one chunk pair (no dropout: a zero seed)."""
         lead = (q, k, v, rel_k, rel_v, mask)
+        tables = (*tables, *(None,) * (len(TABLES) - len(tables)))  # the ring passes rel_q and q_pos
         if self.dropout:
             lead, scalars = (*lead, torch.zeros((), dtype=torch.int64, device=q.device)), {**scalars, "dropout_p": 0.0}
         return lead, {**scalars, **{n: t for n, t in zip(TABLES, tables, strict=True) if t is not None}}
@@ -478,6 +491,7 @@ class StatsOps:
         return self.kernel_forward(*lead, **kw)
 
     def pair_backward(self, grad_out, q, k, v, rel_k, rel_v, mask, tables, out, lse, **scalars) -> tuple:
-        """(dq, dk, dv, d_rel_k, d_rel_v, *d tables) of one call given the merged ``out`` and ``lse`` of its rows."""
+        """(dq, dk, dv, d_rel_k, d_rel_v, *d tables) of one call given the merged ``out`` and ``lse`` of its rows (one
+        gradient per table of ``tables``)."""
         lead, kw = self._pair(q, k, v, rel_k, rel_v, mask, tables, scalars)
-        return _padded(self.kernel_backward(grad_out, *lead, out, lse, **kw))
+        return _padded(self.kernel_backward(grad_out, *lead, out, lse, **kw))[:5 + len(tables)]

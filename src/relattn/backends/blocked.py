@@ -5,7 +5,7 @@ position, ``p_i = i + query_offset``. This is the readable statement of the algo
 
 forward, for each block of ``Bk`` keys (all queries at once; memory O(N (D + K + Bk))):
     idx   = clip(j - p_i, -K, K) + K                      (positions.clip_and_shift, per tile)
-    s     = (q k_blk^T + gather(q a^K^T, idx) + gather(k_blk a^Q^T, idx^T)^T) * scale + mask_blk,
+    s     = (q k_blk^T + gather(q a^K^T, idx) + gather(k_blk a^Q^T, idx^T)^T) * scale + b[idx] + mask_blk,
             -inf where causal forbids                      (k_blk a^Q^T: (Bk, 2K+1), the block's keys x the window)
     m'    = max(m, rowmax s);  c = exp(m - m');  e = exp(s - m')
     l     = c l + rowsum e                                 (normaliser: before dropout)
@@ -20,6 +20,7 @@ backward, per key block, recomputing ``p = exp(s - lse)`` and the same dropout m
     ds = p (dp - rowsum(dO * out)) * scale;  dq += ds k_blk;  dk_blk = ds^T q;  bucket(ds, idx) -> d(q a^K^T)
     (after the loop: d(q a^K^T) a^K -> dq, or d q_pos with position queries; d(q a^K^T)^T q -> d a^K)
     key_bins = bucket(ds^T, idx^T) (Bk, 2K+1), per key row;  dk_blk += key_bins a^Q;  d a^Q += key_bins^T k_blk
+    bucket(ds / scale, idx) -> d b (the scalar bias, T5's: unscaled, so its gradient is the unscaled dS's row sums)
 
 The dropout mask is a counter-based hash of (seed, b, h, i, j) in integer torch ops, so the backward
 regenerates exactly the forward's mask whatever the tiling; ``seed`` is drawn from torch's default
@@ -80,7 +81,7 @@ class _Tile:
     """Everything about one key block that forward and backward both recompute."""
 
     def __init__(self, q, k, rel_scores, mask, seed, *, j0, j1, n, m, kk, is_causal, dropout_p, scale,
-                 query_offset, rel_q=None):
+                 query_offset, rel_q=None, rel_bias=None):
         b, h = q.shape[:2]
         dev = q.device
         rows = torch.arange(n, device=dev)
@@ -93,6 +94,8 @@ class _Tile:
             by_key = k[:, :, j0:j1] @ rel_q.transpose(-1, -2)  # (B, H, Bk, 2K+1): this block's keys x the window
             s += torch.gather(by_key.flatten(-2), -1, self.key_rows(kk).expand(b, h, -1)).view(b, h, n, j1 - j0)
         s *= scale
+        if rel_bias is not None:  # (Hr, N, Bk) against (B, H, N, Bk)
+            s += rel_bias[:, self.idx]
         if mask is not None:
             s += mask[..., j0:j1] if mask.shape[-1] == m else mask
         if is_causal:
@@ -127,12 +130,13 @@ def _prepare(*tensors):
 
 def blocked_forward(q, k, v, rel_k, rel_v, mask, seed, *, max_relative_position: int, is_causal: bool,
                     dropout_p: float, scale: float, query_offset: int, block: int = DEFAULT_BLOCK, rel_q=None,
-                    q_pos=None):
+                    q_pos=None, rel_bias=None):
     """Returns ``out`` (B, H, N, Dv) and ``lse`` (B, H, N) (float32 for 16-bit inputs). ``q_pos`` (B, H, N, D):
-    the queries of the key table, when not ``q``."""
+    the queries of the key table, when not ``q``; ``rel_bias`` (Hr, 2K+1): the scalar bias."""
     kk = max_relative_position
     dtype = q.dtype
-    q, k, v, rel_k, rel_v, mask, rel_q, q_pos = _prepare(q, k, v, rel_k, rel_v, mask, rel_q, q_pos)
+    q, k, v, rel_k, rel_v, mask, rel_q, q_pos, rel_bias = _prepare(q, k, v, rel_k, rel_v, mask, rel_q, q_pos,
+                                                                   rel_bias)
     b, h, n, _ = q.shape
     m, dv = k.shape[2], v.shape[3]
     reader = q if q_pos is None else q_pos
@@ -144,7 +148,8 @@ def blocked_forward(q, k, v, rel_k, rel_v, mask, seed, *, max_relative_position:
     for j0 in range(0, m, block):
         j1 = min(m, j0 + block)
         tile = _Tile(q, k, rel_scores, mask, seed, j0=j0, j1=j1, n=n, m=m, kk=kk, is_causal=is_causal,
-                     dropout_p=dropout_p, scale=scale, query_offset=query_offset, rel_q=rel_q)
+                     dropout_p=dropout_p, scale=scale, query_offset=query_offset, rel_q=rel_q,
+                     rel_bias=rel_bias)
         new_max = torch.maximum(run_max, tile.s.amax(-1))
         safe = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
         correction = torch.exp(run_max - safe)
@@ -168,12 +173,13 @@ def blocked_forward(q, k, v, rel_k, rel_v, mask, seed, *, max_relative_position:
 
 def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, max_relative_position: int,
                      is_causal: bool, dropout_p: float, scale: float, query_offset: int,
-                     block: int = DEFAULT_BLOCK, rel_q=None, q_pos=None):
-    """Gradients (dq, dk, dv, d_rel_k | None, d_rel_v | None), recomputed block by block; with ``rel_q``, a
-    sixth, d_rel_q; with ``q_pos``, a sixth (d_rel_q or None) and a seventh, d_q_pos."""
+                     block: int = DEFAULT_BLOCK, rel_q=None, q_pos=None, rel_bias=None):
+    """Gradients (dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos, d_rel_bias), recomputed block by block, None for
+    those whose input is None."""
     kk = max_relative_position
     dtype = q.dtype
-    q, k, v, rel_k, rel_v, mask, rel_q, q_pos = _prepare(q, k, v, rel_k, rel_v, mask, rel_q, q_pos)
+    q, k, v, rel_k, rel_v, mask, rel_q, q_pos, rel_bias = _prepare(q, k, v, rel_k, rel_v, mask, rel_q, q_pos,
+                                                                   rel_bias)
     grad_out, out = grad_out.to(q.dtype), out.to(q.dtype)
     b, h, n, _ = q.shape
     m = k.shape[2]
@@ -186,10 +192,12 @@ def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, m
     d_rel_scores = torch.zeros_like(rel_scores) if rel_k is not None else None
     p_buckets = q.new_zeros(b, h, n, 2 * kk + 1) if rel_v is not None else None
     d_rel_q = q.new_zeros(b, h, 2 * kk + 1, q.shape[3]) if rel_q is not None else None
+    d_bias = q.new_zeros(b, h, n, 2 * kk + 1) if rel_bias is not None else None
     for j0 in range(0, m, block):
         j1 = min(m, j0 + block)
         tile = _Tile(q, k, rel_scores, mask, seed, j0=j0, j1=j1, n=n, m=m, kk=kk, is_causal=is_causal,
-                     dropout_p=dropout_p, scale=scale, query_offset=query_offset, rel_q=rel_q)
+                     dropout_p=dropout_p, scale=scale, query_offset=query_offset, rel_q=rel_q,
+                     rel_bias=rel_bias)
         p = tile.s.sub_(lse[..., None]).exp_()
         pz = p if tile.keep is None else p * tile.keep
         dv[:, :, j0:j1] = pz.transpose(-1, -2) @ grad_out
@@ -199,7 +207,10 @@ def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, m
             dp = dp + torch.gather(grad_rel_out, -1, tile.idx.expand_as(dp))
         if tile.keep is not None:
             dp *= tile.keep
-        ds = dp.sub_(rowdot).mul_(p).mul_(scale)
+        ds = dp.sub_(rowdot).mul_(p)
+        if d_bias is not None:  # the bias is added after the scale: its gradient is the unscaled dS's
+            tile.bucket_into(d_bias, ds)
+        ds = ds.mul_(scale)
         dq += ds @ k[:, :, j0:j1]
         dk[:, :, j0:j1] = ds.transpose(-1, -2) @ q
         if d_rel_scores is not None:
@@ -220,11 +231,8 @@ def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, m
         d_q_pos = torch.zeros_like(q_pos)
     if rel_v is not None:
         d_rel_v = _sum_table_grad(p_buckets.transpose(-1, -2) @ grad_out, rel_v.shape[0])
-    grads = (dq, dk, dv, d_rel_k, d_rel_v)
-    if rel_q is not None or q_pos is not None:
-        grads += (None if rel_q is None else _sum_table_grad(d_rel_q, rel_q.shape[0]),)
-    if q_pos is not None:
-        grads += (d_q_pos,)
+    grads = (dq, dk, dv, d_rel_k, d_rel_v, None if rel_q is None else _sum_table_grad(d_rel_q, rel_q.shape[0]),
+             d_q_pos, None if rel_bias is None else _sum_table_grad(d_bias.sum(2), rel_bias.shape[0]))
     return tuple(t.to(dtype) if t is not None else None for t in grads)
 
 
@@ -244,6 +252,6 @@ def blocked_attention(call: AttentionCall) -> Tensor:
 
 
 BACKEND = Backend("blocked", blocked_attention,
-                  Serves(dropout=True, pos_to_content=True, position_query=True, chunk_pairs=True),
+                  Serves(dropout=True, pos_to_content=True, position_query=True, rel_bias=True, chunk_pairs=True),
                   "flash algorithm in plain torch: online softmax over key blocks, O(N(D+K)) memory, any mask, dropout",
                   stats=OPS)

@@ -6,6 +6,7 @@ each query needs only 2K+1 dot products with the table -- gathered through the (
 when the call carries position queries: Transformer-XL's position bias).
 Position-to-content term: ``k @ rel_q.T`` is (B, H, M, 2K+1), gathered through the transposed index: key ``j``
 against the row ``idx_ij`` of each query.
+Scalar bias (T5's): ``rel_bias`` (Hr, 2K+1) gathered through the index, added after the scale.
 Value term: per-row bucket sums of the weights, (B, H, N, 2K+1), times ``rel_v``.
 """
 
@@ -30,7 +31,7 @@ def masked_softmax(scores: torch.Tensor) -> torch.Tensor:
 
 
 def dense_weights(q, k, rel_k, *, max_relative_position, mask, is_causal, scale, query_offset, rel_q=None,
-                  q_pos=None):
+                  q_pos=None, rel_bias=None):
     """Attention weights (B, H, N, M) before dropout, and the (N, M) relative index; the key table is read by
     ``q_pos`` when given, else by ``q``."""
     n, m = q.shape[-2], k.shape[-2]
@@ -46,6 +47,8 @@ def dense_weights(q, k, rel_k, *, max_relative_position, mask, is_causal, scale,
         by_key = (k @ rel_q.transpose(-1, -2)).to(stats)  # (B, H, M, 2K+1): key j against every table row
         scores = scores + torch.gather(by_key, -1, idx.T.expand(*by_key.shape[:-1], n)).transpose(-1, -2)
     scores = scores * scale
+    if rel_bias is not None:  # (Hr, N, M) against (B, H, N, M): the heads broadcast
+        scores = scores + rel_bias.to(stats)[:, idx]
     if mask is not None:
         scores = scores + mask.to(stats)
     if is_causal:
@@ -57,7 +60,7 @@ def dense_attention(call: AttentionCall, *, need_weights: bool = False):
     """The output (B, H, N, Dv) of ``call`` [and its weights (B, H, N, M) in q's dtype, before dropout]."""
     p, idx = dense_weights(call.q, call.k, call.rel_k, max_relative_position=call.max_relative_position,
                            mask=call.mask, is_causal=call.is_causal, scale=call.scale, query_offset=call.query_offset,
-                           rel_q=call.rel_q, q_pos=call.q_pos)
+                           rel_q=call.rel_q, q_pos=call.q_pos, rel_bias=call.rel_bias)
     if call.dropout_p > 0.0:
         p = F.dropout(p, call.dropout_p, training=True)
     v, rel_v = call.v, call.rel_v
@@ -71,5 +74,5 @@ def dense_attention(call: AttentionCall, *, need_weights: bool = False):
 
 
 BACKEND = Backend("dense", dense_attention, Serves(dropout=True, mask_grad=True, pos_to_content=True,
-                                                   position_query=True),
+                                                   position_query=True, rel_bias=True),
                   "(B,H,N,M) scores, key term gathered from q@rel_k.T, value term by bucket sums")

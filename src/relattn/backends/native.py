@@ -16,7 +16,8 @@ Where the build fails, or with ``RELATTN_NATIVE=0`` in the environment, :func:`u
 
 Any float dtype, any additive mask that needs no gradient, no dropout, the position-to-content table ``rel_q``
 (``KA = k a^Q^T`` per head and thread, added per row in the same three runs; its gradient binned per key by the
-backward task that owns the key); k and v may have fewer heads than q
+backward task that owns the key), the scalar bias ``rel_bias`` (T5's: added to each tile's ``2K+1`` row scores before
+the runs, its gradient those rows' sums of dS); k and v may have fewer heads than q
 (grouped-query attention, ``H % Hkv == 0``), read in place: dk and dv of a key/value head are summed over its
 query heads in a fixed order (one task per batch entry and key/value head runs its group's query heads in turn),
 so the gradients are the same bits from one run to the next.
@@ -271,6 +272,11 @@ def _data(gemm16: bool, *tensors):
     return tuple(_as_float(t) for t in tensors)
 
 
+def _bias(rel_bias):
+    """The scalar bias as the kernel takes it: contiguous, float32 for 16-bit inputs, or None."""
+    return None if rel_bias is None else _as_float(rel_bias.contiguous())
+
+
 def _tables_and_mask(rel_k, rel_v, mask, rel_q):
     """rel_k, rel_v, the mask and rel_q as the kernel takes them: tables contiguous (Hr, 2K+1, d), all float32 for
     16-bit inputs (the kernel's compute type)."""
@@ -290,9 +296,10 @@ def _in_dtypes(grads, inputs) -> tuple:
 
 
 def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
-            query_offset: int, rel_q=None, q_pos=None):
+            query_offset: int, rel_q=None, q_pos=None, rel_bias=None):
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros, lse -inf.
-    k, v may have Hkv heads, H % Hkv == 0; q_pos (q's shape and dtype), when given, the queries rel_k reads."""
+    k, v may have Hkv heads, H % Hkv == 0; q_pos (q's shape and dtype), when given, the queries rel_k reads;
+    rel_bias (Hr, 2K+1), the scalar bias."""
     _require()
     dtype = q.dtype
     if dtype in LOW_PRECISION:
@@ -302,24 +309,24 @@ def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causa
         tables = (None if rel_k is None else rel_k.contiguous(), None if rel_v is None else rel_v.contiguous(), mask,
                   None if rel_q is None else rel_q.contiguous())
     tiles = _tiles(q.shape[-2], k.shape[-2], is_causal, max_relative_position)
-    out, lse = torch.ops.relattn_native.fwd.default(q, k, v, *tables, q_pos, max_relative_position, is_causal, scale,
-                                                    query_offset, *tiles)
+    out, lse = torch.ops.relattn_native.fwd.default(q, k, v, *tables, q_pos, _bias(rel_bias), max_relative_position,
+                                                    is_causal, scale, query_offset, *tiles)
     return (out if out.dtype == dtype else out.to(dtype)), lse
 
 
 def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
-             scale: float, query_offset: int, rel_q=None, q_pos=None):
-    """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos) in their inputs' dtypes (dk, dv with k's Hkv heads); a table
-    gradient, and d_q_pos, is an empty tensor when its input is None. With q_pos, dq is the content term's share
-    only and d_q_pos the key table's."""
+             scale: float, query_offset: int, rel_q=None, q_pos=None, rel_bias=None):
+    """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos, d_rel_bias) in their inputs' dtypes (dk, dv with k's Hkv
+    heads); a table gradient, and d_q_pos, is an empty tensor when its input is None. With q_pos, dq is the content
+    term's share only and d_q_pos the key table's."""
     _require()
     gemm16 = uses_gemm16(q.dtype)
     go, q_, k_, v_, out_, qp = _data(gemm16, grad_out, q, k, v, out, q_pos)
     tiles = _tiles(q.shape[-2], k.shape[-2], is_causal, max_relative_position)
-    grads = torch.ops.relattn_native.bwd(go, q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), qp, out_,
-                                         lse, max_relative_position, is_causal, scale, query_offset, *tiles,
-                                         SETTINGS.current.kv_splits)
-    return _in_dtypes(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos))
+    grads = torch.ops.relattn_native.bwd(go, q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), qp,
+                                         _bias(rel_bias), out_, lse, max_relative_position, is_causal, scale,
+                                         query_offset, *tiles, SETTINGS.current.kv_splits)
+    return _in_dtypes(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos, rel_bias))
 
 
 def _no_mask(mask) -> None:
@@ -329,7 +336,7 @@ def _no_mask(mask) -> None:
 
 def varlen_forward(q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, *, max_relative_position: int,
                    is_causal: bool, scale: float, query_offset: int, max_seqlen_q: int, max_seqlen_k: int, rel_q=None,
-                   q_pos=None):
+                   q_pos=None, rel_bias=None):
     """A packed call: (out (1,H,T,Dv) in q's dtype, lse (1,H,T), float32 for 16-bit q). q (1,H,T,D), k (1,Hkv,T_k,D),
     v (1,Hkv,T_k,Dv) (any row strides); sequence s holds query rows ``cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1`` and
     key rows ``cu_seqlens_k[s] ..`` likewise, its query i at position ``i + m_s - n_s + query_offset``: the dense
@@ -340,14 +347,15 @@ def varlen_forward(q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, *, m
     tiles = _tiles(max_seqlen_q, max_seqlen_k, is_causal, max_relative_position)
     q_, k_, v_, qp = _data(gemm16, q, k, v, q_pos)
     rel_k, rel_v, _, rel_q = _tables_and_mask(rel_k, rel_v, None, rel_q)
-    out, lse = torch.ops.relattn_native.varlen_fwd(q_, k_, v_, rel_k, rel_v, rel_q, qp, cu_seqlens_q, cu_seqlens_k,
+    out, lse = torch.ops.relattn_native.varlen_fwd(q_, k_, v_, rel_k, rel_v, rel_q, qp, _bias(rel_bias), cu_seqlens_q,
+                                                   cu_seqlens_k,
                                                    max_relative_position, is_causal, scale, query_offset, *tiles)
     return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
 
 
 def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, out, lse, *,
                     max_relative_position: int, is_causal: bool, scale: float, query_offset: int, max_seqlen_q: int,
-                    max_seqlen_k: int, rel_q=None, q_pos=None):
+                    max_seqlen_k: int, rel_q=None, q_pos=None, rel_bias=None):
     """The gradients of :func:`varlen_forward`'s call, as :func:`backward` gives them (dq (1,H,T,D), dk, dv
     (1,Hkv,T_k,.), the tables' in their shapes): one task per (sequence, key/value head), table gradients summed
     per thread in a fixed order."""
@@ -357,10 +365,10 @@ def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seql
     go, q_, k_, v_, out_, qp = _data(gemm16, grad_out, q, k, v, out, q_pos)
     tiles = _tiles(max_seqlen_q, max_seqlen_k, is_causal, max_relative_position)
     rel_k_, rel_v_, _, rel_q_ = _tables_and_mask(rel_k, rel_v, None, rel_q)
-    grads = torch.ops.relattn_native.varlen_bwd(go, q_, k_, v_, rel_k_, rel_v_, rel_q_, qp, out_, lse, cu_seqlens_q,
-                                                cu_seqlens_k, max_relative_position, is_causal, scale, query_offset,
-                                                *tiles, SETTINGS.current.kv_splits)
-    return _in_dtypes(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos))
+    grads = torch.ops.relattn_native.varlen_bwd(go, q_, k_, v_, rel_k_, rel_v_, rel_q_, qp, _bias(rel_bias), out_, lse,
+                                                cu_seqlens_q, cu_seqlens_k, max_relative_position, is_causal, scale,
+                                                query_offset, *tiles, SETTINGS.current.kv_splits)
+    return _in_dtypes(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos, rel_bias))
 
 
 def planned_forward(call):
@@ -374,7 +382,7 @@ def planned_forward(call):
 
     def run(q, k, v, rel_k, rel_v, rel_q, q_pos, query_offset):
         tiles = tile_q(q.shape[-2], causal, rows, k.shape[-2]), SETTINGS.current.tile_k
-        return fwd(q, k, v, rel_k, rel_v, None, rel_q, q_pos, kk, causal, scale, query_offset, *tiles)[0]
+        return fwd(q, k, v, rel_k, rel_v, None, rel_q, q_pos, None, kk, causal, scale, query_offset, *tiles)[0]
 
     return run
 
@@ -388,8 +396,8 @@ VARLEN_OPS = StatsOps("native_varlen", varlen_forward, varlen_backward, varlen=T
 
 BACKEND = Backend("native", OPS.run,
                   Serves(devices=frozenset({"cpu"}), grouped_kv=True, pos_to_content=True, position_query=True,
-                         chunk_pairs=True, varlen=True),
+                         rel_bias=True, chunk_pairs=True, varlen=True),
                   "C++ kernel, one flash pass: the key term added per row in three runs (left, band, right), "
-                  "the value term as 2K+1 weights per row; CPU, masks, grouped k/v, rel_q, packed sequences in one "
-                  "pass, no dropout (16-bit GEMMs where the CPU has 16-bit instructions, else float32)",
+                  "the value term as 2K+1 weights per row; CPU, masks, grouped k/v, rel_q, rel_bias, packed sequences "
+                  "in one pass, no dropout (16-bit GEMMs where the CPU has 16-bit instructions, else float32)",
                   unavailable=unavailable, stats=OPS, packed=VARLEN_OPS)

@@ -40,6 +40,11 @@
 // table row t, held by the backward task that owns key j, then dk += scale * dKA @ a^Q and d a^Q += scale * dKA.T @ k
 // per head -- deterministic, no atomics.
 //
+// The scalar bias (T5's and MPNet's; rel_bias, (Hb, R) with Hb in {1, H}) is read at the key term's row and added
+// unscaled: to each tile's QA row (QA[i, t] += b[t] over the window's table rows) before the runs spread it over the
+// keys -- a zero QA row where there is no a^K. Its gradient is the per-row sum of dQA (the sums of dS per table row the
+// key table's gradient is formed from), unscaled: d b[t] += sum_i dQA[i, t], per thread's run of tasks as the tables'.
+//
 // GEMMs go to the BLAS that libtorch_cpu exports (Fortran sgemm/dgemm). Float32 uses ATen's vectorized exp;
 // float64 (for tests) plain loops.
 //
@@ -431,6 +436,10 @@ struct Geometry {
   bool causal, has_k, has_v;
   bool has_q = false;  // a position-to-content table a^Q
   int64_t Hq = 1;      // its heads (1 or H)
+  bool has_b = false;  // a scalar bias per table row
+  int64_t Hb = 1;      // its heads (1 or H)
+  // Whether the tiles carry QA rows (the key term's row scores): a^K, or the scalar bias alone.
+  bool has_qa() const { return has_k || has_b; }
   // What KA depends on besides the batch entry: the key/value head for a shared a^Q, else the query head.
   int64_t ka_head(int64_t h) const { return Hq == 1 ? h / group : h; }
 };
@@ -452,6 +461,7 @@ struct Views {
   const T *tk_pad = nullptr, *tv_pad = nullptr, *rq_pad = nullptr;
   int64_t ldr = 0;
   const T* rq = nullptr;  // the position-to-content table a^Q (Hq, R, D), or null
+  const T* rb = nullptr;  // the scalar bias (Hb, R), or null
   // The queries the key table reads (q_pos; q itself when none is given) and their strides.
   const I* qp = nullptr;
   int64_t qps[3] = {};
@@ -503,8 +513,9 @@ Padded padded_tables(const at::Tensor& tk, const at::Tensor& tv, const at::Tenso
 template <typename I, typename T>
 Views<I, T> views(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tk,
                   const at::Tensor& tv, const at::Tensor& mask, const at::Tensor& tq, const at::Tensor& qp,
-                  const Padded& pad) {
+                  const Padded& pad, const at::Tensor& tb) {
   Views<I, T> w = views<I, T>(q, k, v, tk, tv, mask);
+  if (tb.defined()) w.rb = tb.data_ptr<T>();
   w.ldr = pad.cols;
   if (tk.defined()) w.tk_pad = pad.k.data_ptr<T>();
   if (tv.defined()) w.tv_pad = pad.v.data_ptr<T>();
@@ -653,6 +664,24 @@ PosRows<T> key_table_rows(const Geometry& g, const Views<I, T>& w, int64_t b, in
   return {ka, lo, hi, wins.data(), j0, ld};
 }
 
+// A tile's QA rows (tq rows of win.cols entries from table row win.first): scale * q_pos . a^K_t where there is a key
+// table, else zeros, plus the scalar bias b_t on the window's table rows (the columns past them are never met).
+template <typename I, typename T>
+void tile_key_rows(const Geometry& g, const Views<I, T>& w, int64_t h, const T* qf, int64_t ldq, int64_t tq,
+                   const Window& win, T scale, T* QA) {
+  if (g.has_k) {
+    const int64_t hk = g.Hk == 1 ? 0 : h;
+    gemm<T>(false, true, tq, win.cols, g.D, scale, qf, ldq, w.tk_pad + (hk * w.ldr + win.first) * g.D, g.D, T(0), QA,
+            win.cols);
+  } else {
+    std::fill(QA, QA + tq * win.cols, T(0));
+  }
+  if (g.has_b) {
+    const T* b = w.rb + (g.Hb == 1 ? 0 : h) * g.R + win.first;
+    for (int64_t a = 0; a < tq; ++a) add_into(QA + a * win.cols, b, win.rows);
+  }
+}
+
 // Scores of one tile of rows (query head h, key/value head hkv) against keys n0 .. n0+width-1: S[a, x] =
 // scale * q . k + mask + the relative key term (from the tile's QA rows, or none), 0 where a row may not see the
 // key. For each row its runs and the max of its scores (-inf if it sees no key there).
@@ -770,7 +799,7 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, T
   constexpr bool narrow = !std::is_same_v<I, T>;
   const int64_t last = 2 * g.kk, nseq = static_cast<int64_t>(batch.seqs.size());
   const int64_t cap = window_cap(g, w.ldr, tile_q, g.M);  // columns of a tile's table rows
-  const bool tables = g.has_k || g.has_v;
+  const bool tables = g.has_qa() || g.has_v;
   // start[s]: sequence s's first task; cum: the tasks' running cost (multiply-adds per head dim)
   std::vector<int64_t> start(nseq + 1, 0), cum{0};
   for (int64_t s = 0; s < nseq; ++s) {
@@ -787,7 +816,7 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, T
   // The position-to-content term: KA's row stride, room for the longest sequence's windows.
   const int64_t ka_ld = g.has_q ? key_table_ld(g, w.ldr, sizeof(T)) : 0;
   for_parts(bounds, [&](int64_t, int64_t begin, int64_t end) {
-    std::vector<T> S(tile_q * tile_k), QA(g.has_k ? tile_q * cap : 0), PW(g.has_v ? tile_q * cap : 0);
+    std::vector<T> S(tile_q * tile_k), QA(g.has_qa() ? tile_q * cap : 0), PW(g.has_v ? tile_q * cap : 0);
     std::vector<T> acc(tile_q * g.Dv), mx(tile_q), sm(tile_q), rmax(tile_q);
     std::vector<T> qbuf(narrow && g.has_k ? tile_q * g.D : 0);
     std::vector<I> P16(narrow ? tile_q * tile_k : 0);
@@ -807,7 +836,7 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, T
       const Views<I, T> ws = seq_views(w, seq);
       const int64_t nq = (start[si + 1] - start[si]) / g.H, h = (task - start[si]) / nq;
       const int64_t m0 = (task - start[si]) % nq * tile_q, b = seq.b, hkv = h / g.group;
-      const int64_t hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h, tq = std::min(tile_q, gs.N - m0);
+      const int64_t hv = g.Hv == 1 ? 0 : h, tq = std::min(tile_q, gs.N - m0);
       const int64_t row0 = (b * g.H + h) * batch.rows_q + seq.q0 + m0;  // the tile's first row of out and lse
       if (g.has_q && si * g.H + g.ka_head(h) != pos_of) {
         key_windows(gs, w.ldr, 0, gs.M, ka_wins);
@@ -818,11 +847,10 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, T
       const int64_t end = kv_end(gs, m0, tq);
       // the table rows the tile meets: QA and PW rows hold win.cols entries, from table row win.first
       const Window win = window_of(g.kk, w.ldr, g.causal, m0 + gs.off, m0 + tq - 1 + gs.off, 0, end);
-      if (g.has_k) {
-        int64_t ldq;
-        const T* qt = rows_as<T>(ws.qph(b, h) + m0 * w.qps[2], tq, g.D, w.qps[2], qbuf, ldq);
-        gemm<T>(false, true, tq, win.cols, g.D, scale, qt, ldq, w.tk_pad + (hk * w.ldr + win.first) * g.D, g.D,
-                T(0), QA.data(), win.cols);
+      if (g.has_qa()) {
+        int64_t ldq = 0;
+        const T* qt = g.has_k ? rows_as<T>(ws.qph(b, h) + m0 * w.qps[2], tq, g.D, w.qps[2], qbuf, ldq) : nullptr;
+        tile_key_rows(g, ws, h, qt, ldq, tq, win, scale, QA.data());
       }
       std::fill(PW.begin(), PW.end(), T(0));
       std::fill(acc.begin(), acc.end(), T(0));
@@ -830,7 +858,7 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, T
       std::fill(sm.begin(), sm.end(), T(0));
       for (int64_t n0 = 0; n0 < end; n0 += tile_k) {
         const int64_t width = std::min(tile_k, end - n0);
-        block_scores(gs, ws, b, h, hkv, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr, win,
+        block_scores(gs, ws, b, h, hkv, m0, tq, n0, width, scale, g.has_qa() ? QA.data() : nullptr, win,
                      g.has_q ? &pos : nullptr, S.data(), tile_k, runs.data(), rmax.data());
         for (int64_t a = 0; a < tq; ++a) {
           T* s = S.data() + a * tile_k;
@@ -888,14 +916,14 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, T
 template <typename I, typename T>
 void backward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, T scale, int64_t tile_q,
                    int64_t tile_k, int64_t splits, const I* dout, const int64_t* dos, const I* out, const T* lse, T* dq,
-                   T* dqp, T* dk, T* dv, T* drk, T* drv, T* drq, const bool* own) {
+                   T* dqp, T* dk, T* dv, T* drk, T* drv, T* drq, T* drb, const bool* own) {
   constexpr bool narrow = !std::is_same_v<I, T>;
   const int64_t last = 2 * g.kk, R = g.R, nseq = static_cast<int64_t>(batch.seqs.size());
   const auto per_split = [&](int64_t m) { return ((m + tile_k - 1) / tile_k + splits - 1) / splits * tile_k; };
   const int64_t seg = std::min(g.M, per_split(g.M));  // the most keys of a task (g: the longest sequence)
   const int64_t cap = window_cap(g, w.ldr, tile_q, seg);  // columns of a tile's table rows
   const int64_t ld = g.has_q ? key_table_ld(g, w.ldr, sizeof(T)) : 0;  // KA's and its bins' row stride
-  const bool tables = g.has_k || g.has_v;
+  const bool tables = g.has_qa() || g.has_v;
   // The tasks' running cost (multiply-adds per head dim and query head), task (s * Hkv + hkv) * splits + split.
   std::vector<int64_t> cum{0}, costs(splits);
   for (const Seq& seq : batch.seqs) {
@@ -918,6 +946,7 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, 
     T* drk_t = g.has_k ? drk + (own[0] ? 0 : part) * g.Hk * R * g.D : nullptr;
     T* drv_t = g.has_v ? drv + (own[1] ? 0 : part) * g.Hv * R * g.Dv : nullptr;
     T* drq_t = g.has_q ? drq + (own[2] ? 0 : part) * g.Hq * R * g.D : nullptr;
+    T* drb_t = g.has_b ? drb + (own[3] ? 0 : part) * g.Hb * R : nullptr;
     // The position-to-content bins of the task's keys (one query head at a time): dKA, and its edge columns.
     std::vector<T> dKA(g.has_q ? seg * ld : 0), dlo(g.has_q ? seg : 0), dhi(g.has_q ? seg : 0);
     std::vector<T> kbuf(narrow && g.has_q ? seg * g.D : 0);
@@ -926,7 +955,7 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, 
     PosRows<T> pos{};
     std::vector<T> P(tile_q * tile_k), dP(tile_q * tile_k), dsum(tile_q), rmax(tile_q);
     std::vector<Runs> runs(tile_q);
-    std::vector<T> QA(g.has_k ? tile_q * cap : 0), dQA(g.has_k ? tile_q * cap : 0);
+    std::vector<T> QA(g.has_qa() ? tile_q * cap : 0), dQA(g.has_qa() ? tile_q * cap : 0);
     std::vector<T> DOA(g.has_v ? tile_q * cap : 0), PW(g.has_v ? tile_q * cap : 0);
     std::vector<T> qbuf(narrow && g.has_k ? tile_q * g.D : 0), dobuf(narrow && g.has_v ? tile_q * g.Dv : 0);
     std::vector<I> B16(narrow ? tile_q * tile_k : 0);
@@ -975,9 +1004,8 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, 
           int64_t ldq = 0, ldo = 0;  // the tile's position queries and dO rows as T, for the GEMMs with the tables
           const T* qf = g.has_k ? rows_as<T>(ws.qph(b, h) + m0 * w.qps[2], tq, g.D, w.qps[2], qbuf, ldq) : nullptr;
           const T* dof = g.has_v ? rows_as<T>(dot, tq, g.Dv, dos[2], dobuf, ldo) : nullptr;
-          if (g.has_k) {
-            gemm<T>(false, true, tq, wc, g.D, scale, qf, ldq, w.tk_pad + (hk * w.ldr + win.first) * g.D, g.D, T(0),
-                    QA.data(), wc);
+          if (g.has_qa()) {
+            tile_key_rows(g, ws, h, qf, ldq, tq, win, scale, QA.data());
             std::fill(dQA.begin(), dQA.begin() + tq * wc, T(0));
           }
           if (g.has_v) {
@@ -987,7 +1015,7 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, 
           }
           for (int64_t n0 = keys_lo; n0 < end; n0 += tile_k) {
             const int64_t width = std::min(tile_k, end - n0);
-            block_scores(gs, ws, b, h, hkv, m0, tq, n0, width, scale, g.has_k ? QA.data() : nullptr, win,
+            block_scores(gs, ws, b, h, hkv, m0, tq, n0, width, scale, g.has_qa() ? QA.data() : nullptr, win,
                          g.has_q ? &pos : nullptr, P.data(), tile_k, runs.data(), rmax.data());
             for (int64_t a = 0; a < tq; ++a) {  // P = exp(S - lse)
               T* s = P.data() + a * tile_k;
@@ -1021,7 +1049,7 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, 
               softmax_grad_sum(ds + r.left, p + r.left, r.right - r.left, d);
               const T hi = softmax_grad_sum(ds + r.right, p + r.right, r.valid - r.right, d);
               std::fill(ds + r.valid, ds + width, T(0));
-              if (g.has_k) fold_runs(dQA.data() + a * wc, ds, r, win.first, last, lo, hi);
+              if (g.has_qa()) fold_runs(dQA.data() + a * wc, ds, r, win.first, last, lo, hi);
             }
             if (g.has_q)
               bin_pos_term(dP.data(), tile_k, runs.data(), tq, n0, width, dKA.data(), dlo.data(), dhi.data(), pos);
@@ -1041,6 +1069,10 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, 
           if (g.has_v) {
             gemm<T>(true, false, win.rows, g.Dv, tq, T(1), PW.data(), wc, dof, ldo, T(1),
                     drv_t + (hv * R + win.first) * g.Dv, g.Dv);
+          }
+          if (g.has_b) {  // d b += the rows' sums of dS per table row (unscaled: the bias is added after the scale)
+            T* db = drb_t + (g.Hb == 1 ? 0 : h) * R + win.first;
+            for (int64_t a = 0; a < tq; ++a) add_into(db, dQA.data() + a * wc, win.rows);
           }
         }
         if (g.has_q && keys_hi > keys_lo) {  // dk += scale dKA @ a^Q;  d a^Q += scale dKA.T @ k (the task's keys)
@@ -1078,7 +1110,8 @@ at::ScalarType compute_type(const at::Tensor& q) {
 }
 
 Geometry geometry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tk,
-                  const at::Tensor& tv, const at::Tensor& tq, int64_t kk, bool causal, int64_t off) {
+                  const at::Tensor& tv, const at::Tensor& tq, const at::Tensor& tb, int64_t kk, bool causal,
+                  int64_t off) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "relattn native: q, k, v must be 4-D");
   const at::ScalarType dt = q.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kDouble || is_16_bit_type(dt),
@@ -1110,6 +1143,14 @@ Geometry geometry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   g.Hv = heads(tv);
   g.has_q = tq.defined();
   g.Hq = heads(tq);
+  if (tb.defined()) {  // (1 or H, 2K+1) or (2K+1,)
+    TORCH_CHECK((tb.dim() == 2 || tb.dim() == 1) && tb.size(-1) == g.R && tb.is_contiguous() &&
+                    tb.scalar_type() == compute_type(q) && (tb.dim() == 1 || tb.size(0) == 1 || tb.size(0) == g.H),
+                "relattn native: rel_bias must be contiguous (1 or H, 2K+1) or (2K+1,) of q's dtype (float32 for 16-bit "
+                "q)");
+    g.has_b = true;
+    g.Hb = tb.dim() == 2 ? tb.size(0) : 1;
+  }
   return g;
 }
 
@@ -1211,13 +1252,15 @@ std::tuple<at::Tensor, at::Tensor> forward_call(const at::Tensor& q_, const at::
                                                 const std::optional<at::Tensor>& rel_v,
                                                 const std::optional<at::Tensor>& mask_,
                                                 const std::optional<at::Tensor>& rel_q,
-                                                const std::optional<at::Tensor>& q_pos, int64_t kk, bool is_causal,
+                                                const std::optional<at::Tensor>& q_pos,
+                                                const std::optional<at::Tensor>& rel_bias, int64_t kk, bool is_causal,
                                                 double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k,
                                                 const at::Tensor* cu_q, const at::Tensor* cu_k) {
   at::Tensor q = rows_contiguous(q_), k = rows_contiguous(k_), v = rows_contiguous(v_);
   at::Tensor tk = table(rel_k), tv = table(rel_v), tq = table(rel_q), mask = checked_mask(opt(mask_), q, k);
+  at::Tensor tb = table(rel_bias);
   at::Tensor qp = checked_position_queries(q_pos, q);
-  Geometry g = geometry(q, k, v, tk, tv, tq, kk, is_causal, query_offset);
+  Geometry g = geometry(q, k, v, tk, tv, tq, tb, kk, is_causal, query_offset);
   const Batch batch = cu_q == nullptr ? dense_batch(g) : packed_batch(g, *cu_q, *cu_k);
   clamp_tiles(g, tile_q, tile_k);
   at::Tensor out = at::empty({g.B, g.H, batch.rows_q, g.Dv}, q.options());
@@ -1225,7 +1268,7 @@ std::tuple<at::Tensor, at::Tensor> forward_call(const at::Tensor& q_, const at::
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   const Padded pad = padded_tables(tk, tv, tq, g, tile_q);
   dispatch_types(q.scalar_type(), [&]<typename I, typename T>() {
-    forward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, qp, pad), batch, static_cast<T>(scale), tile_q,
+    forward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, qp, pad, tb), batch, static_cast<T>(scale), tile_q,
                        tile_k, out.data_ptr<I>(), lse.data_ptr<T>());
   });
   return {out, lse};
@@ -1236,9 +1279,10 @@ std::tuple<at::Tensor, at::Tensor> shaw_fwd(const at::Tensor& q, const at::Tenso
                                             const std::optional<at::Tensor>& rel_v,
                                             const std::optional<at::Tensor>& mask,
                                             const std::optional<at::Tensor>& rel_q,
-                                            const std::optional<at::Tensor>& q_pos, int64_t kk, bool is_causal,
+                                            const std::optional<at::Tensor>& q_pos,
+                                            const std::optional<at::Tensor>& rel_bias, int64_t kk, bool is_causal,
                                             double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k) {
-  return forward_call(q, k, v, rel_k, rel_v, mask, rel_q, q_pos, kk, is_causal, scale, query_offset, tile_q, tile_k,
+  return forward_call(q, k, v, rel_k, rel_v, mask, rel_q, q_pos, rel_bias, kk, is_causal, scale, query_offset, tile_q, tile_k,
                       nullptr, nullptr);
 }
 
@@ -1246,28 +1290,33 @@ std::tuple<at::Tensor, at::Tensor> shaw_varlen_fwd(const at::Tensor& q, const at
                                                    const std::optional<at::Tensor>& rel_k,
                                                    const std::optional<at::Tensor>& rel_v,
                                                    const std::optional<at::Tensor>& rel_q,
-                                                   const std::optional<at::Tensor>& q_pos, const at::Tensor& cu_q,
+                                                   const std::optional<at::Tensor>& q_pos,
+                                                   const std::optional<at::Tensor>& rel_bias, const at::Tensor& cu_q,
                                                    const at::Tensor& cu_k, int64_t kk, bool is_causal, double scale,
                                                    int64_t query_offset, int64_t tile_q, int64_t tile_k) {
-  return forward_call(q, k, v, rel_k, rel_v, std::nullopt, rel_q, q_pos, kk, is_causal, scale, query_offset, tile_q,
+  return forward_call(q, k, v, rel_k, rel_v, std::nullopt, rel_q, q_pos, rel_bias, kk, is_causal, scale, query_offset, tile_q,
                       tile_k, &cu_q, &cu_k);
 }
 
-using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Grads =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // Gradients in the compute type (float32 for 16-bit inputs); dk, dv (B, Hkv, rows_k, D|Dv); the seventh, d q_pos (the
-// key table's share of the position queries' gradient, apart from dq's content share), empty without q_pos.
+// key table's share of the position queries' gradient, apart from dq's content share), empty without q_pos; the
+// eighth, d rel_bias in rel_bias's shape, empty without it.
 Grads backward_call(const at::Tensor& grad_out_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
                     const std::optional<at::Tensor>& rel_k, const std::optional<at::Tensor>& rel_v,
                     const std::optional<at::Tensor>& mask_, const std::optional<at::Tensor>& rel_q,
-                    const std::optional<at::Tensor>& q_pos, const at::Tensor& out_, const at::Tensor& lse_, int64_t kk,
-                    bool is_causal, double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k,
-                    int64_t kv_splits, const at::Tensor* cu_q, const at::Tensor* cu_k) {
+                    const std::optional<at::Tensor>& q_pos, const std::optional<at::Tensor>& rel_bias,
+                    const at::Tensor& out_, const at::Tensor& lse_, int64_t kk, bool is_causal, double scale,
+                    int64_t query_offset, int64_t tile_q, int64_t tile_k, int64_t kv_splits, const at::Tensor* cu_q,
+                    const at::Tensor* cu_k) {
   at::Tensor q = rows_contiguous(q_), k = rows_contiguous(k_), v = rows_contiguous(v_);
   at::Tensor grad_out = rows_contiguous(grad_out_), out = out_.contiguous(), lse = lse_.contiguous();
   at::Tensor tk = opt(rel_k), tv = opt(rel_v), tq = opt(rel_q), mask = checked_mask(opt(mask_), q, k);
+  at::Tensor tb = table(rel_bias);
   at::Tensor qp = checked_position_queries(q_pos, q);
-  Geometry g = geometry(q, k, v, tk, tv, tq, kk, is_causal, query_offset);
+  Geometry g = geometry(q, k, v, tk, tv, tq, tb, kk, is_causal, query_offset);
   const Batch batch = cu_q == nullptr ? dense_batch(g) : packed_batch(g, *cu_q, *cu_k);
   TORCH_CHECK(grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type() &&
                   lse.scalar_type() == compute_type(q),
@@ -1294,43 +1343,46 @@ Grads backward_call(const at::Tensor& grad_out_, const at::Tensor& q_, const at:
   // writer (per-head tables, one sequence, one key segment: the task of a key/value head writes only its group's
   // heads), which saves (threads - 1) tables (Transformer-XL's per-head (2N - 1)-row tables).
   const bool single = nseq == 1 && splits == 1;
-  const bool own[3] = {single && g.Hk == g.H, single && g.Hv == g.H, single && g.Hq == g.H};
+  const bool own[4] = {single && g.Hk == g.H, single && g.Hv == g.H, single && g.Hq == g.H, single && g.Hb == g.H};
   at::Tensor drk = g.has_k ? at::zeros({own[0] ? 1 : threads, g.Hk, g.R, g.D}, opts) : at::empty({0}, opts);
   at::Tensor drv = g.has_v ? at::zeros({own[1] ? 1 : threads, g.Hv, g.R, g.Dv}, opts) : at::empty({0}, opts);
   at::Tensor drq = g.has_q ? at::zeros({own[2] ? 1 : threads, g.Hq, g.R, g.D}, opts) : at::empty({0}, opts);
+  at::Tensor drb = g.has_b ? at::zeros({own[3] ? 1 : threads, g.Hb, g.R}, opts) : at::empty({0}, opts);
   if (g.N > 0 && g.M > 0) {
     const int64_t dos[3] = {grad_out.stride(0), grad_out.stride(1), grad_out.stride(2)};
     const Padded pad = padded_tables(tk, tv, tq, g, tile_q);
     dispatch_types(q.scalar_type(), [&]<typename I, typename T>() {
-      backward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, qp, pad), batch, static_cast<T>(scale), tile_q,
+      backward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, qp, pad, tb), batch, static_cast<T>(scale), tile_q,
                           tile_k, splits, grad_out.data_ptr<I>(), dos, out.data_ptr<I>(), lse.data_ptr<T>(),
                           dq.data_ptr<T>(), qp.defined() ? dqp.data_ptr<T>() : nullptr, dk.data_ptr<T>(),
                           dv.data_ptr<T>(), g.has_k ? drk.data_ptr<T>() : nullptr,
-                          g.has_v ? drv.data_ptr<T>() : nullptr, g.has_q ? drq.data_ptr<T>() : nullptr, own);
+                          g.has_v ? drv.data_ptr<T>() : nullptr, g.has_q ? drq.data_ptr<T>() : nullptr,
+                          g.has_b ? drb.data_ptr<T>() : nullptr, own);
     });
   }
   const auto slabs = [&](const at::Tensor& t) { return splits == 1 ? t[0] : t.sum(0); };
   const auto copies = [](const at::Tensor& t) { return t.size(0) == 1 ? t[0] : t.sum(0); };
   return {slabs(dq), dk, dv, g.has_k ? copies(drk) : drk, g.has_v ? copies(drv) : drv, g.has_q ? copies(drq) : drq,
-          qp.defined() ? slabs(dqp) : dqp};
+          qp.defined() ? slabs(dqp) : dqp, g.has_b ? copies(drb).reshape(tb.sizes()) : drb};
 }
 
 Grads shaw_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                const std::optional<at::Tensor>& rel_k, const std::optional<at::Tensor>& rel_v,
                const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& rel_q,
-               const std::optional<at::Tensor>& q_pos, const at::Tensor& out, const at::Tensor& lse, int64_t kk,
-               bool is_causal, double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k, int64_t kv_splits) {
-  return backward_call(grad_out, q, k, v, rel_k, rel_v, mask, rel_q, q_pos, out, lse, kk, is_causal, scale,
+               const std::optional<at::Tensor>& q_pos, const std::optional<at::Tensor>& rel_bias, const at::Tensor& out,
+               const at::Tensor& lse, int64_t kk, bool is_causal, double scale, int64_t query_offset, int64_t tile_q,
+               int64_t tile_k, int64_t kv_splits) {
+  return backward_call(grad_out, q, k, v, rel_k, rel_v, mask, rel_q, q_pos, rel_bias, out, lse, kk, is_causal, scale,
                        query_offset, tile_q, tile_k, kv_splits, nullptr, nullptr);
 }
 
 Grads shaw_varlen_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const std::optional<at::Tensor>& rel_k, const std::optional<at::Tensor>& rel_v,
                       const std::optional<at::Tensor>& rel_q, const std::optional<at::Tensor>& q_pos,
-                      const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k,
-                      int64_t kk, bool is_causal, double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k,
-                      int64_t kv_splits) {
-  return backward_call(grad_out, q, k, v, rel_k, rel_v, std::nullopt, rel_q, q_pos, out, lse, kk, is_causal, scale,
+                      const std::optional<at::Tensor>& rel_bias, const at::Tensor& out, const at::Tensor& lse,
+                      const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t kk, bool is_causal, double scale,
+                      int64_t query_offset, int64_t tile_q, int64_t tile_k, int64_t kv_splits) {
+  return backward_call(grad_out, q, k, v, rel_k, rel_v, std::nullopt, rel_q, q_pos, rel_bias, out, lse, kk, is_causal, scale,
                        query_offset, tile_q, tile_k, kv_splits, &cu_q, &cu_k);
 }
 
@@ -1338,18 +1390,19 @@ Grads shaw_varlen_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at:
 
 TORCH_LIBRARY(relattn_native, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, Tensor? rel_q, "
-        "Tensor? q_pos, int K, bool is_causal, float scale, int query_offset, int tile_q, int tile_k) -> "
+        "Tensor? q_pos, Tensor? rel_bias, int K, bool is_causal, float scale, int query_offset, int tile_q, int tile_k) -> "
         "(Tensor, Tensor)");
   m.def("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, "
-        "Tensor? rel_q, Tensor? q_pos, Tensor out, Tensor lse, int K, bool is_causal, float scale, int query_offset, "
-        "int tile_q, int tile_k, int kv_splits) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? rel_q, Tensor? q_pos, Tensor? rel_bias, Tensor out, Tensor lse, int K, bool is_causal, float scale, "
+        "int query_offset, int tile_q, int tile_k, int kv_splits) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? rel_q, Tensor? q_pos, "
-        "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int K, bool is_causal, float scale, int query_offset, int tile_q, "
+        "Tensor? rel_bias, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int K, bool is_causal, float scale, int query_offset, int tile_q, "
         "int tile_k) -> (Tensor, Tensor)");
   m.def("varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? rel_q, "
-        "Tensor? q_pos, Tensor out, Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int K, bool is_causal, "
-        "float scale, int query_offset, int tile_q, int tile_k, int kv_splits) -> "
-        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? q_pos, Tensor? rel_bias, Tensor out, Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int K, "
+        "bool is_causal, float scale, int query_offset, int tile_q, int tile_k, int kv_splits) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("has_gemm16(ScalarType dtype) -> bool", [](at::ScalarType dtype) { return has_gemm16(dtype); });
 }
 
