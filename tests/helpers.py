@@ -31,7 +31,7 @@ import torch
 from relattn import BACKENDS, relative_attention
 from relattn import reference as ref
 from relattn.backends import AttentionCall, native, not_supported_reasons
-from relattn.positions import LogBuckets, check_window, relative_position_index
+from relattn.positions import LogBuckets, T5Buckets, check_window, relative_position_index
 
 TOL_EPS = 512  # float64/float32: max error <= TOL_EPS * eps * (1 + max|want|)
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # compared with the plain PyTorch yardstick instead
@@ -114,13 +114,14 @@ def _materialised(table, idx, heads, beyond):
 
 
 def attention_ref(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, rel_q=None, content_bias=None,
-                  position_bias=None, attn_mask=None, is_causal=False, scale=None, query_offset=0, beyond="clip",
-                  enable_gqa=None, upcast=True):
+                  position_bias=None, rel_bias=None, attn_mask=None, is_causal=False, scale=None, query_offset=0,
+                  beyond="clip", enable_gqa=None, upcast=True):
     """Shaw attention the plain PyTorch way: q (B,H,N,D), k (B,Hkv,M,D), v (B,Hkv,M,Dv) (H % Hkv == 0), tables
     (R, D|Dv) or (Hr, R, D|Dv) (``rel_q``, position-to-content, as ``rel_k``), Transformer-XL's biases (H, D)
     (``content_bias`` on the content term, ``position_bias`` on the key-table term), the op's keywords; returns
-    (B, H, N, Dv), differentiable. A :class:`relattn.positions.LogBuckets` ``max_relative_position`` indexes the
-    compact tables by :meth:`LogBuckets.row` of each offset.
+    (B, H, N, Dv), differentiable. A :class:`relattn.positions.LogBuckets` (or ``T5Buckets``)
+    ``max_relative_position`` indexes the compact tables by its ``row`` of each offset. ``rel_bias`` (R,) or (H, R):
+    the scalar bias, added unscaled at the same row (zero beyond a zero-beyond window).
 
     ``upcast=True``: computed in float64 (the oracle); ``upcast=False``: on the inputs as they are, every matmul
     and the softmax run as a user's own PyTorch code would run them, under autocast too (the yardstick). A row
@@ -128,13 +129,14 @@ def attention_ref(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, rel
     reaches there (the float64 oracle sums the value term by buckets of offsets, as the specification does).
     """
     if upcast:
-        q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias = (
-            None if t is None else t.double() for t in (q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias))
+        q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, rel_bias = (
+            None if t is None else t.double() for t in (q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias,
+                                                        rel_bias))
     b, h, n, d = q.shape
     m = k.shape[-2]
     if k.shape[1] != h:  # grouped-query attention: query head i reads key/value head i // (H // Hkv)
         k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
-    if isinstance(max_relative_position, LogBuckets):
+    if isinstance(max_relative_position, (LogBuckets, T5Buckets)):
         offsets = torch.arange(m, device=q.device)[None, :] - torch.arange(n, device=q.device)[:, None] - query_offset
         idx = max_relative_position.row(offsets)
     else:
@@ -150,6 +152,9 @@ def attention_ref(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, rel
         aq, letters = _materialised(rel_q, idx, h, beyond)
         scores = scores + torch.einsum(f"bhmd,{letters}->bhnm", k, aq)
     scores = scores * (1 / math.sqrt(d) if scale is None else scale)
+    if rel_bias is not None:
+        bias = rel_bias if beyond == "clip" else torch.cat([rel_bias, rel_bias.new_zeros(*rel_bias.shape[:-1], 1)], -1)
+        scores = scores + bias[..., idx]
     if attn_mask is not None:
         mask = attn_mask.to(q.device)
         if mask.dtype == torch.bool:
@@ -188,7 +193,7 @@ def plain_module_forward(mod, x, *, is_causal=False):
 
 
 # The op's tensor keywords that get gradients too (after the inputs, in this order) when given
-GRAD_KEYWORDS = ("rel_q", "content_bias", "position_bias")
+GRAD_KEYWORDS = ("rel_q", "content_bias", "position_bias", "rel_bias")
 
 
 def oracle_grads(inputs, go, **op_kwargs):
