@@ -16,6 +16,9 @@ class, its parameters and its ``state_dict`` names; only its ``forward`` is repl
 - Transformer-XL relative attention (content and position biases, a window as long as the sequence): Parakeet,
   Wav2Vec2-Conformer, SeamlessM4T v1's speech encoder and Wav2Vec2-BERT (``position_embeddings_type="relative"``),
   FastSpeech2-Conformer, :mod:`relattn.integrations.conformer`.
+- T5's relative attention bias (a scalar per head and bucket of ``j - i``, the op's ``rel_bias`` with
+  :class:`~relattn.positions.T5Buckets`): T5, mT5, umT5, Switch Transformers, Pop2Piano, Pix2Struct's text decoder,
+  UDOP's and LongT5's decoders, and MPNet, :mod:`relattn.integrations.t5`.
 
 With ``output_attentions=True`` patched modules return the weights, from :func:`relative_attention_weights`, as
 the unpatched modules do (Wav2Vec2-BERT and SeamlessM4T-v2 whenever the model records attentions).
@@ -29,6 +32,7 @@ from torch import nn
 
 from ..backends import check_name
 from ..functional import relative_attention, relative_attention_weights
+from . import t5 as _t5
 from ._patching import PatchReport, is_patched, patched_here, swap, unpatch
 from .conformer import HANDLERS as _CONFORMER
 from .conformer import SUPPORTED as _CONFORMER_SUPPORTED
@@ -38,7 +42,7 @@ from .deberta import SUPPORTED as _DEBERTA_SUPPORTED
 from .hf_common import as_attn_mask, attentions_recorded, dropout_p, merge, packed_attention, qkv, right_packing
 
 SUPPORTED = ("Wav2Vec2-BERT (relative_key)", "SeamlessM4T-v2 speech encoder (relative_key)", "SpeechT5 encoder",
-             "VITS", *_DEBERTA_SUPPORTED, *_CONFORMER_SUPPORTED)
+             "VITS", *_DEBERTA_SUPPORTED, *_CONFORMER_SUPPORTED, *_t5.SUPPORTED)
 
 
 # ------------------------------------------------------------------------------------------ the patched forwards
@@ -180,7 +184,9 @@ def patch(model: nn.Module, *, backend: str = "auto") -> PatchReport:
     SpeechT5 encoder, VITS, DeBERTa (v1) and DeBERTa-v2/v3 (every ``Deberta*`` / ``DebertaV2*`` model class), and
     Transformer-XL's relative attention: Parakeet (``ParakeetEncoder`` and its CTC, RNN-T, TDT heads),
     Wav2Vec2-Conformer, SeamlessM4T v1's speech encoder and Wav2Vec2-BERT with ``relative`` positions,
-    FastSpeech2-Conformer. Other attention modules (rotary, absolute positions, SpeechT5's decoder, DeBERTa's
+    FastSpeech2-Conformer; T5's relative attention bias: T5, mT5, umT5, Switch Transformers, Pop2Piano, Pix2Struct's
+    text decoder, UDOP's and LongT5's decoders (every head class), and MPNet (``MPNetModel`` and its heads).
+    Other attention modules (rotary, absolute positions, SpeechT5's decoder, DeBERTa's
     talking heads, adapters) are left untouched and listed in ``skipped`` with the reason; a warning names the
     unsupported position types, and one is raised when nothing could be patched.
 
@@ -196,6 +202,7 @@ def patch(model: nn.Module, *, backend: str = "auto") -> PatchReport:
     backend = check_name(backend)
     report = PatchReport()
     speecht5_encoder_attention = set()
+    _t5.patch_into(model, report, lambda module, forward, **attributes: swap(module, forward, backend, **attributes))
     for name, module in model.named_modules():
         qualname = _qualname(module)
         if qualname == _SPEECHT5 + "SpeechT5Encoder":
@@ -207,11 +214,14 @@ def patch(model: nn.Module, *, backend: str = "auto") -> PatchReport:
         if qualname == _SPEECHT5 + "SpeechT5Attention":
             forward, reason = _speecht5_forward, (None if id(module) in speecht5_encoder_attention
                                                   else _speecht5_reason(module))
+        elif _t5.handles(module):
+            continue  # integrations/t5.py decided
         elif qualname in _HANDLERS:
             forward, why = _HANDLERS[qualname]
             reason = why(module)
         else:
-            wrapper = any(_qualname(child) in _HANDLERS for child in module.children())  # DeBERTa's Attention
+            wrapper = any(_qualname(child) in _HANDLERS or _t5.handles(child)  # DeBERTa's Attention, T5's layers
+                          for child in module.children())
             if not wrapper and (type(module).__name__.endswith("SelfAttention") or qualname.endswith("Attention")):
                 report.skipped[name] = f"{type(module).__name__} is not a supported Shaw attention module"
             continue
