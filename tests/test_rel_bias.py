@@ -299,3 +299,58 @@ def test_bad_bias_tables_are_refused_by_name():
         relative_attention(q, q, q, max_relative_position=2, rel_bias=[0.0] * 5)
     with pytest.raises(ValueError, match="does not apply to T5Buckets"):
         relative_attention(q, q, q, max_relative_position=T5Buckets(), rel_bias=torch.randn(32), beyond="zero")
+
+
+# ------------------------------------------------------------------------------------------- the module
+
+
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "decoder"])
+def test_t5_style_module_is_t5_attention(decoder):
+    """``RelativeMultiheadAttention`` with a bias table, no tables and scale 1.0 computes transformers' T5Attention
+    with the same weights (outputs and the table's gradient), a right-padded batch too; the decoder step by step
+    through a ``KVCache`` equals its whole causal call."""
+    t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
+    from relattn import KVCache, RelativeMultiheadAttention
+
+    config = t5.T5Config(d_model=12, d_kv=4, num_heads=3, relative_attention_num_buckets=8,
+                         relative_attention_max_distance=12, dropout_rate=0.0, is_decoder=decoder)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    theirs = t5.T5Attention(config, has_relative_attention_bias=True, layer_idx=0, is_causal=decoder).double()
+    mine = RelativeMultiheadAttention(12, 3, T5Buckets(8, 12, not decoder), relative_keys=False,
+                                      relative_values=False, relative_bias=True, share_heads=False, scale=1.0,
+                                      bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        for a, b in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("out_proj", "o")):
+            getattr(mine, a).weight.copy_(getattr(theirs, b).weight)
+        mine.rel_bias.copy_(theirs.relative_attention_bias.weight.t())
+    x = torch.randn(2, 20, 12, dtype=torch.float64)
+    keep = torch.ones(2, 20, dtype=torch.bool)
+    keep[1, 13:] = False
+    n = x.shape[1]
+    allowed = keep[:, None, None, :] & (torch.ones(n, n, dtype=torch.bool).tril() if decoder else True)
+    want = theirs(x, mask=torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, -torch.inf))[0]
+    got, _ = mine(x, key_padding_mask=~keep, is_causal=decoder)
+    real = keep[..., None]
+    assert_close(got * real, want * real, torch.float64, "T5 attention")
+    g_mine = torch.autograd.grad((got * real).sum(), mine.rel_bias)[0]
+    g_theirs = torch.autograd.grad((want * real).sum(), theirs.relative_attention_bias.weight)[0]
+    assert_close(g_mine, g_theirs.t(), torch.float64, "bias gradient")
+    if decoder:
+        cache = KVCache()
+        steps = [mine(x[:, i:i + 1], kv_cache=cache, is_causal=True)[0] for i in range(n)]
+        assert_close(torch.cat(steps, 1), mine(x, is_causal=True)[0], torch.float64, "decoding")
+
+
+def test_module_bias_options_checked():
+    from relattn import RelativeMultiheadAttention
+
+    with pytest.raises(TypeError, match="relative_bias must be a bool"):
+        RelativeMultiheadAttention(8, 2, 3, relative_bias=1)
+    with pytest.raises(ValueError, match="transformer_xl=True has none"):
+        RelativeMultiheadAttention(8, 2, relative_bias=True, transformer_xl=True)
+    with pytest.raises(ValueError, match="rel_bias"):
+        RelativeMultiheadAttention(8, 2, 3, relative_bias=True, backend=REFUSING[0]) if REFUSING else \
+            pytest.skip("every backend serves rel_bias")
+    shared = RelativeMultiheadAttention(8, 2, T5Buckets(), relative_bias=True)
+    assert shared.rel_bias.shape == (32,) and shared.rel_k.shape == (32, 4)

@@ -16,7 +16,7 @@ from .functional import (
     relative_attention_with_weights,
 )
 from .padding import Packing, remembered, right_padding
-from .positions import LogBuckets, check_beyond, check_positions, table_rows
+from .positions import BUCKET_MAPS, LogBuckets, T5Buckets, check_beyond, check_positions, table_rows
 
 _MASKS = {  # argument -> what its bool and float forms mean, as nn.MultiheadAttention takes them
     "key_padding_mask": "bool (True = padding: the key is not attended) or floating (added to the scores)",
@@ -107,7 +107,8 @@ class RelativeMultiheadAttention(nn.Module):
             ``KVCache`` holds ``Hkv`` heads. Default ``H`` (multi-head attention); 1 is multi-query attention.
         max_relative_position: ``K``; offsets are clipped to ``[-K, K]``, so tables have ``2K + 1`` rows. A pair
             ``(left, right)`` clips to ``[-left, right]`` (``left + right + 1`` rows). A
-            :class:`relattn.positions.LogBuckets` maps offsets as DeBERTa does (tables of ``2 * span`` rows).
+            :class:`relattn.positions.LogBuckets` maps offsets as DeBERTa does (tables of ``2 * span`` rows), a
+            :class:`relattn.positions.T5Buckets` as T5 does (``num_buckets`` rows).
             None (the default): 16, or with ``transformer_xl`` no clipping at all (every offset of the call).
         beyond: ``"clip"`` (offsets beyond the window take the edge rows) or ``"zero"`` (no relative term).
         tie_tables: one table for keys and values (OpenNMT-py, CTranslate2): ``rel_v`` is ``rel_k``.
@@ -123,6 +124,11 @@ class RelativeMultiheadAttention(nn.Module):
         position_to_content: learn the position-to-content table ``rel_q`` (``a^Q``: DeBERTa's p2c term, adding
             ``k_j . a^Q[idx_ij]`` to the scores), shaped like ``rel_k``.
         share_heads: one (2K+1, D) table per side shared by all heads (Shaw et al.), else (H, 2K+1, D).
+        relative_bias: learn a scalar per table row, ``rel_bias`` ((2K+1,) shared, or (H, 2K+1) with
+            ``share_heads=False``), added unscaled to the scores (the op's ``rel_bias``: T5's relative attention
+            bias). T5's attention is ``RelativeMultiheadAttention(E, H, T5Buckets(), relative_keys=False,
+            relative_values=False, relative_bias=True, share_heads=False, scale=1.0, bias=False)``.
+        scale: the scores' scale, ``1/sqrt(D)`` when None (T5: 1.0).
         transformer_xl: Transformer-XL's relative attention (Dai et al., 2019), the Conformer's
             ``RelPositionMultiHeadAttention``: no learned tables; the key table of each call is ``pos_proj``
             (``E -> E``, no bias) of the sinusoids of every offset the call reaches (row ``t`` of offset
@@ -178,7 +184,7 @@ class RelativeMultiheadAttention(nn.Module):
         self,
         embed_dim: int,
         num_heads: int,
-        max_relative_position: int | tuple[int, int] | LogBuckets | None = None,
+        max_relative_position: int | tuple[int, int] | LogBuckets | T5Buckets | None = None,
         *,
         num_kv_heads: int | None = None,
         beyond: str = "clip",
@@ -194,6 +200,8 @@ class RelativeMultiheadAttention(nn.Module):
         relative_values: bool | None = None,
         position_to_content: bool = False,
         share_heads: bool = True,
+        relative_bias: bool = False,
+        scale: float | None = None,
         transformer_xl: bool = False,
         backend: str = "auto",
         device=None,
@@ -230,9 +238,17 @@ class RelativeMultiheadAttention(nn.Module):
             max_relative_position = 16 if max_relative_position is None else max_relative_position
             relative_keys = True if relative_keys is None else relative_keys
             relative_values = True if relative_values is None else relative_values
+        if not isinstance(relative_bias, bool):
+            raise TypeError(f"relative_bias must be a bool, got {type(relative_bias).__name__}")
+        if relative_bias and transformer_xl:
+            raise ValueError("relative_bias=True needs a table of offsets; transformer_xl=True has none (its key "
+                             "table is computed per call)")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
         refused = backend_refusals(backend, dropout=dropout > 0, head_dim=head_dim, dtype=dtype,
                                    device=None if device is None else torch.device(device).type,
-                                   pos_to_content=position_to_content, position_query=transformer_xl)
+                                   pos_to_content=position_to_content, position_query=transformer_xl,
+                                   rel_bias=relative_bias)
         if refused:
             raise ValueError(f"backend {backend!r} cannot serve this module: {'; '.join(refused)}")
         factory = {"device": device, "dtype": dtype}
@@ -246,8 +262,9 @@ class RelativeMultiheadAttention(nn.Module):
         self.max_relative_position = max_relative_position
         self.transformer_xl = transformer_xl
         self.beyond = check_beyond(beyond)
-        if isinstance(max_relative_position, LogBuckets) and beyond != "clip":
-            raise ValueError(f"beyond={beyond!r} does not apply to LogBuckets positions (they saturate); use 'clip'")
+        if isinstance(max_relative_position, BUCKET_MAPS) and beyond != "clip":
+            raise ValueError(f"beyond={beyond!r} does not apply to {type(max_relative_position).__name__} positions "
+                             "(they saturate); use 'clip'")
         if tie_tables and not (relative_keys and relative_values):
             raise ValueError("tie_tables=True needs relative_keys=True and relative_values=True (one table for both)")
         self.dropout, self.backend, self.share_heads = dropout, backend, share_heads
@@ -264,6 +281,8 @@ class RelativeMultiheadAttention(nn.Module):
             nn.Parameter(torch.empty(table, **factory)) if relative_values else None)
         self.tie_tables = tie_tables
         self.rel_q = nn.Parameter(torch.empty(table, **factory)) if position_to_content else None
+        self.rel_bias = nn.Parameter(torch.empty(table[:-1], **factory)) if relative_bias else None
+        self.scale = None if scale is None else float(scale)
         if transformer_xl:  # NeMo's linear_pos, pos_bias_u, pos_bias_v
             self.pos_proj = nn.Linear(embed_dim, embed_dim, bias=False, **factory)
             self.content_bias = nn.Parameter(torch.empty(num_heads, head_dim, **factory))
@@ -348,7 +367,7 @@ class RelativeMultiheadAttention(nn.Module):
             nn.init.xavier_uniform_(self.position_bias)
             return
         std = math.sqrt(2.0 / (table_rows(self.max_relative_position) + self.head_dim))
-        for table in (self.rel_k, self.rel_v, self.rel_q):
+        for table in (self.rel_k, self.rel_v, self.rel_q, self.rel_bias):
             if table is not None:
                 nn.init.normal_(table, std=std)
 
@@ -360,6 +379,7 @@ class RelativeMultiheadAttention(nn.Module):
                 f"tie_tables={self.tie_tables}, share_heads={self.share_heads}, "
                 f"relative_keys={self.rel_k is not None}, relative_values={self.rel_v is not None}, "
                 f"position_to_content={self.rel_q is not None}, "
+                + (f"relative_bias=True, scale={self.scale}, " if self.rel_bias is not None else "")
                 + ("transformer_xl=True, " if self.transformer_xl else "")
                 + f"batch_first={self.batch_first}, backend={self.backend!r}")
 
@@ -412,6 +432,13 @@ class RelativeMultiheadAttention(nn.Module):
             return None
         return remembered(key_padding_mask, ("key_padding_mask", bf), lambda mask: _right_packing(mask, bf))
 
+    def _bias_args(self, dtype: torch.dtype) -> dict:
+        """The op's ``rel_bias`` and ``scale`` keywords for this module (none when it has neither)."""
+        args = {} if self.scale is None else {"scale": self.scale}
+        if self.rel_bias is not None:
+            args["rel_bias"] = self.rel_bias.to(dtype)
+        return args
+
     def _packed_forward(self, query: torch.Tensor, packing: Packing, is_causal: bool) -> torch.Tensor:
         """Self-attention of the real tokens of ``query`` (B, N, E) ((N, B, E) sequence-first) as one packed call,
         the projections on those rows only; the output in the padded layout, zeros at padding."""
@@ -421,7 +448,7 @@ class RelativeMultiheadAttention(nn.Module):
         rel_k, rel_v, rel_q = (None if t is None else t.to(q.dtype) for t in (self.rel_k, self.rel_v, self.rel_q))
         args = dict(max_relative_position=self.max_relative_position, rel_q=rel_q, beyond=self.beyond,
                     is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0,
-                    enable_gqa=self.num_kv_heads != self.num_heads)
+                    enable_gqa=self.num_kv_heads != self.num_heads, **self._bias_args(q.dtype))
         if self.transformer_xl:
             n = packing.max_seqlen
             kk, table = self._position_table(n, n, 0, q)
@@ -558,7 +585,7 @@ class RelativeMultiheadAttention(nn.Module):
         rel_q = None if self.rel_q is None else self.rel_q.to(q.dtype)
         args = dict(max_relative_position=self.max_relative_position, rel_q=rel_q, beyond=self.beyond, attn_mask=mask,
                     is_causal=is_causal, query_offset=offset, dropout_p=self.dropout if self.training else 0.0,
-                    enable_gqa=self.num_kv_heads != self.num_heads)
+                    enable_gqa=self.num_kv_heads != self.num_heads, **self._bias_args(q.dtype))
         if self.transformer_xl:
             kk, rel_k = self._position_table(n, m, offset, q)
             args.update(max_relative_position=kk, content_bias=self.content_bias.to(q.dtype),
@@ -569,6 +596,9 @@ class RelativeMultiheadAttention(nn.Module):
             weights = weights.mean(1) if average_attn_weights else weights
             weights = weights if batched else weights[0]
         else:
+            if context_parallel is not None and self.rel_bias is not None:
+                raise ValueError("relative_bias=True is not served under context parallelism (the ring takes no "
+                                 "rel_bias yet); run without context_parallel")
             attend = relative_attention if context_parallel is None else context_parallel.attention
             out = attend(q, k, v, rel_k, rel_v, backend=self.backend, **args)
         out = out.transpose(1, 2) if bf else out.permute(2, 0, 1, 3)

@@ -80,7 +80,7 @@ def check_name(name: object, *, what: str = "backend") -> str:
 
 def refusals(name: str, *, device: str | None = None, dtype: torch.dtype | None = None, dropout: bool = False,
              mask: bool = False, head_dim: int | None = None, v_head_dim: int | None = None,
-             pos_to_content: bool = False, position_query: bool = False,
+             pos_to_content: bool = False, position_query: bool = False, rel_bias: bool = False,
              chunk_pairs: bool = False) -> list[str]:
     """Every reason backend ``name`` will refuse the calls a module, model or run of this kind makes, known at
     construction (before any call): its ``Serves`` declaration (:func:`declared_reasons`; None leaves a property
@@ -93,7 +93,7 @@ def refusals(name: str, *, device: str | None = None, dtype: torch.dtype | None 
     arch = compute_capability(torch.device("cuda")) if device == "cuda" and torch.cuda.is_available() else None
     reasons = declared_reasons(backend.serves, device=device, dtype=dtype, dropout=dropout, mask=mask,
                                head_dim=head_dim, v_head_dim=v_head_dim, pos_to_content=pos_to_content,
-                               position_query=position_query, chunk_pairs=chunk_pairs, arch=arch)
+                               position_query=position_query, rel_bias=rel_bias, chunk_pairs=chunk_pairs, arch=arch)
     if not reasons and (why := backend.unavailable()) is not None:
         reasons.append(why)
     return reasons
