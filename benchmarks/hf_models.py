@@ -24,6 +24,12 @@ Cases (defaults; ``--quick`` shrinks every size to seconds):
   8 heads; Transformer-XL's biases and a (2N - 1)-row table), with what its encoder hands it (its own position
   module's (1, 2N - 1, E) output, one sequence, no padding mask) at 1500 and 8192 frames (2 min and 11 min of
   audio after 8x subsampling). Unpatched: ``attn_implementation`` "eager" and "sdpa".
+- ``t5-base/encoder``: T5-base's encoder (hidden 768, 12 heads, 32 buckets, ``--layers`` layers, dropout 0, train
+  mode) at B = 4 x 512 and B = 1 x 2048 tokens. Unpatched: ``attn_implementation`` "eager" and "sdpa" (the bias a
+  (1, H, N, N) tensor that needs a gradient).
+- ``mpnet-base/model``: all-mpnet-base-v2's shape (``MPNetModel``, hidden 768, 12 heads, 12 layers): one ragged batch
+  of 32 sentences of 16..384 tokens right-padded to 384 (the patched model runs it packed), its output at the real
+  tokens, and B = 16 x 384 unpadded. Unpatched: eager (MPNet has no sdpa).
 
 Every variant runs the same weights and inputs (the model is patched and unpatched in place between calls). Time:
 medians of ``--reps`` interleaved rounds after a warm-up; forward under ``torch.no_grad()``, forward+backward
@@ -36,6 +42,8 @@ A variant predicted to need more than ``--max-gb`` is skipped and says so.
     PYTHONPATH=src python benchmarks/hf_models.py --quick --out /tmp/hf_quick.json
     PYTHONPATH=src python benchmarks/hf_models.py --only w2v-bert --lengths 1500 --layers 1 --reps 3
     PYTHONPATH=src python benchmarks/hf_models.py --only deberta --ragged 64-512 --threads 2 --out /tmp/ragged.json
+    PYTHONPATH=src python benchmarks/hf_models.py --only t5 --threads 2 --modes forward+backward --out /tmp/t5.json
+    PYTHONPATH=src python benchmarks/hf_models.py --only mpnet --threads 2 --modes forward --out /tmp/mpnet.json
 """
 
 from __future__ import annotations
@@ -331,6 +339,56 @@ def parakeet_cases(quick: bool, lengths: list[int]) -> list[Case]:
     return cases
 
 
+def t5_cases(quick: bool, layers: int, lengths: list[int]) -> list[Case]:
+    import transformers
+
+    shape = dict(d_model=32, d_kv=8, d_ff=48, num_heads=4) if quick else dict(d_model=768, d_kv=64, d_ff=3072,
+                                                                             num_heads=12)
+    cfg = transformers.T5Config(vocab_size=1000, num_layers=layers, dropout_rate=0.0, attn_implementation="eager",
+                                **shape)
+    model = transformers.T5EncoderModel(cfg).train()
+    unpatched, patched = _states(model)
+    heads = shape["num_heads"]
+    cases = []
+    for n in lengths:
+        batch = 4 if n <= 512 else 1
+        ids = torch.randint(1, 1000, (batch, n), generator=torch.Generator().manual_seed(n))
+        one = batch * n * n * 4 / 1e9
+        est = {"eager": one * 5 * heads * layers, "sdpa": one * 4 * heads * layers}
+        cases.append(Case("t5-base", f"encoder ({layers} layers) x{batch}", n,
+                          lambda ids=ids: model(input_ids=ids).last_hidden_state,
+                          {"eager": unpatched("eager"), "sdpa": unpatched("sdpa"), "relattn": patched},
+                          list(model.parameters()), est))
+    return cases
+
+
+def mpnet_cases(quick: bool, lengths: list[int]) -> list[Case]:
+    import transformers
+
+    shape = dict(hidden_size=32, num_attention_heads=4, intermediate_size=48, num_hidden_layers=2) if quick else \
+        dict(hidden_size=768, num_attention_heads=12, intermediate_size=3072, num_hidden_layers=12)
+    cfg = transformers.MPNetConfig(vocab_size=1000, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                   max_position_embeddings=514, **shape)
+    model = transformers.MPNetModel(cfg, add_pooling_layer=False).eval()
+    unpatched, patched = _states(model)
+    variants = {"eager": unpatched(None), "relattn": patched}
+    hi = max(lengths)
+    lo, batch = (4, 8) if quick else (16, 32)
+    sizes = ragged_lengths(lo, hi, batch)
+    g = torch.Generator().manual_seed(hi)
+    ids = torch.randint(3, 1000, (batch, hi), generator=g)
+    mask = (torch.arange(hi)[None, :] < torch.tensor(sizes)[:, None]).long()
+    ids = ids * mask + (1 - mask)  # MPNet's padding token 1
+    keep = mask[..., None].float()
+    full = torch.randint(3, 1000, (batch // 2, hi), generator=g)
+    return [Case("mpnet-base", f"model ragged {lo}-{hi} x{batch}", hi,
+                 lambda: model(input_ids=ids, attention_mask=mask).last_hidden_state * keep, variants,
+                 list(model.parameters())),
+            Case("mpnet-base", f"model x{batch // 2}", hi,
+                 lambda: model(input_ids=full, attention_mask=torch.ones_like(full)).last_hidden_state, variants,
+                 list(model.parameters()))]
+
+
 def _step(case: Case, mode: str, grad: torch.Tensor):
     if mode == "forward":
         def run():
@@ -402,12 +460,13 @@ def measure(case: Case, reps: int, warmup: int, max_gb: float, modes=MODES) -> l
 def plan(quick: bool, layers: int) -> dict[str, list[int]]:
     """Lengths per model family."""
     if quick:
-        return {"w2v-bert": [40], "vits": [20], "speecht5": [30], "bert": [48], "deberta": [40], "parakeet": [40]}
+        return {"w2v-bert": [40], "vits": [20], "speecht5": [30], "bert": [48], "deberta": [40], "parakeet": [40],
+                "t5": [40], "mpnet": [40]}
     return {"w2v-bert": [1500, 6000], "vits": [100, 500], "speecht5": [500, 1500], "bert": [512],
-            "deberta": [512, 2048, 8192], "parakeet": [1500, 8192]}
+            "deberta": [512, 2048, 8192], "parakeet": [1500, 8192], "t5": [512, 2048], "mpnet": [384]}
 
 
-FAMILIES = ("w2v-bert", "vits", "speecht5", "bert", "deberta", "parakeet")
+FAMILIES = ("w2v-bert", "vits", "speecht5", "bert", "deberta", "parakeet", "t5", "mpnet")
 
 
 def build_cases(quick: bool, layers: int, only=FAMILIES, lengths: list[int] | None = None,
@@ -420,7 +479,9 @@ def build_cases(quick: bool, layers: int, only=FAMILIES, lengths: list[int] | No
                 "speecht5": lambda: speecht5_cases(quick, layers, at["speecht5"]),
                 "bert": lambda: bert_cases(quick, layers, at["bert"]),
                 "deberta": lambda: deberta_cases(quick, layers, at["deberta"], batch, ragged),
-                "parakeet": lambda: parakeet_cases(quick, at["parakeet"])}
+                "parakeet": lambda: parakeet_cases(quick, at["parakeet"]),
+                "t5": lambda: t5_cases(quick, layers, at["t5"]),
+                "mpnet": lambda: mpnet_cases(quick, at["mpnet"])}
     return [case for family in only for case in builders[family]()]
 
 

@@ -174,8 +174,8 @@ def blocked_forward(q, k, v, rel_k, rel_v, mask, seed, *, max_relative_position:
 def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, max_relative_position: int,
                      is_causal: bool, dropout_p: float, scale: float, query_offset: int,
                      block: int = DEFAULT_BLOCK, rel_q=None, q_pos=None, rel_bias=None):
-    """Gradients (dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos, d_rel_bias), recomputed block by block, None for
-    those whose input is None."""
+    """Gradients (dq, dk, dv, d_rel_k | None, d_rel_v | None), recomputed block by block, then those of the optional
+    tables up to the last one given: d_rel_q, d_q_pos, d_rel_bias (None for one not given)."""
     kk = max_relative_position
     dtype = q.dtype
     q, k, v, rel_k, rel_v, mask, rel_q, q_pos, rel_bias = _prepare(q, k, v, rel_k, rel_v, mask, rel_q, q_pos,
@@ -231,8 +231,10 @@ def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, m
         d_q_pos = torch.zeros_like(q_pos)
     if rel_v is not None:
         d_rel_v = _sum_table_grad(p_buckets.transpose(-1, -2) @ grad_out, rel_v.shape[0])
-    grads = (dq, dk, dv, d_rel_k, d_rel_v, None if rel_q is None else _sum_table_grad(d_rel_q, rel_q.shape[0]),
-             d_q_pos, None if rel_bias is None else _sum_table_grad(d_bias.sum(2), rel_bias.shape[0]))
+    grads = [dq, dk, dv, d_rel_k, d_rel_v, None if rel_q is None else _sum_table_grad(d_rel_q, rel_q.shape[0]),
+             d_q_pos, None if rel_bias is None else _sum_table_grad(d_bias.sum(2), rel_bias.shape[0])]
+    while len(grads) > 5 and grads[-1] is None:  # the optional tables' gradients up to the last one given
+        grads.pop()
     return tuple(t.to(dtype) if t is not None else None for t in grads)
 
 
