@@ -174,6 +174,7 @@ WALK = {
     "attn_mask": ("mask", "served"), "is_causal": (True, "served"), "dropout_p": (0.1, "refused"),
     "scale": (0.3, "served"), "query_offset": (3, "served"), "enable_gqa": (True, "served"),
     "backend": ("dense", "refused"), "content_bias": ("bias", "served"), "position_bias": ("bias", "served"),
+    "rel_bias": ("scalars", "refused"),
 }
 
 
@@ -202,6 +203,8 @@ def _walk(rank: int, world: int) -> dict:
             tables[name] = torch.randn(5, 4, generator=g, dtype=torch.float64)
         elif name in ("content_bias", "position_bias"):
             tables[name] = torch.randn(2, 4, generator=g, dtype=torch.float64)
+        elif name == "rel_bias":
+            tables[name] = torch.randn(5, generator=g, dtype=torch.float64)
         elif name == "max_relative_position":
             kw[name] = _window(value)
             tables["rel_k"] = torch.randn(2 * value[1], 4, generator=g, dtype=torch.float64)

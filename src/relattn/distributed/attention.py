@@ -64,6 +64,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | 
             * ``attn_mask``: bool (True = may attend) or float, broadcastable to (B, H, n, N): the local queries'
               rows, every key's column in global position order; needs no gradient.
             * ``dropout_p``: must be 0 (the ring serves no dropout: a ValueError otherwise).
+            * ``rel_bias``: must be None (the ring takes no scalar bias table yet: a ValueError otherwise).
             * ``backend``: ``"auto"`` or a backend that serves context-parallel chunk pairs
               (``Serves(chunk_pairs=True)``: ``native``, ``triton``, ``blocked``); refused by its declaration
               otherwise.
@@ -96,6 +97,9 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | 
                 k.shape[-3] if k.dim() > 2 else 1, q.shape[-1], v.shape[-1]]
         if k.shape[-2] != n:
             raise ValueError(f"k and v must hold the same {n} local positions as q; got k {tuple(k.shape)}")
+        if arguments.get("rel_bias") is not None:
+            raise ValueError("rel_bias (a scalar bias table) is not served under context parallelism: the ring's "
+                             "chunk pairs take no bias table yet; call relative_attention on the whole sequence")
         if isinstance(dropout_p, (int, float)) and dropout_p > 0:
             raise ValueError(f"dropout_p must be 0 under context parallelism (the ring serves no dropout); got "
                              f"{dropout_p}")
