@@ -106,7 +106,8 @@ DATA = [  # (declaration, a call violating it, the reason derived from the decla
     (dict(dtypes=frozenset({torch.float32, torch.float16})), dict(dtype=torch.float64),
      "dtype torch.float64 (serves torch.float16, torch.float32)"),
     (dict(dropout=False), dict(dropout_p=0.1), "dropout_p > 0 (no dropout; 'blocked' and 'dense' take it)"),
-    (dict(mask=False), dict(mask=torch.zeros(1, 1, 9, 9)), "an attn_mask (takes none; use is_causal, or 'blocked')"),
+    (dict(mask=False), dict(mask=torch.zeros(1, 1, 9, 9)),
+     "an attn_mask (takes none; use is_causal, or 'native', 'triton', 'blocked' and 'dense')"),
     (dict(mask_grad=False), dict(mask=torch.zeros(1, 1, 9, 9, requires_grad=True)),
      "attn_mask requires grad (only 'dense' differentiates the mask)"),
     (dict(max_head_dim=4), dict(d=4, dv=5), "head dim 5 (at most 4)"),
@@ -143,7 +144,7 @@ def test_every_violated_declaration_is_a_reason_in_order():
                                                                                                 requires_grad=True)))
     assert reasons == ["device cpu (serves cuda)", "dtype torch.float32 (serves torch.float16)",
                        "dropout_p > 0 (no dropout; 'blocked' and 'dense' take it)",
-                       "an attn_mask (takes none; use is_causal, or 'blocked')",
+                       "an attn_mask (takes none; use is_causal, or 'native', 'triton', 'blocked' and 'dense')",
                        "attn_mask requires grad (only 'dense' differentiates the mask)",
                        "head dim 4 (at most 2)", "D = 4 != Dv = 3 (needs equal head dims)"]
 

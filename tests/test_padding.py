@@ -130,7 +130,7 @@ def test_little_padding_runs_masked_and_gives_the_same_zeros(monkeypatch):
     pad = _padding((20, 19), 20)
     assert pad.float().mean() < PACK_FROM
     calls = []
-    monkeypatch.setattr(modules, "relative_attention_varlen", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(modules, "attend_varlen", lambda *a, **k: calls.append(1))
     out = mod(x, key_padding_mask=pad)[0]
     assert not calls and torch.equal(out[1, 19], torch.zeros(E, dtype=torch.float64))
     assert_close(out[1, :19], mod(x[1:, :19])[0][0], torch.float64)

@@ -14,17 +14,17 @@ from test_validation import CASES, KW_CASES, base
 
 @pytest.fixture
 def validations(monkeypatch):
-    """Counts the calls that take the full path (validate): ``validations()`` is the count so far. Starts with no
+    """Counts the calls that take the full path (check_call): ``validations()`` is the count so far. Starts with no
     plans, so that what an earlier test left cannot serve this one's first call."""
     monkeypatch.setattr(fn, "_PLANS", {})
     count = [0]
-    validate = fn.validate
+    check_call = fn.check_call
 
     def counted(*args, **kwargs):
         count[0] += 1
-        return validate(*args, **kwargs)
+        return check_call(*args, **kwargs)
 
-    monkeypatch.setattr(fn, "validate", counted)
+    monkeypatch.setattr(fn, "check_call", counted)
     return lambda: count[0]
 
 

@@ -18,7 +18,8 @@ import math
 import torch
 
 from . import backends as _backends
-from .backends import AttentionCall, Backend, Serves, check_name, dense_max_scores, priority, refusals, resolve
+from .arguments import PLAN_RULES, AttentionArgs
+from .backends import AttentionCall, Backend, Serves, dense_max_scores, priority, resolve
 from .backends._common import traced
 from .positions import check_beyond, check_positions, symmetric_table, table_rows
 
@@ -119,11 +120,16 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t.flatten(0, -4) if t.dim() > 4 else t
 
 
-def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_causal, dropout_p, scale,
-             query_offset, beyond="clip", enable_gqa=False, rel_q=None, content_bias=None,
-             position_bias=None, rel_bias=None, offsets=None) -> AttentionCall:
-    """Check every argument and bring it to the canonical form backends receive (k and v keep their ``Hkv``
-    heads; :func:`relative_attention` repeats them for the backends that need H).
+def validate(q, k, v, rel_k=None, rel_v=None, *, offsets=None, **options) -> AttentionCall:
+    """:func:`check_call` of ``AttentionArgs(q, k, v, rel_k, rel_v, **options)``: the checks and the canonical call
+    from the op's keywords."""
+    return check_call(AttentionArgs(q, k, v, rel_k, rel_v, **options), offsets=offsets)
+
+
+def check_call(args: AttentionArgs, *, offsets=None) -> AttentionCall:
+    """Check every argument of ``args`` and bring the call to the canonical form backends receive (k and v keep their
+    ``Hkv`` heads; :func:`relative_attention` repeats them for the backends that need H). ``args.backend`` and the
+    packed call's lengths are not read here (:func:`validate_varlen` checks those).
 
     Transformer-XL's biases are folded in here: ``call.q`` is ``q + content_bias``, ``call.q_pos`` the queries
     of the key table (``q + position_bias``; ``q`` itself when only ``content_bias`` is given and ``rel_k`` is),
@@ -139,6 +145,10 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
 
     Every call pays for this, a decoding step too: each check is a cheap comparison first, and an error's
     message is built only when it is raised."""
+    q, k, v, rel_k, rel_v, rel_q = args.q, args.k, args.v, args.rel_k, args.rel_v, args.rel_q
+    content_bias, position_bias, enable_gqa = args.content_bias, args.position_bias, args.enable_gqa
+    rel_bias = args.rel_bias
+    max_relative_position, beyond, query_offset = args.max_relative_position, args.beyond, args.query_offset
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
@@ -186,9 +196,10 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
             offsets = (-(n - 1) - query_offset, m - 1 - query_offset) if isinstance(query_offset, int) else (0, 0)
         (rel_k, kk), (rel_v, _), (rel_q, _) = (symmetric_table(t, window, beyond, offsets=offsets)
                                                for t in (rel_k, rel_v, rel_q))
-        if rel_bias is not None:
+        if rel_bias is not None:  # as a table of one column
             rel_bias = symmetric_table(rel_bias.unsqueeze(-1), window, beyond, offsets=offsets)[0][..., 0]
-    mask = None if attn_mask is None else check_mask(attn_mask, target=(*qs[:-2], n, m), like=q)
+    mask = None if args.attn_mask is None else check_mask(args.attn_mask, target=(*qs[:-2], n, m), like=q)
+    is_causal, dropout_p, scale = args.is_causal, args.dropout_p, args.scale
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if isinstance(query_offset, bool) or not isinstance(query_offset, int):
@@ -206,16 +217,21 @@ def validate(q, k, v, rel_k, rel_v, *, max_relative_position, attn_mask, is_caus
     if position_bias is not None and rel_k is None:
         raise ValueError("position_bias is added to the queries that read the key table rel_k, and rel_k is None: "
                          "it would have no effect (pass rel_k, or no position_bias)")
-    return _assemble(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, mask, kk, min(kk, reach), is_causal,
-                     float(dropout_p), float(scale), query_offset, rel_bias=rel_bias)
+    checked = AttentionArgs(q, k, v, rel_k, rel_v, max_relative_position=kk, rel_q=rel_q, content_bias=content_bias,
+                            position_bias=position_bias, rel_bias=rel_bias, attn_mask=mask, is_causal=is_causal,
+                            dropout_p=float(dropout_p), scale=float(scale), query_offset=query_offset)
+    return _assemble(checked, min(kk, reach))
 
 
-def _canonical(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, kk, reach) -> tuple:
-    """``(q, k, v, rel_k, rel_v, rel_q, q_pos, K)`` of the canonical call from checked arguments (tables (Hr, 2K+1,
-    d), or (2K+1, d) on a planned kernel call; q, k, v in their own leading dims): a window wider than the offsets
+def _canonical(args: AttentionArgs, kk: int, reach: int) -> tuple:
+    """``(q, k, v, rel_k, rel_v, rel_q, q_pos, K)`` of the canonical call from ``args``' tensors, checked (tables
+    (Hr, 2K+1, d), or (2K+1, d) on a planned kernel call; q, k, v in their own leading dims), ``kk`` their window's
+    K: a window wider than the offsets
     the call reaches (``reach < kk``) narrowed to the tables' rows of ``[-reach, reach]`` (views) with ``K = reach``,
     q, k, v as (B, H, L, d), Transformer-XL's biases folded in. What :func:`validate` ends with, and all a planned
     call does before its kernel runs."""
+    q, k, v, rel_k, rel_v, rel_q = args.q, args.k, args.v, args.rel_k, args.rel_v, args.rel_q
+    content_bias, position_bias = args.content_bias, args.position_bias
     if reach < kk:
         rows = slice(kk - reach, kk + reach + 1)
         rel_k, rel_v, rel_q = (None if t is None else t[..., rows, :] for t in (rel_k, rel_v, rel_q))
@@ -232,16 +248,15 @@ def _canonical(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, kk, re
     return q, k, v, rel_k, rel_v, rel_q, q_pos, kk
 
 
-def _assemble(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, mask, kk, reach, is_causal, dropout_p, scale,
-              query_offset, *, rel_bias=None) -> AttentionCall:
-    """The canonical call from checked arguments (:func:`_canonical`; the mask canonical already; ``rel_bias``
-    (Hr, 2K+1) narrowed as the tables are)."""
-    if rel_bias is not None and reach < kk:
-        rel_bias = rel_bias[..., kk - reach:kk + reach + 1]
-    q, k, v, rel_k, rel_v, rel_q, q_pos, kk = _canonical(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias,
-                                                         kk, reach)
-    return AttentionCall(q, k, v, rel_k, rel_v, kk, mask, is_causal, dropout_p, scale, query_offset, rel_q=rel_q,
-                         q_pos=q_pos, rel_bias=rel_bias)
+def _assemble(checked: AttentionArgs, reach: int) -> AttentionCall:
+    """The canonical call from checked arguments (:func:`_canonical`; the window an int K, the mask canonical
+    already, the scale a float; ``rel_bias`` (Hr, 2K+1) narrowed as the tables are)."""
+    q, k, v, rel_k, rel_v, rel_q, q_pos, kk = _canonical(checked, checked.max_relative_position, reach)
+    rel_bias = checked.rel_bias
+    if rel_bias is not None and kk < checked.max_relative_position:
+        rel_bias = rel_bias[..., checked.max_relative_position - kk:checked.max_relative_position + kk + 1]
+    return AttentionCall(q, k, v, rel_k, rel_v, kk, checked.attn_mask, checked.is_causal, checked.dropout_p,
+                         checked.scale, checked.query_offset, rel_q=rel_q, q_pos=q_pos, rel_bias=rel_bias)
 
 
 def _check_bias(name, bias, *, heads, dim, like) -> torch.Tensor | None:
@@ -261,13 +276,6 @@ def _k_message(q, k, d, extra="") -> str:
     layout = "(B, H, M, D)" if q.dim() == 4 else "(..., H, M, D)"
     want = ", ".join(str(x) for x in (*q.shape[:-2], "M", d))
     return f"k must be {layout} = ({want}) to match q {_shape(q)}{extra}; got {_shape(k)}"
-
-
-def backend_refusals(backend: str, **kinds) -> list[str]:
-    """``backend`` checked as a name (a ValueError listing the valid ones), then every reason it will refuse calls
-    of ``kinds`` (:func:`relattn.backends.refusals`'s keywords: device, dtype, dropout, mask, head dims), known
-    before any call; empty for ``"auto"`` and for a backend that serves them."""
-    return refusals(check_name(backend), **kinds)
 
 
 def as_served(backend: Backend, call: AttentionCall) -> AttentionCall:
@@ -310,7 +318,8 @@ class _Plan:
     direct: bool  # forward takes the call's arguments as they are (no reshaping, biases or narrowing to do)
     registry: dict
     entries: tuple  # ((name, backend, unavailable()), ...): the name asked for, or "auto"'s candidates up to its choice
-    kk: int
+    kk: int  # the window K as given
+    reach: int  # the window the calls of this key are narrowed to (validate's K)
     shared: tuple[bool, bool, bool]  # rel_k, rel_v, rel_q given as (2K+1, d): unsqueezed to (1, 2K+1, d)
     is_causal: bool
     dropout_p: float
@@ -326,38 +335,68 @@ class _Plan:
         return True
 
 
-def _plan_key(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, attn_mask, kk, beyond, is_causal, dropout_p,
-              scale, query_offset, enable_gqa, backend) -> tuple | None:
-    """The key of this call's plan, or None for a call that is never planned."""
-    plain = _PLAN_TENSORS
-    if (attn_mask is not None or type(kk) is not int or type(query_offset) is not int or type(is_causal) is not bool
-            or type(enable_gqa) is not bool or type(backend) is not str or type(beyond) is not str or beyond != "clip"
-            or type(dropout_p) not in _PLAN_NUMBERS or type(scale) not in _PLAN_SCALES or type(q) not in plain
-            or type(k) not in plain or type(v) not in plain):
-        return None
-    tables = []
-    for t in (rel_k, rel_v, rel_q, content_bias, position_bias):
-        if t is None:
-            tables.append(None)
-        elif type(t) in plain:
-            tables.append((t.shape, t.dtype, t.device, t.requires_grad))
-        else:
-            return None
-    qs, ks, vs = q.shape, k.shape, v.shape
-    if len(qs) < 2 or len(ks) < 2 or len(vs) < 2 or ks[-2] != vs[-2]:
-        return None
-    if torch._C._is_any_autocast_enabled() or traced():
-        return None
-    n, m = qs[-2], ks[-2]
-    reach = min(kk, max(n - 1 + query_offset, m - 1 - query_offset, 0))  # the window validate narrows K to
-    return (backend, kk, reach, n * m <= dense_max_scores(reach), is_causal, dropout_p, scale, enable_gqa,
-            torch.is_grad_enabled(), qs, q.dtype, q.device, q.requires_grad, ks[:-2], ks[-1], k.dtype, k.device,
-            k.requires_grad, vs[:-2], vs[-1], v.dtype, v.device, v.requires_grad, *tables)
+# How plan_key reads a field of each plan rule (relattn.arguments' docstring says what each rule means): a statement
+# that sets ``part`` (None: the field adds nothing to the key) or returns None (the call is never planned); q, k and v
+# also keep their shapes, which the key's last parts read.
+_PLAN_READS = {
+    "tensor": "if x is None: part = None\n"
+              "elif type(x) in plain: part = (x.shape, x.dtype, x.device, x.requires_grad)\n"
+              "else: return None",
+    "query": "if type(x) not in plain: return None\n"
+             "s = x.shape; shapes.append(s)\n"
+             "if len(s) < 2: return None\n"
+             "part = (s, x.dtype, x.device, x.requires_grad)",
+    "keys": "if type(x) not in plain: return None\n"
+            "s = x.shape; shapes.append(s)\n"
+            "if len(s) < 2: return None\n"
+            "part = (s[:-2], s[-1], x.dtype, x.device, x.requires_grad)",
+    "int": "if type(x) is not int: return None\npart = x",
+    "bool": "if type(x) is not bool: return None\npart = x",
+    "number": "if type(x) not in numbers: return None\npart = x",
+    "scale": "if type(x) not in scales: return None\npart = x",
+    "name": "if type(x) is not str: return None\npart = x",
+    "clip": "if type(x) is not str or x != 'clip': return None\npart = None",
+    "offset": "if type(x) is not int: return None\npart = None",
+    "absent": "if x is not None: return None\npart = None",
+}
 
 
-def _keep_plan(key: tuple, backend_name: str, chosen: Backend, call: AttentionCall, tables, as_given: bool) -> None:
-    """Remember the plan of ``key``: ``call`` was validated and ``chosen`` resolved for it; ``as_given``: the call's
-    q, k, v and tables are canonical as they were passed (4-D, no biases, the window not narrowed)."""
+def _plan_fields():
+    """The first half of :func:`plan_key`: a function of the arguments returning the key of their fields and the
+    shapes of q, k, v (or None), written out from :data:`relattn.arguments.PLAN_RULES` (one straight run of checks:
+    a loop over the rules would double what a planned decoding step pays before its kernel)."""
+    lines, parts = ["def fields(args):", "    shapes = []"], []
+    for i, (name, rule) in enumerate(PLAN_RULES):
+        lines.append(f"    x = args.{name}")
+        lines += ["    " + line for line in _PLAN_READS[rule].replace("part", f"p{i}").splitlines()]
+        parts.append(f"p{i}")
+    lines.append(f"    return ({', '.join(parts)},), shapes")
+    scope = {"plain": _PLAN_TENSORS, "numbers": _PLAN_NUMBERS, "scales": _PLAN_SCALES}
+    exec("\n".join(lines), scope)  # noqa: S102 - written from the declared rules above
+    return scope["fields"]
+
+
+_plan_key_of_fields = _plan_fields()
+
+
+def plan_key(args: AttentionArgs) -> tuple | None:
+    """The key of this call's plan, or None for a call that is never planned: each field of ``args`` by its plan rule
+    (:data:`relattn.arguments.PLAN_RULES`, :data:`_PLAN_READS`), then what the key length and the query offset decide
+    (the narrowed window and "auto"'s size class), and the grad mode."""
+    got = _plan_key_of_fields(args)
+    if got is None:
+        return None
+    key, (qs, ks, vs) = got
+    if ks[-2] != vs[-2] or torch._C._is_any_autocast_enabled() or traced():
+        return None
+    kk, offset, n, m = args.max_relative_position, args.query_offset, qs[-2], ks[-2]
+    reach = min(kk, max(n - 1 + offset, m - 1 - offset, 0))  # the window validate narrows K to
+    return (*key, reach, n * m <= dense_max_scores(reach), torch.is_grad_enabled())
+
+
+def _keep_plan(key: tuple, args: AttentionArgs, chosen: Backend, call: AttentionCall) -> None:
+    """Remember the plan of ``key``: ``call`` was validated from ``args`` and ``chosen`` resolved for it."""
+    backend_name = args.backend
     if not isinstance(chosen.declares, Serves):  # what it serves may change between calls (triton's interpreter)
         return
     registry = _backends.BACKENDS
@@ -369,9 +408,13 @@ def _keep_plan(key: tuple, backend_name: str, chosen: Backend, call: AttentionCa
     forward = None
     if chosen.stats is not None and chosen.run == chosen.stats.run and as_served(chosen, call) is call:
         forward = chosen.stats.inference(call)
-    shared = tuple(t is not None and t.dim() == 2 for t in tables)
-    _PLANS[key] = _Plan(chosen, forward, as_given and forward is not None, registry, entries, key[1], shared,
-                        call.is_causal, call.dropout_p, call.scale)
+    # the call's q, k, v and tables are canonical as they were passed (4-D, no biases, the window not narrowed)
+    as_given = (args.q.dim() == 4 and args.content_bias is None and args.position_bias is None
+                and call.max_relative_position == args.max_relative_position)
+    shared = tuple(t is not None and t.dim() == 2 for t in (args.rel_k, args.rel_v, args.rel_q))
+    _PLANS[key] = _Plan(chosen, forward, as_given and forward is not None, registry, entries,
+                        args.max_relative_position, call.max_relative_position, shared, call.is_causal,
+                        call.dropout_p, call.scale)
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -451,33 +494,35 @@ def relative_attention(
         zeros (and zero gradients); a NaN in the inputs reaches the rows it touches, as in the reference.
         Under ``torch.autocast`` the inputs are cast as autocast casts SDPA's (tables included).
     """
-    key = None if rel_bias is not None else _plan_key(
-        q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, attn_mask, max_relative_position, beyond, is_causal,
-        dropout_p, scale, query_offset, enable_gqa, backend)
+    return attend(AttentionArgs(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, rel_q=rel_q,
+                                content_bias=content_bias, position_bias=position_bias, rel_bias=rel_bias,
+                                beyond=beyond, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
+                                scale=scale, query_offset=query_offset, enable_gqa=enable_gqa, backend=backend))
+
+
+def attend(args: AttentionArgs) -> torch.Tensor:
+    """:func:`relative_attention` of ``args``: what the module and every front door that holds an
+    :class:`~relattn.arguments.AttentionArgs` calls. A call repeating an earlier one's key (:func:`plan_key`) runs
+    its plan: no checks, no resolve."""
+    key = plan_key(args)
     if key is not None and (plan := _PLANS.get(key)) is not None and plan.holds():
         if plan.direct:
-            return plan.forward(q, k, v, rel_k, rel_v, rel_q, None, query_offset)
+            return plan.forward(args.q, args.k, args.v, args.rel_k, args.rel_v, args.rel_q, None, args.query_offset)
         if plan.forward is not None:  # one kernel call, the tables as they are
-            *tensors, _ = _canonical(q, k, v, rel_k, rel_v, rel_q, content_bias, position_bias, plan.kk, key[2])
-            return _shaped_like(plan.forward(*tensors, query_offset), q)
-        shared = plan.shared
-        rk = rel_k.unsqueeze(0) if shared[0] else rel_k
-        rv = rel_v.unsqueeze(0) if shared[1] else rel_v
-        rq = rel_q.unsqueeze(0) if shared[2] else rel_q
-        call = _assemble(q, k, v, rk, rv, rq, content_bias, position_bias, None, plan.kk, key[2], plan.is_causal,
-                         plan.dropout_p, plan.scale, query_offset)
+            *tensors, _ = _canonical(args, plan.kk, plan.reach)
+            return _shaped_like(plan.forward(*tensors, args.query_offset), args.q)
+        rk, rv, rq = (t.unsqueeze(0) if shared else t
+                      for t, shared in zip((args.rel_k, args.rel_v, args.rel_q), plan.shared, strict=True))
+        checked = args.replace(rel_k=rk, rel_v=rv, rel_q=rq, max_relative_position=plan.kk, is_causal=plan.is_causal,
+                               dropout_p=plan.dropout_p, scale=plan.scale)
+        call = _assemble(checked, plan.reach)
         chosen = plan.backend
     else:
-        call = validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, attn_mask=attn_mask,
-                        is_causal=is_causal, dropout_p=dropout_p, scale=scale, query_offset=query_offset,
-                        beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q, content_bias=content_bias,
-                        position_bias=position_bias, rel_bias=rel_bias)
-        chosen = resolve(backend, call)
+        call = check_call(args)
+        chosen = resolve(args.backend, call)
         if key is not None:
-            as_given = (q.dim() == 4 and content_bias is None and position_bias is None
-                        and call.max_relative_position == max_relative_position)
-            _keep_plan(key, backend, chosen, call, (rel_k, rel_v, rel_q), as_given)
-    return _shaped_like(chosen.run(as_served(chosen, call)), q)
+            _keep_plan(key, args, chosen, call)
+    return _shaped_like(chosen.run(as_served(chosen, call)), args.q)
 
 
 def _dense_with_weights(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -488,18 +533,22 @@ def _dense_with_weights(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor
 
 
 def relative_attention_with_weights(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, rel_q=None,
-                                    content_bias=None, position_bias=None, rel_bias=None, beyond="clip", attn_mask=None,
-                                    is_causal=False, dropout_p=0.0, scale=None, query_offset=0,
+                                    content_bias=None, position_bias=None, rel_bias=None, beyond="clip",
+                                    attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, query_offset=0,
                                     enable_gqa=False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`relative_attention`'s output and its attention weights ``w`` (before dropout), ``(out, w)``:
     out (B, H, N, Dv) and w (B, H, N, M), in q's leading dims. Computed by the "dense" backend, the one that
     forms the weights; the arguments are :func:`relative_attention`'s."""
-    call = validate(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position,
-                                 attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
-                                 query_offset=query_offset, beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q,
-                                 content_bias=content_bias, position_bias=position_bias, rel_bias=rel_bias)
-    out, weights = _dense_with_weights(call)
-    return _shaped_like(out, q), _shaped_like(weights, q)
+    return attend_with_weights(AttentionArgs(
+        q, k, v, rel_k, rel_v, max_relative_position=max_relative_position, rel_q=rel_q, content_bias=content_bias,
+        position_bias=position_bias, rel_bias=rel_bias, beyond=beyond, attn_mask=attn_mask, is_causal=is_causal,
+        dropout_p=dropout_p, scale=scale, query_offset=query_offset, enable_gqa=enable_gqa, backend="dense"))
+
+
+def attend_with_weights(args: AttentionArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`relative_attention_with_weights` of ``args`` (its backend is not read: "dense" forms the weights)."""
+    out, weights = _dense_with_weights(check_call(args))
+    return _shaped_like(out, args.q), _shaped_like(weights, args.q)
 
 
 def relative_attention_weights(q, k, rel_k=None, *, max_relative_position, rel_q=None, content_bias=None,
@@ -507,10 +556,11 @@ def relative_attention_weights(q, k, rel_k=None, *, max_relative_position, rel_q
                                attn_mask=None, is_causal=False, scale=None, query_offset=0,
                                enable_gqa=False) -> torch.Tensor:
     """The (B, H, N, M) attention weights ``w`` of :func:`relative_attention` (no dropout), in q's leading dims."""
-    call = validate(q, k, k[..., :0], rel_k, None, max_relative_position=max_relative_position,
-                                 attn_mask=attn_mask, is_causal=is_causal, dropout_p=0.0, scale=scale,
-                                 query_offset=query_offset, beyond=beyond, enable_gqa=enable_gqa, rel_q=rel_q,
-                                 content_bias=content_bias, position_bias=position_bias, rel_bias=rel_bias)
+    call = check_call(AttentionArgs(q, k, k[..., :0], rel_k, None, max_relative_position=max_relative_position,
+                                    rel_q=rel_q, content_bias=content_bias, position_bias=position_bias,
+                                    rel_bias=rel_bias, beyond=beyond,
+                                    attn_mask=attn_mask, is_causal=is_causal, scale=scale, query_offset=query_offset,
+                                    enable_gqa=enable_gqa, backend="dense"))
     return _shaped_like(_dense_with_weights(call)[1], q)
 
 
@@ -557,12 +607,11 @@ def _check_packed(name: str, t, dims: str) -> None:
         raise ValueError(f"{name} must be packed {dims}, 3-D; got {t.dim()} dims {_shape(t)}")
 
 
-def validate_varlen(q, k, v, rel_k, rel_v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    max_relative_position, rel_q, content_bias, position_bias, beyond, is_causal, dropout_p, scale,
-                    enable_gqa, rel_bias=None) -> AttentionCall:
-    """:func:`validate` for packed sequences: the lengths checked, then the call as one (1, H, T, D) batch entry with
-    the lengths attached (:class:`relattn.backends.AttentionCall`), its tables sized for the offsets of the longest
-    sequences."""
+def validate_varlen(args: AttentionArgs) -> AttentionCall:
+    """:func:`check_call` for packed sequences (``args.cu_seqlens_q`` given): the lengths checked, then the call as one
+    (1, H, T, D) batch entry with the lengths attached (:class:`relattn.backends.AttentionCall`), its tables sized for
+    the offsets of the longest sequences."""
+    q, k, v, cu_seqlens_q, cu_seqlens_k = args.q, args.k, args.v, args.cu_seqlens_q, args.cu_seqlens_k
     _check_packed("q", q, "(T, H, D)")
     _check_packed("k", k, "(T_k, Hkv, D)")
     _check_packed("v", v, "(T_k, Hkv, Dv)")
@@ -579,15 +628,13 @@ def validate_varlen(q, k, v, rel_k, rel_v, *, cu_seqlens_q, cu_seqlens_k, max_se
                              f"and {len(cu_k) - 1}")
     n = [b - a for a, b in zip(cu_q, cu_q[1:], strict=False)]
     m = [b - a for a, b in zip(cu_k, cu_k[1:], strict=False)]
-    longest_q = _check_longest("max_seqlen_q", max_seqlen_q, n, "queries")
-    longest_k = _check_longest("max_seqlen_k", max_seqlen_k, m, "keys")
+    longest_q = _check_longest("max_seqlen_q", args.max_seqlen_q, n, "queries")
+    longest_k = _check_longest("max_seqlen_k", args.max_seqlen_k, m, "keys")
     met = [(ns, ms) for ns, ms in zip(n, m, strict=True) if ns > 0 and ms > 0]
     offsets = (-max((ms - 1 for _, ms in met), default=0), max((ns - 1 for ns, _ in met), default=0))
-    call = validate(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), rel_k, rel_v,
-                    max_relative_position=max_relative_position, attn_mask=None, is_causal=is_causal,
-                    dropout_p=dropout_p, scale=scale, query_offset=0, beyond=beyond, enable_gqa=enable_gqa,
-                    rel_q=rel_q, content_bias=content_bias, position_bias=position_bias, rel_bias=rel_bias,
-                    offsets=offsets)
+    batched = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    call = check_call(args.replace(**dict(zip("qkv", batched, strict=True)), cu_seqlens_q=None, cu_seqlens_k=None,
+                                   max_seqlen_q=None, max_seqlen_k=None), offsets=offsets)
     return dataclasses.replace(call, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=longest_q,
                                max_seqlen_k=longest_k)
 
@@ -667,10 +714,15 @@ def relative_attention_varlen(
         (T, H, Dv), contiguous. "native" (CPU) and "triton" (CUDA) run the packed batch in one kernel launch; the
         other backends one sequence at a time.
     """
-    call = validate_varlen(q, k, v, rel_k, rel_v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                           max_relative_position=max_relative_position, rel_q=rel_q, content_bias=content_bias,
-                           position_bias=position_bias, beyond=beyond, is_causal=is_causal, dropout_p=dropout_p,
-                           scale=scale, enable_gqa=enable_gqa, rel_bias=rel_bias)
-    chosen = resolve(backend, call)
+    return attend_varlen(AttentionArgs(
+        q, k, v, rel_k, rel_v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, max_relative_position=max_relative_position, rel_q=rel_q, content_bias=content_bias,
+        position_bias=position_bias, rel_bias=rel_bias, beyond=beyond, is_causal=is_causal, dropout_p=dropout_p,
+        scale=scale, enable_gqa=enable_gqa, backend=backend))
+
+
+def attend_varlen(args: AttentionArgs) -> torch.Tensor:
+    """:func:`relative_attention_varlen` of ``args``: (T, H, Dv)."""
+    call = validate_varlen(args)
+    chosen = resolve(args.backend, call)
     return run_packed(chosen, call)[0].transpose(0, 1).contiguous()

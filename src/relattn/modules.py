@@ -7,14 +7,10 @@ import math
 import torch
 from torch import nn
 
+from .arguments import AttentionArgs
+from .backends import why_not
 from .cache import KVCache
-from .functional import (
-    additive_mask,
-    backend_refusals,
-    relative_attention,
-    relative_attention_varlen,
-    relative_attention_with_weights,
-)
+from .functional import additive_mask, attend, attend_varlen, attend_with_weights
 from .padding import Packing, remembered, right_padding
 from .positions import BUCKET_MAPS, LogBuckets, T5Buckets, check_beyond, check_positions, table_rows
 
@@ -245,10 +241,9 @@ class RelativeMultiheadAttention(nn.Module):
                              "table is computed per call)")
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
             raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-        refused = backend_refusals(backend, dropout=dropout > 0, head_dim=head_dim, dtype=dtype,
-                                   device=None if device is None else torch.device(device).type,
-                                   pos_to_content=position_to_content, position_query=transformer_xl,
-                                   rel_bias=relative_bias)
+        refused = why_not(backend, dropout=dropout > 0, head_dim=head_dim, dtype=dtype,
+                          device=None if device is None else torch.device(device).type,
+                          pos_to_content=position_to_content, position_query=transformer_xl, rel_bias=relative_bias)
         if refused:
             raise ValueError(f"backend {backend!r} cannot serve this module: {'; '.join(refused)}")
         factory = {"device": device, "dtype": dtype}
@@ -432,32 +427,33 @@ class RelativeMultiheadAttention(nn.Module):
             return None
         return remembered(key_padding_mask, ("key_padding_mask", bf), lambda mask: _right_packing(mask, bf))
 
-    def _bias_args(self, dtype: torch.dtype) -> dict:
-        """The op's ``rel_bias`` and ``scale`` keywords for this module (none when it has neither)."""
-        args = {} if self.scale is None else {"scale": self.scale}
-        if self.rel_bias is not None:
-            args["rel_bias"] = self.rel_bias.to(dtype)
-        return args
-
     def _packed_forward(self, query: torch.Tensor, packing: Packing, is_causal: bool) -> torch.Tensor:
         """Self-attention of the real tokens of ``query`` (B, N, E) ((N, B, E) sequence-first) as one packed call,
         the projections on those rows only; the output in the padded layout, zeros at padding."""
         x = packing.pack(query)
         q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
         k, v = (p(x).unflatten(-1, (self.num_kv_heads, self.head_dim)) for p in (self.k_proj, self.v_proj))
-        rel_k, rel_v, rel_q = (None if t is None else t.to(q.dtype) for t in (self.rel_k, self.rel_v, self.rel_q))
-        args = dict(max_relative_position=self.max_relative_position, rel_q=rel_q, beyond=self.beyond,
-                    is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0,
-                    enable_gqa=self.num_kv_heads != self.num_heads, **self._bias_args(q.dtype))
-        if self.transformer_xl:
-            n = packing.max_seqlen
-            kk, table = self._position_table(n, n, 0, q)
-            args.update(max_relative_position=kk, content_bias=self.content_bias.to(q.dtype),
-                        position_bias=self.position_bias.to(q.dtype))
-            rel_k = table
-        out = relative_attention_varlen(q, k, v, rel_k, rel_v, cu_seqlens_q=packing.cu_seqlens,
-                                        max_seqlen_q=packing.max_seqlen, backend=self.backend, **args)
+        n = packing.max_seqlen
+        out = attend_varlen(self._arguments(q, k, v, n=n, m=n, offset=0, is_causal=is_causal,
+                                            cu_seqlens_q=packing.cu_seqlens, max_seqlen_q=n))
         return packing.unpack(self.out_proj(out.flatten(1)))
+
+    def _arguments(self, q, k, v, *, n: int, m: int, offset: int, is_causal: bool, **more) -> AttentionArgs:
+        """The op's arguments for one call of this module on projected q, k, v: its tables (Transformer-XL's made for
+        ``n`` queries at ``offset`` and ``m`` keys), window and options; ``more``: the call's own (a mask, a packed
+        call's lengths)."""
+        rel_k, rel_v, rel_q = (None if t is None else t.to(q.dtype) for t in (self.rel_k, self.rel_v, self.rel_q))
+        kk, biases = self.max_relative_position, {}
+        if self.rel_bias is not None:
+            biases["rel_bias"] = self.rel_bias.to(q.dtype)
+        if self.scale is not None:
+            biases["scale"] = self.scale
+        if self.transformer_xl:
+            kk, rel_k = self._position_table(n, m, offset, q)
+            biases = {"content_bias": self.content_bias.to(q.dtype), "position_bias": self.position_bias.to(q.dtype)}
+        return AttentionArgs(q, k, v, rel_k, rel_v, max_relative_position=kk, rel_q=rel_q, beyond=self.beyond,
+                             is_causal=is_causal, query_offset=offset, dropout_p=self.dropout if self.training else 0.0,
+                             enable_gqa=self.num_kv_heads != self.num_heads, backend=self.backend, **biases, **more)
 
     def _keys_values(self, key, value, kv_cache: KVCache | None, bf: bool, self_attention: bool):
         """This call's keys and values (B, Hkv, M, D|Dv), projected or from ``kv_cache``, and the position of its
@@ -580,27 +576,17 @@ class RelativeMultiheadAttention(nn.Module):
         mask = self._masks(key_padding_mask, attn_mask, batched=batched, b=b, n=n, m=m, dtype=q.dtype)
         # after the checks: a refused call leaves the cache as it was
         k, v = self._cache_update(kv_cache, self_attention, key, value, k, v, n, bf)
-        rel_k = None if self.rel_k is None else self.rel_k.to(q.dtype)
-        rel_v = None if self.rel_v is None else self.rel_v.to(q.dtype)
-        rel_q = None if self.rel_q is None else self.rel_q.to(q.dtype)
-        args = dict(max_relative_position=self.max_relative_position, rel_q=rel_q, beyond=self.beyond, attn_mask=mask,
-                    is_causal=is_causal, query_offset=offset, dropout_p=self.dropout if self.training else 0.0,
-                    enable_gqa=self.num_kv_heads != self.num_heads, **self._bias_args(q.dtype))
-        if self.transformer_xl:
-            kk, rel_k = self._position_table(n, m, offset, q)
-            args.update(max_relative_position=kk, content_bias=self.content_bias.to(q.dtype),
-                        position_bias=self.position_bias.to(q.dtype))
+        args = self._arguments(q, k, v, n=n, m=m, offset=offset, is_causal=is_causal, attn_mask=mask)
         weights = None
         if need_weights:
-            out, weights = relative_attention_with_weights(q, k, v, rel_k, rel_v, **args)
+            out, weights = attend_with_weights(args)
             weights = weights.mean(1) if average_attn_weights else weights
             weights = weights if batched else weights[0]
         else:
             if context_parallel is not None and self.rel_bias is not None:
                 raise ValueError("relative_bias=True is not served under context parallelism (the ring takes no "
                                  "rel_bias yet); run without context_parallel")
-            attend = relative_attention if context_parallel is None else context_parallel.attention
-            out = attend(q, k, v, rel_k, rel_v, backend=self.backend, **args)
+            out = attend(args) if context_parallel is None else context_parallel.attend(args)
         out = out.transpose(1, 2) if bf else out.permute(2, 0, 1, 3)
         out = self.out_proj(out.flatten(2))
         if zero_at is not None:

@@ -1,5 +1,5 @@
-"""What every backend shares: the validated call, the declaration of what a backend serves, the one function that
-turns a declaration into refusal reasons, and the plumbing of a ``torch.library`` custom op with a saved
+"""What every backend shares: the validated call, the declaration of what a backend serves (the registry turns it
+into refusal reasons: :func:`relattn.backends.why_not`), and the plumbing of a ``torch.library`` custom op with a saved
 log-sum-exp (fake kernels, gradient layout, autograd setup).
 
 Notation: ``B`` batch, ``H`` heads, ``N`` queries, ``M`` keys, ``D``/``Dv`` head dims, ``K`` max relative
@@ -134,78 +134,6 @@ def compute_capability(device: torch.device) -> int | None:
     return 10 * major + minor
 
 
-def _sm(arch: int) -> str:
-    return f"sm_{arch}"
-
-
-def declared_reasons(serves: Serves, *, device: str | None = None, dtype: torch.dtype | None = None,
-                     dropout: bool = False, mask: bool = False, mask_grad: bool = False, head_dim: int | None = None,
-                     v_head_dim: int | None = None, pos_to_content: bool = False,
-                     position_query: bool = False, rel_bias: bool = False, chunk_pairs: bool = False,
-                     arch: int | None = None) -> list[str]:
-    """Every reason a backend declaring ``serves`` refuses calls of this kind; empty when it serves them.
-
-    ``device`` (a device type), ``dtype`` and the head dims ``D`` (``head_dim``) and ``Dv`` (``v_head_dim``, default
-    ``D``) are left unchecked when None; ``dropout``, ``mask`` and ``mask_grad`` say whether the calls have
-    ``dropout_p > 0``, an ``attn_mask``, a mask that requires grad; ``pos_to_content`` whether they carry a
-    ``rel_q`` table; ``position_query`` whether they carry a ``q_pos`` (content or position biases); ``rel_bias``
-    whether they carry a scalar bias table;
-    ``chunk_pairs`` whether they are a context-parallel ring's chunk pairs; ``arch`` the GPU's compute capability
-    on CUDA (None: unchecked). :func:`not_supported_reasons` asks this about one call; the module and ``relattn
-    train`` ask it at construction, before there is any call.
-    """
-    s, reasons = serves, []
-    if device is not None and s.devices is not None and device not in s.devices:
-        reasons.append(f"device {device} (serves {', '.join(sorted(s.devices))})")
-    if dtype is not None and dtype not in s.dtypes:
-        reasons.append(f"dtype {dtype} (serves {', '.join(sorted(str(d) for d in s.dtypes))})")
-    if device == "cuda" and arch is not None and s.cuda_archs is not None:
-        archs = dict(s.cuda_archs)
-        if arch not in archs:
-            reasons.append(f"GPU compute capability {_sm(arch)} (serves {', '.join(_sm(a) for a in sorted(archs))})")
-        elif dtype is not None and dtype in s.dtypes and dtype not in archs[arch]:
-            reasons.append(f"dtype {dtype} on {_sm(arch)} (serves {', '.join(sorted(str(d) for d in archs[arch]))}"
-                           " there)")
-    if dropout and not s.dropout:
-        reasons.append("dropout_p > 0 (no dropout; 'blocked' and 'dense' take it)")
-    if mask and not s.mask:
-        reasons.append("an attn_mask (takes none; use is_causal, or 'blocked')")
-    if mask and mask_grad and not s.mask_grad:
-        reasons.append("attn_mask requires grad (only 'dense' differentiates the mask)")
-    d = head_dim
-    dv = d if v_head_dim is None else v_head_dim
-    if d is not None and s.max_head_dim is not None and max(d, dv) > s.max_head_dim:
-        reasons.append(f"head dim {max(d, dv)} (at most {s.max_head_dim})")
-    if d is not None and d != dv and not s.head_dims_differ:
-        reasons.append(f"D = {d} != Dv = {dv} (needs equal head dims)")
-    if pos_to_content and not s.pos_to_content:
-        reasons.append("a position-to-content table rel_q (no k . a^Q term; 'native', 'triton', 'blocked' and "
-                       "'dense' take it)")
-    if position_query and not s.position_query:
-        reasons.append("a separate position query q_pos (content/position biases; 'native', 'triton', 'blocked' and "
-                       "'dense' take it)")
-    if rel_bias and not s.rel_bias:
-        reasons.append("a scalar bias table rel_bias (T5's; 'native', 'blocked' and 'dense' take it)")
-    if chunk_pairs and not s.chunk_pairs:
-        reasons.append("a context-parallel chunk pair (returns no log-sum-exp to merge by)")
-    return reasons
-
-
-def not_supported_reasons(backend: Backend, call: AttentionCall, *, chunk_pairs: bool = False) -> list[str]:
-    """Every reason ``backend`` cannot serve ``call`` (as a context-parallel chunk pair with ``chunk_pairs``); empty
-    when it can."""
-    q, mask = call.q, call.mask
-    reasons = declared_reasons(backend.serves, device=q.device.type, dtype=q.dtype, dropout=call.dropout_p > 0.0,
-                               mask=mask is not None, mask_grad=mask is not None and mask.requires_grad,
-                               head_dim=q.shape[-1], v_head_dim=call.v.shape[-1],
-                               pos_to_content=call.rel_q is not None, position_query=call.q_pos is not None,
-                               rel_bias=call.rel_bias is not None, chunk_pairs=chunk_pairs,
-                               arch=compute_capability(q.device))
-    if not reasons and (why := backend.unavailable()) is not None:
-        reasons.append(why)
-    return reasons
-
-
 def no_autocast(fn):
     """Run a kernel with autocast off: it computes in its inputs' dtype (16-bit inputs keep float32 softmax
     statistics), instead of autocast re-typing its inner matmuls behind its back."""
@@ -250,30 +178,114 @@ def grads_laid_out(inputs, grads) -> tuple[Tensor, ...]:
                  for g, t in zip(grads, inputs, strict=True))
 
 
-# The arguments every kernel with a saved log-sum-exp takes, in its ops' order: the leading tensors (q, k, v, rel_k?,
-# rel_v?, mask?), the scalars, then the optional tensors that came later, each with a gradient after the first five
-# (rel_q, the position-to-content table; q_pos, the queries of the key table; rel_bias, the scalar bias table).
-LEADING = ("q", "k", "v", "rel_k", "rel_v", "mask")
-SCALARS = (("max_relative_position", "int"), ("is_causal", "bool"), ("scale", "float"), ("query_offset", "int"))
-TABLES = ("rel_q", "q_pos", "rel_bias")
-# What a packed call adds (``StatsOps(varlen=True)``): the cumulative lengths after the leading tensors, the longest
-# lengths after the scalars (:class:`AttentionCall`).
-VARLEN_LEADING = ("cu_seqlens_q", "cu_seqlens_k")
-VARLEN_SCALARS = (("max_seqlen_q", "int"), ("max_seqlen_k", "int"))
+# relattn::{name}_fwd's arguments, in order: (name, schema type, which ops take it). Each is the AttentionCall field
+# of its name (``seed``: the dropout seed the op draws); ``"dropout"`` / ``"varlen"``: only the ops built with
+# StatsOps(dropout=True) / StatsOps(varlen=True). Three groups, in this order: the leading tensors (q, k, v, rel_k,
+# rel_v, mask and what the op kind adds), the scalars, and the trailing optional tensors, each with a gradient (rel_q,
+# the position-to-content table; q_pos, the queries of the key table; rel_bias, the scalar bias per table row), passed
+# to the kernels by name and only when given. relattn::{name}_bwd takes (grad_out, *leading, out, lse, *scalars,
+# *trailing) and returns (dq, dk, dv, d_rel_k, d_rel_v, *one per trailing tensor). docs/architecture.md shows the
+# native op's schemas.
+OP_ARGUMENTS: tuple[tuple[str, str, str | None], ...] = (
+    ("q", "Tensor", None),
+    ("k", "Tensor", None),
+    ("v", "Tensor", None),
+    ("rel_k", "Tensor?", None),
+    ("rel_v", "Tensor?", None),
+    ("mask", "Tensor?", None),
+    ("seed", "Tensor", "dropout"),
+    ("cu_seqlens_q", "Tensor", "varlen"),
+    ("cu_seqlens_k", "Tensor", "varlen"),
+    ("max_relative_position", "int", None),
+    ("is_causal", "bool", None),
+    ("dropout_p", "float", "dropout"),
+    ("scale", "float", None),
+    ("query_offset", "int", None),
+    ("max_seqlen_q", "int", "varlen"),
+    ("max_seqlen_k", "int", "varlen"),
+    ("rel_q", "Tensor?", None),
+    ("q_pos", "Tensor?", None),
+    ("rel_bias", "Tensor?", None),
+)
+_FIRST_SCALAR = next(i for i, (_, t, _) in enumerate(OP_ARGUMENTS) if not t.startswith("Tensor"))
+TRAILING = tuple(n for n, t, _ in OP_ARGUMENTS[_FIRST_SCALAR:] if t.startswith("Tensor"))  # rel_q, q_pos, rel_bias
+
+
+@dataclass(frozen=True)
+class OpSignature:
+    """The arguments of one kind of op (:data:`OP_ARGUMENTS` for ``dropout``, ``varlen``), by group: ``leading``
+    tensor names, ``scalars`` as (name, type), ``trailing`` tensor names; the slices where each group sits in the
+    forward's inputs (``(*leading, *scalars, *trailing)``) and the backward's (``(*leading, out, lse, *scalars,
+    *trailing)``, grad_out apart); and the two ops' schemas."""
+
+    leading: tuple[str, ...]
+    scalars: tuple[tuple[str, str], ...]
+    trailing: tuple[str, ...]
+
+    @staticmethod
+    def of(*, dropout: bool = False, varlen: bool = False) -> OpSignature:
+        taken = [(n, t) for n, t, only in OP_ARGUMENTS
+                 if only is None or (only == "dropout" and dropout) or (only == "varlen" and varlen)]
+        tensors = [n for n, t in taken if t.startswith("Tensor")]
+        scalars = tuple((n, t) for n, t in taken if not t.startswith("Tensor"))
+        return OpSignature(tuple(n for n in tensors if n not in TRAILING), scalars, TRAILING)
+
+    @functools.cached_property
+    def fwd_leading(self) -> slice:
+        return slice(0, len(self.leading))
+
+    @functools.cached_property
+    def fwd_scalars(self) -> slice:
+        return slice(len(self.leading), len(self.leading) + len(self.scalars))
+
+    @functools.cached_property
+    def fwd_trailing(self) -> slice:
+        return slice(len(self.leading) + len(self.scalars), None)
+
+    @functools.cached_property
+    def bwd_leading(self) -> slice:  # then out, lse
+        return slice(0, len(self.leading) + 2)
+
+    @functools.cached_property
+    def bwd_scalars(self) -> slice:
+        return slice(len(self.leading) + 2, len(self.leading) + 2 + len(self.scalars))
+
+    @functools.cached_property
+    def bwd_trailing(self) -> slice:
+        return slice(len(self.leading) + 2 + len(self.scalars), None)
+
+    @functools.cached_property
+    def fwd_schema(self) -> str:
+        return f"({self._arguments()}) -> (Tensor, Tensor)"
+
+    @functools.cached_property
+    def bwd_schema(self) -> str:
+        grads = ", ".join(["Tensor"] * (5 + len(self.trailing)))
+        return f"({self._arguments(backward=True)}) -> ({grads})"
+
+    def _arguments(self, backward: bool = False) -> str:
+        types = {n: t for n, t, _ in OP_ARGUMENTS}
+        parts = [f"{types[n]} {n}" for n in self.leading]
+        if backward:
+            parts = ["Tensor grad_out", *parts, "Tensor out", "Tensor lse"]
+        parts += [f"{t} {n}" for n, t in self.scalars]
+        parts += [f"{types[n]} {n}=None" for n in self.trailing]
+        return ", ".join(parts)
 
 
 class StatsAutograd:
     """The one autograd wiring of a kernel that saves its log-sum-exp, for its custom op, its eager Function and the
     context-parallel ring alike.
 
-    The forward takes ``(*leading, *scalars, *tables)`` (``leading`` tensors or None, the first five q, k, v, rel_k,
-    rel_v; ``scalars`` anything; ``tables`` optional tensors) and returns ``(out, lse)``; ``backward(grad_out,
-    *leading, out, lse, *scalars, *tables)`` returns ``(dq, dk, dv, d_rel_k, d_rel_v, *d_tables)`` (a table's
-    gradient ignored when the table is None). Only ``out`` gets a gradient; none is materialised for ``lse``.
+    The forward takes ``(*leading, *scalars, *trailing)`` (``leading`` tensors or None, the first five q, k, v, rel_k,
+    rel_v; ``scalars`` anything; ``trailing`` optional tensors) and returns ``(out, lse)``; ``backward(grad_out,
+    *leading, out, lse, *scalars, *trailing)`` returns ``(dq, dk, dv, d_rel_k, d_rel_v, *d_trailing)`` (a trailing
+    tensor's gradient ignored when the tensor is None); the counts are :class:`OpSignature`'s groups'. Only ``out``
+    gets a gradient; none is materialised for ``lse``.
     """
 
-    def __init__(self, backward: Callable, *, leading: int, scalars: int, tables: int = len(TABLES)):
-        self.backward, self.leading, self.scalars, self.tables = backward, leading, scalars, tables
+    def __init__(self, backward: Callable, *, leading: int, scalars: int, trailing: int = len(TRAILING)):
+        self.backward, self.leading, self.scalars, self.trailing = backward, leading, scalars, trailing
 
     def setup(self, ctx, inputs, output) -> None:
         ctx.set_materialize_grads(False)
@@ -282,16 +294,16 @@ class StatsAutograd:
         ctx.scalars = inputs[lead:lead + s]
 
     def grads(self, ctx, grad_out, *ignored) -> tuple:
-        """The inputs' gradients, None for the mask, the scalars and the tables not given."""
-        lead, s, t = self.leading, self.scalars, self.tables
+        """The inputs' gradients, None for the mask, the scalars and the trailing tensors not given."""
+        lead, s, t = self.leading, self.scalars, self.trailing
         if grad_out is None:  # grads are not materialised: no gradient reached the output
             return (None,) * (lead + s + t)
         *inputs, out, lse = ctx.saved_tensors
-        leading, tables = inputs[:lead], inputs[lead:]
-        got = self.backward(grad_out, *leading, out, lse, *ctx.scalars, *tables)
+        leading, trailing = inputs[:lead], inputs[lead:]
+        got = self.backward(grad_out, *leading, out, lse, *ctx.scalars, *trailing)
         return (*got[:3], *(g if x is not None else None for g, x in zip(got[3:5], leading[3:5], strict=True)),
                 *(None,) * (lead - 5 + s),
-                *(None if x is None else g for g, x in zip((*got[5:], *(None,) * t)[:t], tables, strict=True)))
+                *(None if x is None else g for g, x in zip((*got[5:], *(None,) * t)[:t], trailing, strict=True)))
 
     def function(self, forward: Callable) -> type[torch.autograd.Function]:
         """A plain autograd Function around ``forward``: what the custom op's autograd does, without its dispatch."""
@@ -330,21 +342,20 @@ def traced() -> bool:
 
 
 def _padded(grads: tuple) -> tuple:
-    """A kernel backward's gradients as (dq, dk, dv, d_rel_k, d_rel_v, *one per TABLES): None for those it left out
+    """A kernel backward's gradients as (dq, dk, dv, d_rel_k, d_rel_v, *one per TRAILING): None for those it left out
     (a kernel returns d_rel_q, d_q_pos and d_rel_bias only when given them)."""
-    return (*grads, *(None,) * len(TABLES))[:5 + len(TABLES)]
+    return (*grads, *(None,) * len(TRAILING))[:5 + len(TRAILING)]
 
 
 class StatsOps:
     """The ops of a kernel that saves its log-sum-exp: ``forward(*leading, **scalars, rel_q, q_pos) -> (out, lse)`` and
     ``backward(grad_out, *leading, out, lse, **scalars, rel_q, q_pos) -> (dq, dk, dv, d_rel_k, d_rel_v[, d_rel_q[,
-    d_q_pos]])``: the optional tensors of :data:`TABLES` are passed by name, and only when given (a kernel that does
+    d_q_pos]])``: the optional tensors of :data:`TRAILING` are passed by name, and only when given (a kernel that does
     not take one is never handed it: its declaration refuses the calls that carry it).
 
     * ``relattn::{name}_fwd(q, k, v, rel_k?, rel_v?, mask?, [seed,] K, is_causal, [dropout_p,] scale, query_offset,
-      rel_q?=None, q_pos?=None, rel_bias?=None) -> (out, lse)`` and ``relattn::{name}_bwd(grad_out, <the same leading
-      tensors>, out, lse, <the same scalars>, rel_q?=None, q_pos?=None, rel_bias?=None) -> (dq, dk, dv, d_rel_k,
-      d_rel_v, d_rel_q, d_q_pos, d_rel_bias)`` (a
+      rel_q?=None, q_pos?=None) -> (out, lse)`` and ``relattn::{name}_bwd(grad_out, <the same leading tensors>, out,
+      lse, <the same scalars>, rel_q?=None, q_pos?=None) -> (dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos)`` (a
       missing tensor's gradient an empty tensor): custom ops with fake kernels and autograd, which torch.compile
       and torch.export see as one opaque, shape-correct op each. ``dropout=True`` adds the seed tensor and
       ``dropout_p``; ``varlen=True`` (a packed call) the tensors ``cu_seqlens_q, cu_seqlens_k`` after the leading
@@ -363,71 +374,59 @@ class StatsOps:
                  planned: Callable[[AttentionCall], Callable | None] | None = None):  # the kernel's own inference()
         self.name, self.kernel_forward, self.kernel_backward = name, forward, backward
         self.flat_tables, self.planned = flat_tables, planned
-        leading = LEADING + (("seed",) if dropout else ()) + (VARLEN_LEADING if varlen else ())
-        scalars = (SCALARS[:2] + ((("dropout_p", "float"),) if dropout else ()) + SCALARS[2:]
-                   + (VARLEN_SCALARS if varlen else ()))
-        self.dropout, self.varlen, self.scalar_names = dropout, varlen, tuple(n for n, _ in scalars)
-        self.leading_names = leading
-        lead, ns, nt = len(leading), len(scalars), len(TABLES)
-        self.wiring = StatsAutograd(self._backward, leading=lead, scalars=ns, tables=nt)
+        self.signature = sig = OpSignature.of(dropout=dropout, varlen=varlen)
+        self.dropout, self.varlen = dropout, varlen
+        self.leading_names, self.scalar_names = sig.leading, tuple(n for n, _ in sig.scalars)
+        lead, ns, nt = len(sig.leading), len(sig.scalars), len(sig.trailing)
+        self.wiring = StatsAutograd(self._backward, leading=lead, scalars=ns, trailing=nt)
 
-        def tensor(n: str) -> str:
-            return f"Tensor{'?' if n in ('rel_k', 'rel_v', 'mask') else ''} {n}"
-
-        args = ", ".join([*(tensor(n) for n in leading)])
-        scalars_schema = ", ".join(f"{t} {n}" for n, t in scalars)
-        tables_schema = ", ".join(f"Tensor? {n}=None" for n in TABLES)
-        fwd_schema = f"({args}, {scalars_schema}, {tables_schema}) -> (Tensor, Tensor)"
-        bwd_schema = (f"(Tensor grad_out, {args}, Tensor out, Tensor lse, {scalars_schema}, {tables_schema}) -> "
-                      f"({', '.join(['Tensor'] * (5 + nt))})")
-
-        def whole(inputs: tuple, named: dict, count: int) -> tuple:
-            """The inputs with the tables the dispatcher left at their defaults (or passed by name) filled in."""
-            given = len(inputs) - (count - nt)
-            return (*inputs, *(named.get(n) for n in TABLES[given:]))
+        def whole(inputs: tuple, named: dict, trailing: slice) -> tuple:
+            """The inputs with the trailing tensors the dispatcher left at their defaults (or passed by name)."""
+            given = len(inputs[trailing])
+            return (*inputs, *(named.get(n) for n in sig.trailing[given:]))
 
         def fwd(*inputs, **named):
-            inputs = whole(inputs, named, lead + ns + nt)
+            inputs = whole(inputs, named, sig.fwd_trailing)
             return tuple(t.contiguous() for t in self._forward(*inputs))  # the fake kernels promise contiguous
 
         def bwd(grad_out, *inputs, **named):
-            inputs = whole(inputs, named, lead + 2 + ns + nt)
+            inputs = whole(inputs, named, sig.bwd_trailing)
             grads = self._backward(grad_out, *inputs)
-            tensors = (*inputs[:5], *inputs[lead + 2 + ns:])  # q, k, v, rel_k, rel_v, then the tables
+            tensors = (*inputs[:5], *inputs[sig.bwd_trailing])  # q, k, v, rel_k, rel_v, then the trailing tensors
             return grads_laid_out(tensors, grads)
 
-        self.fwd = torch.library.custom_op(f"relattn::{name}_fwd", fwd, mutates_args=(), schema=fwd_schema)
+        self.fwd = torch.library.custom_op(f"relattn::{name}_fwd", fwd, mutates_args=(), schema=sig.fwd_schema)
         self.fwd.register_fake(lambda *inputs, **named: stats_fake(inputs[0], inputs[2]))
-        self.bwd = torch.library.custom_op(f"relattn::{name}_bwd", bwd, mutates_args=(), schema=bwd_schema)
+        self.bwd = torch.library.custom_op(f"relattn::{name}_bwd", bwd, mutates_args=(), schema=sig.bwd_schema)
         self.bwd.register_fake(lambda grad_out, *inputs, **named: grads_fake(
-            *inputs[:5], *whole(inputs, named, lead + 2 + ns + nt)[lead + 2 + ns:]))
-        op_wiring = StatsAutograd(self.bwd, leading=lead, scalars=ns, tables=nt)
+            *inputs[:5], *whole(inputs, named, sig.bwd_trailing)[sig.bwd_trailing]))
+        op_wiring = StatsAutograd(self.bwd, leading=lead, scalars=ns, trailing=nt)
         self.fwd.register_autograd(op_wiring.grads, setup_context=op_wiring.setup)
         self.eager = self.wiring.function(self._forward)
-        self._leading, self._scalars = lead, ns
 
-    def _keywords(self, scalars, tables) -> dict:
-        """The kernel's keywords: the scalars, and the optional tensors given (a kernel that does not take one is
+    def _keywords(self, scalars, trailing) -> dict:
+        """The kernel's keywords: the scalars, and the trailing tensors given (a kernel that does not take one is
         never handed it: its declaration refuses the calls that carry it)."""
         kw = dict(zip(self.scalar_names, scalars, strict=True))
-        kw.update((n, t) for n, t in zip(TABLES, tables, strict=True) if t is not None)
+        kw.update((n, t) for n, t in zip(TRAILING, trailing, strict=True) if t is not None)
         return kw
 
     def _forward(self, *inputs):
-        lead, ns = self._leading, self._scalars
-        return self.kernel_forward(*inputs[:lead], **self._keywords(inputs[lead:lead + ns], inputs[lead + ns:]))
+        sig = self.signature
+        return self.kernel_forward(*inputs[sig.fwd_leading],
+                                   **self._keywords(inputs[sig.fwd_scalars], inputs[sig.fwd_trailing]))
 
     def _backward(self, grad_out, *inputs):
         """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos, d_rel_bias) from ``(*leading, out, lse, *scalars,
-        *tables)``."""
-        lead, ns = self._leading, self._scalars
-        return _padded(self.kernel_backward(grad_out, *inputs[:lead + 2],
-                                            **self._keywords(inputs[lead + 2:lead + 2 + ns], inputs[lead + 2 + ns:])))
+        *trailing)``."""
+        sig = self.signature
+        return _padded(self.kernel_backward(grad_out, *inputs[sig.bwd_leading],
+                                            **self._keywords(inputs[sig.bwd_scalars], inputs[sig.bwd_trailing])))
 
     def _inputs(self, call: AttentionCall, seed: Tensor | None) -> tuple:
         """The op's inputs from ``call``: each leading tensor and scalar is the call's field of that name."""
         return (*(seed if n == "seed" else getattr(call, n) for n in self.leading_names),
-                *(getattr(call, n) for n in self.scalar_names), *(getattr(call, n) for n in TABLES))
+                *(getattr(call, n) for n in self.scalar_names), *(getattr(call, n) for n in TRAILING))
 
     def run(self, call: AttentionCall, *, seed: Tensor | None = None) -> Tensor:
         """The output (B, H, N, Dv) of ``call`` (``seed``: the dropout seed, for a kernel with dropout); a packed call
@@ -454,9 +453,9 @@ class StatsOps:
             return None
         if self.planned is not None and (own := self.planned(call)) is not None:
             return own
-        kernel, pad = self.kernel_forward, (None,) * (self._leading - 5)
+        kernel, pad = self.kernel_forward, (None,) * (len(self.leading_names) - 5)
         scalars = {n: getattr(call, n) for n in self.scalar_names if n != "query_offset"}
-        named = tuple(n for n in TABLES if getattr(call, n) is not None)
+        named = tuple(n for n in TRAILING if getattr(call, n) is not None)
         if not self.flat_tables:
             def headed(t):
                 return t.unsqueeze(0) if t is not None and t.dim() == 2 else t
@@ -471,21 +470,21 @@ class StatsOps:
                 return kernel(q, k, v, rel_k, rel_v, *pad, query_offset=query_offset, **scalars)[0]
         else:
             def forward(q, k, v, rel_k, rel_v, rel_q, q_pos, query_offset):
-                tables = {"rel_q": rel_q, "q_pos": q_pos}  # a call with a rel_bias is never planned
+                trailing = {"rel_q": rel_q, "q_pos": q_pos}  # a call with a rel_bias is never planned
                 return kernel(q, k, v, rel_k, rel_v, *pad, query_offset=query_offset, **scalars,
-                              **{n: tables[n] for n in named})[0]
+                              **{n: trailing[n] for n in named})[0]
         return forward
 
     def _pair(self, q, k, v, rel_k, rel_v, mask, tables, scalars: dict) -> tuple[tuple, dict]:
         """The kernel's positional inputs and keywords for one chunk pair (no dropout: a zero seed)."""
         lead = (q, k, v, rel_k, rel_v, mask)
-        tables = (*tables, *(None,) * (len(TABLES) - len(tables)))  # the ring passes rel_q and q_pos
+        tables = (*tables, *(None,) * (len(TRAILING) - len(tables)))  # the ring passes rel_q and q_pos
         if self.dropout:
             lead, scalars = (*lead, torch.zeros((), dtype=torch.int64, device=q.device)), {**scalars, "dropout_p": 0.0}
-        return lead, {**scalars, **{n: t for n, t in zip(TABLES, tables, strict=True) if t is not None}}
+        return lead, {**scalars, **{n: t for n, t in zip(TRAILING, tables, strict=True) if t is not None}}
 
     def pair_forward(self, q, k, v, rel_k, rel_v, mask, tables, **scalars) -> tuple[Tensor, Tensor]:
-        """(out, lse) of one call, no dropout; ``tables``: the optional tensors of :data:`TABLES` (or None);
+        """(out, lse) of one call, no dropout; ``tables``: the trailing tensors of :data:`TRAILING` (or None);
         ``scalars``: ``max_relative_position``, ``is_causal``, ``scale``, ``query_offset``."""
         lead, kw = self._pair(q, k, v, rel_k, rel_v, mask, tables, scalars)
         return self.kernel_forward(*lead, **kw)

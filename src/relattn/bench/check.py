@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .. import __version__
 from .. import reference as ref
-from ..backends import BACKENDS, Backend, choose, not_supported_reasons, why_not
+from ..backends import BACKENDS, Backend, choose, why_not
 from ..functional import as_served, validate
 from ..positions import relative_position_index
 from .measure import time_interleaved
@@ -194,7 +194,7 @@ def check_case(name: str, backend: Backend, case: Case, dtype: torch.dtype, devi
     mask = None if mask64 is None else mask64.to(device, dtype)
     call = validate(*x[:5], rel_q=x[5], attn_mask=mask, dropout_p=0.0, scale=None, beyond="clip",
                     enable_gqa=case.hkv != case.h, **_kw(case))
-    if reasons := not_supported_reasons(backend, call):
+    if reasons := why_not(backend, call):
         verdict.skipped = "; ".join(reasons)
         return verdict
     try:
@@ -308,7 +308,7 @@ def _timed(backends: Mapping[str, Backend], device: torch.device, dtype: torch.d
                     scale=None, query_offset=0)
     fns = {"sdpa (no positions)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
     for name, backend in backends.items():
-        if not not_supported_reasons(backend, call):
+        if not why_not(backend, call):
             fns[name] = lambda backend=backend: backend.run(as_served(backend, call))
     with torch.no_grad():
         times = time_interleaved(fns, repeats, warmup=1, device=device)

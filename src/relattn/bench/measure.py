@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..backends import BACKENDS, choose, not_supported_reasons
+from ..backends import BACKENDS, choose, why_not
 from ..functional import relative_attention, validate
 from ..positions import causal_allowed
 
@@ -141,7 +141,7 @@ def relattn_runner(name: str, inp: Inputs) -> Runner | str:
     if name == "auto":
         detail = f"chose {choose(call).name}"
     else:
-        if reasons := not_supported_reasons(BACKENDS[name], call):
+        if reasons := why_not(name, call):
             return "; ".join(reasons)
         detail = ""
     return Runner(lambda: relative_attention(*inp.params, max_relative_position=inp.max_relative_position,

@@ -11,14 +11,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..arguments import AttentionArgs
 from ..backends import resolve
-from ..functional import check_mask, relative_attention, validate
+from ..functional import check_call, check_mask, relative_attention, validate
 from .layouts import check_layout, positions, segments, shard
 from .ring import Ring, RingAttention
 
-# The op's keywords and their defaults: what the ring takes (one signature: the op's).
-_OP_DEFAULTS = {name: p.default for name, p in inspect.signature(relative_attention).parameters.items()
-                if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not inspect.Parameter.empty}
+# The op's keywords: what the ring takes (one signature: the op's).
+_OP_KEYWORDS = frozenset(name for name, p in inspect.signature(relative_attention).parameters.items()
+                         if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 def _agree(group, world: int, mine: list[int], error: Exception | None) -> None:
@@ -74,45 +75,53 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | 
         once: q, k, v get their local gradients; each table gets this rank's share of its gradient (the sum over
         the group is the whole gradient).
     """
+    unknown = sorted(set(op_arguments) - _OP_KEYWORDS)
+    if unknown:
+        refused = TypeError(f"context_parallel_attention got keywords the op does not take: {unknown}")
+    elif "max_relative_position" not in op_arguments:
+        refused = TypeError("context_parallel_attention needs max_relative_position (as the op)")
+    else:
+        return _ring_attention(AttentionArgs(q, k, v, rel_k, rel_v, **op_arguments), group, layout)
+    return _ring_attention(None, group, layout, refused)
+
+
+def _ring_attention(args: AttentionArgs | None, group, layout: str, refused: Exception | None = None) -> Tensor:
+    """:func:`context_parallel_attention` of ``args`` (None: ``refused`` says why, raised on every rank after the
+    shape check so that none hangs)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("context_parallel_attention needs an initialised torch.distributed process group "
                            "(torch.distributed.init_process_group)")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    error, mine = None, [-1] * 6
+    error, mine = refused, [-1] * 6
     try:
-        unknown = sorted(set(op_arguments) - set(_OP_DEFAULTS) - {"max_relative_position"})
-        if unknown:
-            raise TypeError(f"context_parallel_attention got keywords the op does not take: {unknown}")
-        if "max_relative_position" not in op_arguments:
-            raise TypeError("context_parallel_attention needs max_relative_position (as the op)")
-        arguments = {**_OP_DEFAULTS, **op_arguments}
-        backend, attn_mask, dropout_p = arguments.pop("backend"), arguments.pop("attn_mask"), arguments["dropout_p"]
+        if refused is not None:
+            raise refused
+        q, k, v = args.q, args.k, args.v
         check_layout(layout)
         if not isinstance(q, Tensor) or not isinstance(k, Tensor) or not isinstance(v, Tensor) or q.dim() < 2 \
                 or k.dim() < 2 or v.dim() < 2:
-            validate(q, k, v, None, None, max_relative_position=0, attn_mask=None, is_causal=False, dropout_p=0.0,
-                     scale=None, query_offset=0)  # raises, naming the argument
+            validate(q, k, v, max_relative_position=0)  # raises, naming the argument
         n = q.shape[-2]
         mine = [n, *(q.shape[0] if q.dim() == 4 else 1, q.shape[-3] if q.dim() > 2 else 1),
                 k.shape[-3] if k.dim() > 2 else 1, q.shape[-1], v.shape[-1]]
         if k.shape[-2] != n:
             raise ValueError(f"k and v must hold the same {n} local positions as q; got k {tuple(k.shape)}")
-        if arguments.get("rel_bias") is not None:
+        if args.rel_bias is not None:
             raise ValueError("rel_bias (a scalar bias table) is not served under context parallelism: the ring's "
                              "chunk pairs take no bias table yet; call relative_attention on the whole sequence")
-        if isinstance(dropout_p, (int, float)) and dropout_p > 0:
+        if isinstance(args.dropout_p, (int, float)) and args.dropout_p > 0:
             raise ValueError(f"dropout_p must be 0 under context parallelism (the ring serves no dropout); got "
-                             f"{dropout_p}")
+                             f"{args.dropout_p}")
         total = world * n
-        offset = arguments["query_offset"]
-        call = validate(q, k, v, rel_k, rel_v, attn_mask=None, **arguments,
-                        offsets=(-(total - 1) - offset, total - 1 - offset) if isinstance(offset, int) else None)
-        mask = check_mask(attn_mask, target=(*q.shape[:-2], n, total), like=call.q) if attn_mask is not None \
-            else None
+        offset = args.query_offset
+        call = check_call(args.replace(attn_mask=None),
+                          offsets=(-(total - 1) - offset, total - 1 - offset) if isinstance(offset, int) else None)
+        mask = check_mask(args.attn_mask, target=(*q.shape[:-2], n, total), like=call.q) \
+            if args.attn_mask is not None else None
         if mask is not None and mask.requires_grad:
             raise ValueError("attn_mask must not require grad under context parallelism")
         call = dataclasses.replace(call, mask=mask)
-        chosen = resolve(backend, call, chunk_pairs=True)
+        chosen = resolve(args.backend, call, chunk_pairs=True)
         segs = tuple(segments(n, r, world, layout) for r in range(world))
     except Exception as exc:  # every rank reaches the collective below, so that every rank raises, none hangs
         error = exc
@@ -123,8 +132,8 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | 
 
     groups = call.q.shape[1] // call.k.shape[1]
     ring = Ring(group, rank, world, peer(rank + 1), peer(rank - 1), segs, chosen.stats,
-                1 if chosen.serves.grouped_kv else groups, call.max_relative_position, call.is_causal, call.scale,
-                call.query_offset)
+                groups=1 if chosen.serves.grouped_kv else groups, max_relative_position=call.max_relative_position,
+                is_causal=call.is_causal, scale=call.scale, query_offset=call.query_offset)
     out = RingAttention.apply(call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, ring, call.rel_q, call.q_pos)
     return out if q.dim() == 4 else out.reshape(*q.shape[:-2], *out.shape[-2:])
 
@@ -165,3 +174,7 @@ class ContextParallel:
         """:func:`context_parallel_attention` over this group and layout, with the op's arguments."""
         return context_parallel_attention(q, k, v, rel_k, rel_v, group=self.group, layout=self.layout,
                                           **op_arguments)
+
+    def attend(self, args: AttentionArgs) -> Tensor:
+        """:meth:`attention` of the op's arguments as one :class:`~relattn.arguments.AttentionArgs` (the module's)."""
+        return _ring_attention(args, self.group, self.layout)

@@ -261,4 +261,4 @@ def ring_backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, ring: Ring, r
 
 
 # The ring's autograd: the same wiring as every backend's custom op (relattn.backends.StatsAutograd), around the ring.
-RingAttention = StatsAutograd(ring_backward, leading=6, scalars=1, tables=2).function(ring_forward)
+RingAttention = StatsAutograd(ring_backward, leading=6, scalars=1, trailing=2).function(ring_forward)

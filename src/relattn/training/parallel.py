@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends import refusals
+from ..backends import why_not
 from .model import TransformerConfig, TransformerLM
 from .options import TrainOptions, UsageError
 
@@ -75,7 +75,7 @@ def check_parallel(config: TransformerConfig, options: TrainOptions, dist: Dist)
                              f"({2 * p}): each rank holds two chunks of every sequence (zigzag)")
         if config.dropout > 0:
             raise UsageError("--context-parallel needs --dropout 0 (attention dropout is not served by the ring)")
-        if refused := refusals(config.backend, chunk_pairs=True):
+        if refused := why_not(config.backend, chunk_pairs=True):
             raise UsageError(f"--context-parallel needs a --backend that serves context-parallel chunk pairs; "
                              f"--backend {config.backend} refuses: {'; '.join(refused)}")
 

@@ -80,11 +80,11 @@ def check_run(config: TransformerConfig, options: TrainOptions) -> None:
     """Everything about a run that can be refused before any work: the options' ranges, then every reason the
     model's attention backend will refuse its calls (from the backend's ``Serves`` declaration: device, dropout,
     head dim; a missing package), as one :class:`UsageError` naming ``--backend``."""
-    from ..backends import refusals
+    from ..backends import why_not
 
     options.validate()
-    why = refusals(config.backend, device=run_device(options), dtype=torch.float32, dropout=config.dropout > 0,
-                   head_dim=config.d_model // config.n_heads)
+    why = why_not(config.backend, device=run_device(options), dtype=torch.float32, dropout=config.dropout > 0,
+                  head_dim=config.d_model // config.n_heads)
     if why:
         raise UsageError(f"--backend {config.backend} cannot train this model: {'; '.join(why)}")
 
