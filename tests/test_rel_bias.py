@@ -21,7 +21,7 @@ from relattn import (
     relative_attention_with_weights,
 )
 from relattn import reference as ref
-from relattn.backends import declared_reasons, not_supported_reasons, resolve
+from relattn.backends import not_supported_reasons, resolve, why_not
 from relattn.functional import validate
 from relattn.positions import T5Buckets, t5_bucket
 
@@ -278,7 +278,8 @@ def test_weights_carry_the_bias():
 
 def test_backends_without_the_term_refuse_it_and_auto_passes_them_over():
     assert set(SERVING) >= {"dense", "blocked", "native"}
-    assert declared_reasons(BACKENDS["dense"].serves, rel_bias=True) == []
+    assert why_not("dense", rel_bias=True) == []
+    assert all("rel_bias" in " ".join(why_not(name, rel_bias=True)) for name in REFUSING)
     q = torch.randn(1, 2, 4, 3)
     call = validate(q, q, q, None, None, max_relative_position=2, attn_mask=None, is_causal=False, dropout_p=0.0,
                     scale=None, query_offset=0, rel_bias=torch.randn(5))
