@@ -331,7 +331,8 @@ def varlen_forward(q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, *, m
                    is_causal: bool, scale: float, query_offset: int, max_seqlen_q: int, max_seqlen_k: int, rel_q=None,
                    q_pos=None):
     """A packed call: (out (1,H,T,Dv) in q's dtype, lse (1,H,T), float32 for 16-bit q). q (1,H,T,D), k (1,Hkv,T_k,D),
-    v (1,Hkv,T_k,Dv) (any row strides); sequence s holds query rows ``cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1`` and
+    v (1,Hkv,T_k,Dv) (any row strides; rows closer than a row apart, as an ``expand()``ed row, are
+    copied); sequence s holds query rows ``cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1`` and
     key rows ``cu_seqlens_k[s] ..`` likewise, its query i at position ``i + m_s - n_s + query_offset``: the dense
     :func:`forward` of its own rows. Rows with no key give zeros, lse -inf. ``mask`` must be None."""
     _require()

@@ -1068,7 +1068,11 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, 
 
 // ------------------------------------------------------------------------------------------ entry points
 
-at::Tensor rows_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+// t with unit-stride rows at least a row apart, as the GEMMs' leading dimensions must be: a copy only where the
+// caller's are not (an expand()ed row, stride 0, read as a broadcast key or a memory token).
+at::Tensor rows_contiguous(const at::Tensor& t) {
+  return t.stride(-1) == 1 && t.stride(-2) >= std::max<int64_t>(1, t.size(-1)) ? t : t.contiguous();
+}
 
 bool is_16_bit_type(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 

