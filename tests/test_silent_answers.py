@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import assert_close, attention_ref, oracle_grads, require_backend
-from relattn import relative_attention, relative_attention_varlen
+from relattn import RelativeMultiheadAttention, relative_attention, relative_attention_varlen
 
 B, H, N, D, K = 2, 4, 7, 8, 3
 
@@ -78,3 +78,28 @@ def test_native_packed_reads_expanded_rows_as_the_oracle(which, dtype):
     wants = torch.autograd.grad(want, [*leaves, rk, rv], go.double())
     for name, a, w in zip(("dq", "dk", "dv", "drk", "drv"), got, wants, strict=True):
         assert_close(a, w, dtype, name)
+
+
+# ------------------------------------------------------------------------------ the module's remembered padding
+
+
+@pytest.mark.parametrize("how", ["data", "numpy"])
+def test_the_module_reads_a_padding_mask_changed_without_a_version_bump(how):
+    """A key_padding_mask whose values change through ``.data`` or a numpy view (neither bumps ``_version``): the
+    next call reads the new lengths, as a fresh mask of those values gives."""
+    torch.manual_seed(0)
+    mod = RelativeMultiheadAttention(16, 4, 3, dtype=torch.float64)
+    x = torch.randn(3, 8, 16, dtype=torch.float64)
+    mask = torch.arange(8)[None, :] >= torch.tensor([8, 5, 2])[:, None]
+    first = mod(x, key_padding_mask=mask)[0]
+    assert torch.equal(first[1, 5:], torch.zeros(3, 16, dtype=torch.float64))
+    version = mask._version
+    if how == "data":
+        mask.data[1, 3:] = True
+    else:
+        mask.numpy()[1, 3:] = True
+    assert mask._version == version
+    got = mod(x, key_padding_mask=mask)[0]
+    want = mod(x, key_padding_mask=mask.clone())[0]
+    assert torch.equal(got[1, 3:], torch.zeros(5, 16, dtype=torch.float64))
+    assert_close(got, want, torch.float64)
