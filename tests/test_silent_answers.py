@@ -103,3 +103,44 @@ def test_the_module_reads_a_padding_mask_changed_without_a_version_bump(how):
     want = mod(x, key_padding_mask=mask.clone())[0]
     assert torch.equal(got[1, 3:], torch.zeros(5, 16, dtype=torch.float64))
     assert_close(got, want, torch.float64)
+
+
+# ------------------------------------------------------------------------------ compiled against eager at padding
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [dict(max_relative_position=3), dict(transformer_xl=True, num_kv_heads=2)],
+                         ids=["shaw", "transformer-xl"])
+def test_the_compiled_module_gives_eager_zeros_and_gradients_at_padding(config):
+    """torch.compile(fullgraph=True) of the module with a key_padding_mask (right-aligned bool and -inf, enough
+    padding to pack eagerly; left-aligned, which neither zeroes): eager's outputs, zeros at the padded positions of
+    right padding, and eager's gradients (none into padded positions)."""
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    mod = RelativeMultiheadAttention(16, 4, dtype=torch.float64, **config)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.normal_(0, 0.3)
+    compiled = torch.compile(mod, fullgraph=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 8, 16, generator=g, dtype=torch.float64)
+    go = torch.randn(3, 8, 16, generator=g, dtype=torch.float64)
+    right = torch.arange(8)[None, :] >= torch.tensor([8, 5, 2])[:, None]
+    masks = {"bool": right, "-inf": torch.zeros(3, 8, dtype=torch.float64).masked_fill(right, float("-inf")),
+             "left": right.flip(1)}
+    for name, mask in masks.items():
+        outs = []
+        for run in (mod, compiled):
+            xin = x.clone().requires_grad_()
+            out = run(xin, key_padding_mask=mask, is_causal=True)[0]
+            outs.append((out, *torch.autograd.grad(out, [xin, *mod.parameters()], go, allow_unused=True)))
+        if name != "left":
+            zeros = torch.zeros(int(right.sum()), 16, dtype=torch.float64)
+            for out, dx, *_ in outs:
+                assert torch.equal(out[right], zeros) and torch.equal(dx[right], zeros), name
+        for (pname, _), a, w in zip([("out", None), ("dx", None), *mod.named_parameters()], outs[1], outs[0],
+                                    strict=True):
+            if w is None:
+                assert a is None or not a.any(), f"{name} {pname}"
+            else:
+                assert_close(a, w, torch.float64, f"{name} {pname}")
