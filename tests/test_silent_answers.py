@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_close, attention_ref, oracle_grads, require_backend
-from relattn import RelativeMultiheadAttention, relative_attention, relative_attention_varlen
+from helpers import assert_close, attention_ref, backend_params, oracle_grads, reference_output, require_backend
+from relattn import BACKENDS, RelativeMultiheadAttention, relative_attention, relative_attention_varlen
 
 B, H, N, D, K = 2, 4, 7, 8, 3
 
@@ -144,3 +144,40 @@ def test_the_compiled_module_gives_eager_zeros_and_gradients_at_padding(config):
                 assert a is None or not a.any(), f"{name} {pname}"
             else:
                 assert_close(a, w, torch.float64, f"{name} {pname}")
+
+
+# ------------------------------------------------------------------------------ a NaN in a row no allowed pair meets
+
+
+def _nan_table_case(where: str, *, nan: bool):
+    """q, k, v (1, 2, 6, 4), per-head rel_k and shared rel_v and rel_q (K = 2) float64 leaves; with ``nan``, row
+    ``K + 1`` (offset +1, met only by pairs that is_causal masks) of table ``where`` is NaN, else zero."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    tables = {"rel_k": torch.randn(2, 5, 4, generator=g, dtype=torch.float64),
+              "rel_v": torch.randn(5, 4, generator=g, dtype=torch.float64),
+              "rel_q": torch.randn(5, 4, generator=g, dtype=torch.float64)}
+    tables[where][..., 3, :] = float("nan") if nan else 0.0
+    return [t.requires_grad_() for t in (q, k, v, tables["rel_k"], tables["rel_v"], tables["rel_q"])]
+
+
+@pytest.mark.parametrize("backend", backend_params(list(BACKENDS)))
+@pytest.mark.parametrize("where", ["rel_k", "rel_v", "rel_q"])
+def test_a_nan_in_a_table_row_only_masked_pairs_meet_reaches_nothing(backend, where):
+    """is_causal=True with a NaN in row K + 1 (offset +1: only future keys meet it): on every backend, and in the
+    reference, the answer of that row at zero, outputs and gradients; the row's own gradient is zero."""
+    kw = dict(max_relative_position=2, is_causal=True)
+    clean = _nan_table_case(where, nan=False)
+    want = relative_attention(*clean[:5], rel_q=clean[5], backend="dense", **kw)
+    want_grads = torch.autograd.grad(want.square().sum(), clean)
+    spec = reference_output(*clean[:5], rel_q=clean[5], **kw)
+    assert_close(want, spec, torch.float64, "dense, no NaN")
+    x = _nan_table_case(where, nan=True)
+    assert_close(reference_output(*x[:5], rel_q=x[5], **kw), spec, torch.float64, "reference")
+    out = relative_attention(*x[:5], rel_q=x[5], backend=backend, **kw)
+    assert_close(out, want, torch.float64, f"{backend} out")
+    got = torch.autograd.grad(out.square().sum(), x)
+    for name, a, w in zip(("q", "k", "v", "rel_k", "rel_v", "rel_q"), got, want_grads, strict=True):
+        assert_close(a, w, torch.float64, f"{backend} d{name}")
+    table = x[("rel_k", "rel_v", "rel_q").index(where) + 3]
+    assert not got[("rel_k", "rel_v", "rel_q").index(where) + 3][..., 3, :].any(), table.shape

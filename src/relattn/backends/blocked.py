@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..positions import clip_and_shift
+from ..positions import clip_and_shift, unmet_rows_zeroed
 from ._common import (
     AttentionCall,
     Backend,
@@ -133,6 +133,8 @@ def blocked_forward(q, k, v, rel_k, rel_v, mask, seed, *, max_relative_position:
     kk = max_relative_position
     dtype = q.dtype
     q, k, v, rel_k, rel_v, mask, rel_q, q_pos = _prepare(q, k, v, rel_k, rel_v, mask, rel_q, q_pos)
+    rel_k, rel_v, rel_q = (unmet_rows_zeroed(t, q.shape[2], k.shape[2], kk, query_offset=query_offset,
+                                             is_causal=is_causal) for t in (rel_k, rel_v, rel_q))
     b, h, n, _ = q.shape
     m, dv = k.shape[2], v.shape[3]
     reader = q if q_pos is None else q_pos
@@ -174,6 +176,8 @@ def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, m
     kk = max_relative_position
     dtype = q.dtype
     q, k, v, rel_k, rel_v, mask, rel_q, q_pos = _prepare(q, k, v, rel_k, rel_v, mask, rel_q, q_pos)
+    rel_k, rel_v, rel_q = (unmet_rows_zeroed(t, q.shape[2], k.shape[2], kk, query_offset=query_offset,
+                                             is_causal=is_causal) for t in (rel_k, rel_v, rel_q))
     grad_out, out = grad_out.to(q.dtype), out.to(q.dtype)
     b, h, n, _ = q.shape
     m = k.shape[2]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..positions import causal_allowed, relative_position_index
+from ..positions import causal_allowed, relative_position_index, unmet_rows_zeroed
 from ._common import AttentionCall, Backend, Serves
 
 
@@ -35,6 +35,8 @@ def dense_weights(q, k, rel_k, *, max_relative_position, mask, is_causal, scale,
     ``q_pos`` when given, else by ``q``."""
     n, m = q.shape[-2], k.shape[-2]
     idx = relative_position_index(n, m, max_relative_position, query_offset=query_offset, device=q.device)
+    rel_k, rel_q = (unmet_rows_zeroed(t, n, m, max_relative_position, query_offset=query_offset,
+                                      is_causal=is_causal) for t in (rel_k, rel_q))
     # Softmax statistics in at least float32: bf16/fp16 (or autocast) scores are upcast once, here.
     stats = torch.promote_types(q.dtype, torch.float32)
     scores = (q @ k.transpose(-1, -2)).to(stats)
@@ -60,7 +62,9 @@ def dense_attention(call: AttentionCall, *, need_weights: bool = False):
                            rel_q=call.rel_q, q_pos=call.q_pos)
     if call.dropout_p > 0.0:
         p = F.dropout(p, call.dropout_p, training=True)
-    v, rel_v = call.v, call.rel_v
+    v = call.v
+    rel_v = unmet_rows_zeroed(call.rel_v, call.q.shape[-2], v.shape[-2], call.max_relative_position,
+                              query_offset=call.query_offset, is_causal=call.is_causal)
     out = p.to(v.dtype) @ v
     if rel_v is not None:
         # Bucket sums from the float32 (or float64) weights: a bf16 accumulator over ~M weights loses them.

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..positions import unmet_rows_zeroed
 from ._common import (
     LOW_PRECISION,
     Backend,
@@ -368,6 +369,13 @@ def varlen_forward(q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, *, m
                     packed=Packed(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k))
 
 
+def _met_tables(tables, q, k, kk: int, is_causal: bool, query_offset: int, packed: Packed | None):
+    """The tables with zeros in the rows no pair the call may attend meets (a sequence's queries at the end of its
+    keys in a packed call): the kernels read a tile's whole window of rows, and a NaN there must reach nothing."""
+    n, m = (q.shape[2], k.shape[2]) if packed is None else (packed.max_k, packed.max_q)
+    return [unmet_rows_zeroed(t, n, m, kk, query_offset=query_offset, is_causal=is_causal) for t in tables]
+
+
 def _forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
              query_offset: int, rel_q=None, q_pos=None, packed: Packed | None = None) -> tuple[Tensor, Tensor]:
     b, h, n, _ = q.shape
@@ -375,6 +383,7 @@ def _forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_caus
     sdt = stats_dtype(q.dtype)
     if b * h * n == 0:
         return q.new_zeros(b, h, n, dv), q.new_full((b, h, n), float("-inf"), dtype=sdt)
+    rel_k, rel_v, rel_q = _met_tables((rel_k, rel_v, rel_q), q, k, kk, is_causal, query_offset, packed)
     meta = _meta("fwd", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed)
     # programs: (query tile, batch entry * head, split of the keys); a packed batch's entries are its sequences
     rows_n, rows_m, entries = (n, m, b) if packed is None else (packed.max_q, packed.max_k, packed.count)
@@ -460,6 +469,7 @@ def _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_p
         more = (None if rel_q is None else more[0], torch.zeros_like(q_pos))
     if b * h == 0 or n == 0 or m == 0:
         return dq, dk.to(k.dtype), dv, d_rel_k, d_rel_v, *more
+    rel_k, rel_v, rel_q = _met_tables((rel_k, rel_v, rel_q), q, k, kk, is_causal, query_offset, packed)
     grad_out = grad_out.to(q.dtype)
     grad_out = grad_out.contiguous() if packed is None else _rows(grad_out)
     delta = (grad_out.to(sdt) * out.to(sdt)).sum(-1)
