@@ -11,6 +11,7 @@ import torch
 
 from helpers import assert_close, grads, random_inputs
 from relattn import functional as fn
+from relattn.backends import blocked
 from relattn.backends.blocked import DEFAULT_BLOCK, blocked_backward, blocked_forward, dropout_keep
 
 # ----------------------------------------------------------------------------------------- tiling
@@ -95,7 +96,7 @@ def test_dropout_backward_regenerates_the_mask():
     seed = torch.tensor(99)
 
     def f(*x):
-        return torch.ops.relattn.blocked_fwd(*x, None, seed, 2, False, 0.3, 0.5, 0)[0]
+        return blocked.OPS.fwd_op(*x, None, seed, 2, False, 0.3, 0.5, 0)[0]
 
     assert torch.autograd.gradcheck(f, (q, k, v, rk, rv), fast_mode=True)
 

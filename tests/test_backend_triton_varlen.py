@@ -203,5 +203,5 @@ def test_opcheck_of_the_packed_ops():
     q, k, v = (x[n].float().transpose(0, 1).unsqueeze(0).to(DEVICE).requires_grad_() for n in ("q", "k", "v"))
     rk, rq = (x[n].float().to(DEVICE).requires_grad_() for n in ("rel_k", "rel_q"))
     cq, ck = _cu([n for n, _ in lengths]).to(DEVICE), _cu([m for _, m in lengths]).to(DEVICE)
-    torch.library.opcheck(torch.ops.relattn.triton_varlen_fwd.default,
+    torch.library.opcheck(tb.VARLEN_OPS.fwd_op.default,
                           (q, k, v, rk, None, None, cq, ck, 2, True, 0.5, 0, 6, 6), dict(rel_q=rq))

@@ -181,3 +181,43 @@ def test_a_nan_in_a_table_row_only_masked_pairs_meet_reaches_nothing(backend, wh
         assert_close(a, w, torch.float64, f"{backend} d{name}")
     table = x[("rel_k", "rel_v", "rel_q").index(where) + 3]
     assert not got[("rel_k", "rel_v", "rel_q").index(where) + 3][..., 3, :].any(), table.shape
+
+
+# ------------------------------------------------------------------------------ stale compile caches
+
+
+def test_the_ops_names_carry_their_schemas_so_a_stale_compile_cache_never_calls_them():
+    """torch.compile's caches are keyed by the traced graph, which names the custom ops it calls. An upgrade that
+    changes an op's arguments (simulated: the same kernel name registered again with a dropout seed and rate) gets
+    ops of other names, registered beside the old ones: a graph the old code traced (what a stale cache holds)
+    names only the old ops, whose schema is the one it was traced against, and the new code's graph names none of
+    them. The real backends' forward and backward carry one shared version."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from relattn.backends import BACKENDS
+    from relattn.backends._common import StatsOps
+
+    def forward(q, k, v, rel_k, rel_v, mask, seed=None, **kw):
+        return v * 2, q.new_zeros(q.shape[:-1])
+
+    def backward(grad_out, q, k, v, *rest, **kw):
+        return torch.zeros_like(q), torch.zeros_like(k), 2 * grad_out, None, None
+
+    old = StatsOps("stale_cache_probe", forward, backward)
+    new = StatsOps("stale_cache_probe", forward, backward, dropout=True)
+    assert old.fwd_name != new.fwd_name and old.bwd_name != new.bwd_name
+    assert all(n.startswith("relattn::stale_cache_probe_") for n in (old.fwd_name, new.fwd_name))
+    q = torch.randn(1, 1, 3, 2)
+    traced_old = make_fx(lambda q: old.fwd_op(q, q, q, None, None, None, 1, False, 1.0, 0)[0])(q)
+    seed = torch.zeros(2, dtype=torch.int64)
+    traced_new = make_fx(lambda q: new.fwd_op(q, q, q, None, None, None, seed, 1, False, 0.0, 1.0, 0)[0])(q)
+    short = lambda name: name.split("::")[1]  # noqa: E731
+    assert short(old.fwd_name) in traced_old.code and short(old.fwd_name) not in traced_new.code
+    assert torch.equal(traced_old(q), 2 * q)  # the stale graph still finds the op it was traced against
+    for backend in BACKENDS.values():
+        for ops in (backend.stats, backend.packed):
+            if ops is not None:
+                version = ops.fwd_name.rsplit("_", 1)[1]
+                assert ops.fwd_name == f"relattn::{ops.name}_fwd_{version}" and len(version) == 8
+                assert ops.bwd_name == f"relattn::{ops.name}_bwd_{version}"
+

@@ -9,6 +9,7 @@ position; tables arrive as ``(Hr, 2K+1, D|Dv)`` with ``Hr`` in ``{1, H}``.
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -339,17 +340,28 @@ def _padded(grads: tuple) -> tuple:
     return (*grads, *(None,) * len(TRAILING))[:5 + len(TRAILING)]
 
 
+def schema_version(*schemas: str) -> str:
+    """The short hash of a pair of ops' schemas that their names carry (``relattn::{name}_fwd_{version}``).
+    torch.compile's on-disk caches are keyed by the traced graph, which names the ops it calls but not their
+    schemas: a graph an older relattn cached (its backward too) calls ops of names that code registered; once a
+    schema changes, so does the name, the graph a new relattn traces differs, and the stale entry is never hit
+    (nor could it find an op of its name registered with other arguments)."""
+    return hashlib.sha256("\n".join(schemas).encode()).hexdigest()[:8]
+
+
 class StatsOps:
     """The ops of a kernel that saves its log-sum-exp: ``forward(*leading, **scalars, rel_q, q_pos) -> (out, lse)`` and
     ``backward(grad_out, *leading, out, lse, **scalars, rel_q, q_pos) -> (dq, dk, dv, d_rel_k, d_rel_v[, d_rel_q[,
     d_q_pos]])``: the optional tensors of :data:`TRAILING` are passed by name, and only when given (a kernel that does
     not take one is never handed it: its declaration refuses the calls that carry it).
 
-    * ``relattn::{name}_fwd(q, k, v, rel_k?, rel_v?, mask?, [seed,] K, is_causal, [dropout_p,] scale, query_offset,
-      rel_q?=None, q_pos?=None) -> (out, lse)`` and ``relattn::{name}_bwd(grad_out, <the same leading tensors>, out,
-      lse, <the same scalars>, rel_q?=None, q_pos?=None) -> (dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos)`` (a
-      missing tensor's gradient an empty tensor): custom ops with fake kernels and autograd, which torch.compile
-      and torch.export see as one opaque, shape-correct op each. ``dropout=True`` adds the seed tensor and
+    * ``relattn::{name}_fwd_{version}(q, k, v, rel_k?, rel_v?, mask?, [seed,] K, is_causal, [dropout_p,] scale,
+      query_offset, rel_q?=None, q_pos?=None) -> (out, lse)`` and ``relattn::{name}_bwd_{version}(grad_out, <the same
+      leading tensors>, out, lse, <the same scalars>, rel_q?=None, q_pos?=None) -> (dq, dk, dv, d_rel_k, d_rel_v,
+      d_rel_q, d_q_pos)`` (a missing tensor's gradient an empty tensor): custom ops with fake kernels and autograd,
+      which torch.compile and torch.export see as one opaque, shape-correct op each; ``version`` is
+      :func:`schema_version` of the two schemas (``fwd_name``, ``bwd_name``: the ops' qualified names; ``fwd_op``,
+      ``bwd_op``: the ops). ``dropout=True`` adds the seed tensor and
       ``dropout_p``; ``varlen=True`` (a packed call) the tensors ``cu_seqlens_q, cu_seqlens_k`` after the leading
       ones and the scalars ``max_seqlen_q, max_seqlen_k`` after the others.
     * :meth:`run` gives a call's output: through the op when something traces the call, else through a plain
@@ -387,11 +399,16 @@ class StatsOps:
             tensors = (*inputs[:5], *inputs[sig.bwd_trailing])  # q, k, v, rel_k, rel_v, then the trailing tensors
             return grads_laid_out(tensors, grads)
 
-        self.fwd = torch.library.custom_op(f"relattn::{name}_fwd", fwd, mutates_args=(), schema=sig.fwd_schema)
+        version = schema_version(sig.fwd_schema, sig.bwd_schema)
+        self.fwd_name, self.bwd_name = f"relattn::{name}_fwd_{version}", f"relattn::{name}_bwd_{version}"
+        self.fwd = torch.library.custom_op(self.fwd_name, fwd, mutates_args=(), schema=sig.fwd_schema)
         self.fwd.register_fake(lambda *inputs, **named: stats_fake(inputs[0], inputs[2]))
-        self.bwd = torch.library.custom_op(f"relattn::{name}_bwd", bwd, mutates_args=(), schema=sig.bwd_schema)
+        self.bwd = torch.library.custom_op(self.bwd_name, bwd, mutates_args=(), schema=sig.bwd_schema)
         self.bwd.register_fake(lambda grad_out, *inputs, **named: grads_fake(
             *inputs[:5], *whole(inputs, named, sig.bwd_trailing)[sig.bwd_trailing]))
+        # the ops as torch.ops holds them (OpOverloadPackets: ``.default`` is the overload), for tests and tools
+        self.fwd_op, self.bwd_op = (getattr(torch.ops.relattn, n.split("::")[1])
+                                    for n in (self.fwd_name, self.bwd_name))
         op_wiring = StatsAutograd(self.bwd, leading=lead, scalars=ns, trailing=nt)
         self.fwd.register_autograd(op_wiring.grads, setup_context=op_wiring.setup)
         self.eager = self.wiring.function(self._forward)

@@ -232,8 +232,9 @@ def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, m
     return tuple(t.to(dtype) if t is not None else None for t in grads)
 
 
-# relattn::blocked_fwd(q, k, v, rel_k?, rel_v?, mask?, seed, K, is_causal, dropout_p, scale, query_offset, rel_q?,
-#   q_pos?) -> (out, lse) and relattn::blocked_bwd, the eager path and the ring's pair calls: see _common.StatsOps.
+# relattn::blocked_fwd_{version}(q, k, v, rel_k?, rel_v?, mask?, seed, K, is_causal, dropout_p, scale, query_offset,
+#   rel_q?, q_pos?) -> (out, lse) and relattn::blocked_bwd_{version}, the eager path and the ring's pair calls: see
+#   _common.StatsOps.
 OPS = StatsOps("blocked", no_autocast(blocked_forward), no_autocast(blocked_backward), dropout=True)
 
 

@@ -380,8 +380,8 @@ def planned_forward(call):
     return run
 
 
-# relattn::native_fwd / relattn::native_bwd (and relattn::native_varlen_fwd / _bwd for packed calls), the eager path
-# and the ring's pair calls: see _common.StatsOps.
+# relattn::native_fwd_{version} / _bwd_{version} (and relattn::native_varlen_fwd_{version} / _bwd_{version} for packed
+# calls), the eager path and the ring's pair calls: see _common.StatsOps.
 OPS = StatsOps("native", forward, backward, flat_tables=True, planned=planned_forward)
 VARLEN_OPS = StatsOps("native_varlen", varlen_forward, varlen_backward, varlen=True)
 

@@ -514,8 +514,8 @@ def _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_p
     return dq, (dk + dk_q).to(k.dtype), dv, d_rel_k, d_rel_v, d_rel_q, *d_q_pos
 
 
-# relattn::triton_fwd / relattn::triton_bwd, the eager path and the ring's pair calls, and relattn::triton_varlen_fwd /
-# _bwd for packed calls (Backend.packed): see _common.StatsOps.
+# relattn::triton_fwd_{version} / _bwd_{version}, the eager path and the ring's pair calls, and
+# relattn::triton_varlen_fwd_{version} / _bwd_{version} for packed calls (Backend.packed): see _common.StatsOps.
 OPS = StatsOps("triton", forward, backward)
 VARLEN_OPS = StatsOps("triton_varlen", varlen_forward, varlen_backward, varlen=True)
 
