@@ -10,6 +10,7 @@ import torch
 
 from helpers import assert_close, attention_ref, backend_params, oracle_grads, reference_output, require_backend
 from relattn import BACKENDS, RelativeMultiheadAttention, relative_attention, relative_attention_varlen
+from relattn.positions import LogBuckets
 
 B, H, N, D, K = 2, 4, 7, 8, 3
 
@@ -221,3 +222,60 @@ def test_the_ops_names_carry_their_schemas_so_a_stale_compile_cache_never_calls_
                 assert ops.fwd_name == f"relattn::{ops.name}_fwd_{version}" and len(version) == 8
                 assert ops.bwd_name == f"relattn::{ops.name}_bwd_{version}"
 
+
+# ------------------------------------------------------------------------------ packed: a window wider than the queries
+
+LENGTHS_Q, LENGTHS_K = (2, 3, 1, 0), (6, 9, 4, 3)  # fewer queries than keys: each sequence a step after a cache
+PACKED_OPTIONS = {
+    "tables": dict(max_relative_position=5),
+    "rel_q": dict(max_relative_position=5, rel_q=True),
+    "transformer-xl": dict(max_relative_position=6, biases=True, rel_v=False),
+    "beyond-zero": dict(max_relative_position=5, beyond="zero"),
+    "window": dict(max_relative_position=(7, 4)),
+    "log-buckets": dict(max_relative_position=LogBuckets(4, 6, 12), rel_q=True),
+    "gqa": dict(max_relative_position=5, heads_kv=1),
+}
+
+
+@pytest.mark.parametrize("backend", backend_params(list(BACKENDS)))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("option", list(PACKED_OPTIONS))
+def test_packed_cross_lengths_with_a_window_wider_than_the_queries(backend, option, causal):
+    """The packed op with fewer queries than keys per sequence and a window wider than the longest query length
+    (the tables must serve the keys' offsets, down to ``-(M - 1)``): each sequence is the oracle's on its own rows
+    (its queries at the end of its keys), outputs and every gradient, for each option of the op."""
+    opt = dict(PACKED_OPTIONS[option])
+    window = opt.pop("max_relative_position")
+    h, hkv, d = 2, opt.pop("heads_kv", 2), 4
+    rows = 2 * window.span if isinstance(window, LogBuckets) else sum(window) + 1 if isinstance(window, tuple) \
+        else 2 * window + 1
+    g = torch.Generator().manual_seed(5)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
+    q, k, v = rnd(sum(LENGTHS_Q), h, d), rnd(sum(LENGTHS_K), hkv, d), rnd(sum(LENGTHS_K), hkv, d)
+    kw = dict(max_relative_position=window, is_causal=causal, beyond=opt.pop("beyond", "clip"),
+              enable_gqa=hkv != h)
+    rel_k = rnd(h, rows, d)
+    rel_v = rnd(rows, d) if opt.pop("rel_v", True) else None
+    if opt.pop("rel_q", False):
+        kw["rel_q"] = rnd(rows, d)
+    if opt.pop("biases", False):
+        kw.update(content_bias=rnd(h, d), position_bias=rnd(h, d))
+    assert not opt
+    leaves = [t for t in (q, k, v, rel_k, rel_v, kw.get("rel_q"), kw.get("content_bias"), kw.get("position_bias"))
+              if t is not None]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()]) for n in (LENGTHS_Q, LENGTHS_K))
+    out = relative_attention_varlen(q, k, v, rel_k, rel_v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend=backend,
+                                    **kw)
+    parts = []
+    for s, (n, m) in enumerate(zip(LENGTHS_Q, LENGTHS_K, strict=True)):
+        one = [t[a:a + length].transpose(0, 1)[None] for t, a, length in
+               ((q, cu_q[s], n), (k, cu_k[s], m), (v, cu_k[s], m))]
+        ref_kw = {key: val for key, val in kw.items() if key != "enable_gqa"}
+        parts.append(attention_ref(*one, rel_k, rel_v, query_offset=m - n, **ref_kw)[0].transpose(0, 1))
+    want = torch.cat(parts)
+    assert_close(out, want.detach(), torch.float64, f"{backend} {option} out")
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    got = torch.autograd.grad(out, leaves, go)
+    wants = torch.autograd.grad(want, leaves, go)
+    for i, (a, w) in enumerate(zip(got, wants, strict=True)):
+        assert_close(a, w, torch.float64, f"{backend} {option} grad {i}")
