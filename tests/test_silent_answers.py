@@ -279,3 +279,54 @@ def test_packed_cross_lengths_with_a_window_wider_than_the_queries(backend, opti
     wants = torch.autograd.grad(want, leaves, go)
     for i, (a, w) in enumerate(zip(got, wants, strict=True)):
         assert_close(a, w, torch.float64, f"{backend} {option} grad {i}")
+
+
+# ------------------------------------------------------------------ every mask convention on every path that packs
+
+
+def test_the_module_packs_a_float_padding_mask_only_when_it_is_padding_alone():
+    """A float key_padding_mask of right-aligned ``-inf`` padding packs (zeros at the padding, the masked call's
+    answer elsewhere); one that also adds finite values to real keys (or pads with a large finite value) is no
+    padding mask alone: the masked call, nn.MultiheadAttention's answer, everywhere."""
+    torch.manual_seed(0)
+    mod = RelativeMultiheadAttention(16, 4, 3, dtype=torch.float64)
+    x = torch.randn(3, 8, 16, dtype=torch.float64)
+    pad = torch.arange(8)[None, :] >= torch.tensor([8, 5, 2])[:, None]
+    inf = torch.zeros(3, 8, dtype=torch.float64).masked_fill(pad, float("-inf"))
+    finite = inf.clone()
+    finite[0, 1], finite[1, 3] = -2.0, 0.7
+    large = torch.zeros(3, 8, dtype=torch.float64).masked_fill(pad, -1e4)
+    for mask in (pad, inf):
+        got = mod(x, key_padding_mask=mask)[0]
+        masked = mod(x, key_padding_mask=mask, need_weights=True)[0]  # weights asked for: the masked call
+        assert torch.equal(got[pad], torch.zeros(int(pad.sum()), 16, dtype=torch.float64))
+        assert_close(got[~pad], masked[~pad], torch.float64)
+    for mask in (finite, large):
+        got = mod(x, key_padding_mask=mask)[0]
+        assert_close(got, mod(x, key_padding_mask=mask, need_weights=True)[0], torch.float64)
+        assert got[1, 5:].abs().min() > 0
+
+
+def test_transformers_masks_pack_only_when_they_are_right_padding_alone():
+    """hf_common's reading of a transformers mask: 2-D keep masks, 4-D bool, and 4-D float masks of 0 and
+    ``finfo.min`` or ``-inf`` pack; a 4-D float mask with any other value (a finite bias on a real key, a
+    large-but-not-min pad), rows that differ, or left padding does not (the masked call runs it)."""
+    from relattn.integrations import hf_common
+
+    lengths = torch.tensor([6, 3, 1])
+    keep = torch.arange(6)[None, :] < lengths[:, None]
+    low = torch.finfo(torch.float32).min
+    additive = torch.zeros(3, 1, 1, 6).masked_fill(~keep[:, None, None], low)
+    packs = {"2-D": keep.long(), "4-D bool": keep[:, None, None].expand(3, 1, 6, 6),
+             "4-D min": additive, "4-D -inf": torch.zeros(3, 1, 1, 6).masked_fill(~keep[:, None, None], -torch.inf)}
+    for name, mask in packs.items():
+        packing = hf_common._mask_packing(mask)
+        assert packing is not None and packing.lengths.tolist() == [6, 3, 1], name
+    biased = additive.clone()
+    biased[1, 0, 0, 0] = -2.0
+    rows = additive.expand(3, 1, 6, 6).clone()
+    rows[0, 0, 2, 1] = low
+    refused = {"finite bias": biased, "large pad": torch.zeros(3, 1, 1, 6).masked_fill(~keep[:, None, None], -1e4),
+               "rows differ": rows, "left": additive.flip(-1)}
+    for name, mask in refused.items():
+        assert hf_common._mask_packing(mask) is None, name
