@@ -330,3 +330,46 @@ def test_transformers_masks_pack_only_when_they_are_right_padding_alone():
                "rows differ": rows, "left": additive.flip(-1)}
     for name, mask in refused.items():
         assert hf_common._mask_packing(mask) is None, name
+
+
+# ------------------------------------------------------------------ patched models in eval mode, with dropout
+
+
+def _with_dropout(model, p=0.1):
+    """``model`` with every attention and hidden dropout at ``p``: each ``nn.Dropout`` and each float dropout rate
+    a module keeps (transformers' attention modules keep ``dropout`` or ``attention_dropout`` as a float)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = p
+        for name in ("dropout", "attention_dropout", "dropout_p"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, p)
+    return model
+
+
+@pytest.mark.parametrize("name", ["deberta-v3", "deberta-v1", *(pytest.param(n, marks=pytest.mark.slow) for n in (
+    "w2v-bert", "seamless-m4t-v1", "speecht5-encoder", "vits-text-encoder"))])
+def test_every_patched_model_with_dropout_in_eval_mode_is_the_unpatched_model(name):
+    """Each patched model with its dropouts at 0.1 (``attention_probs_dropout_prob`` and the like), in eval mode:
+    a right-padded batch (run packed) gives each sequence's unpatched, unpadded output at its real tokens, and an
+    unpadded batch (the masked call) the unpatched model's output; no dropout is drawn."""
+    import copy
+
+    pytest.importorskip("transformers")
+    from relattn.integrations.transformers import patch
+    from test_padding_hf import LENGTHS as PAD_LENGTHS
+    from test_padding_hf import MODELS, _mask
+
+    build, output, _, _ = MODELS[name]
+    torch.manual_seed(0)
+    plain = _with_dropout(build().double()).eval()
+    patched = copy.deepcopy(plain)
+    patch(patched)
+    mask = _mask()
+    assert any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in patched.modules())
+    got = output(patched, mask, None, None)
+    for b, n in enumerate(PAD_LENGTHS):
+        alone = output(plain, mask, b, n)
+        assert_close(got[b, :n], alone[0], torch.float64, f"{name} sequence {b}")
+    full = torch.ones_like(mask)
+    assert_close(output(patched, full, None, None), output(plain, full, None, None), torch.float64, f"{name} unpadded")
