@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_close, attention_ref, backend_params, oracle_grads, reference_output, require_backend
+from helpers import assert_close, attention_ref, backend_params, oracle_grads, reference_output
 from relattn import BACKENDS, RelativeMultiheadAttention, relative_attention, relative_attention_varlen
 from relattn.positions import LogBuckets
 
@@ -29,20 +29,19 @@ def _expanded(which: str, dtype, *, seed=0):
     return x, rk, rv
 
 
+@pytest.mark.parametrize("backend", backend_params(["native", "triton"]))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("which", ["q", "k", "v"])
-def test_native_reads_expanded_rows_as_the_oracle(which, dtype):
-    """A broadcast row (``expand()``: row stride 0, a memory token or a null key) on the native kernel: the oracle's
-    output and gradients, dense, planned (a repeated no-grad call handing the user's tensors to the kernel) and
-    packed."""
-    require_backend("native")
+def test_kernels_read_expanded_rows_as_the_oracle(which, dtype, backend):
+    """A broadcast row (``expand()``: row stride 0, a memory token or a null key) on the kernels: the oracle's
+    output and gradients, and planned (a repeated no-grad call handing the user's tensors to the kernel)."""
     leaves, rk, rv = _expanded(which, dtype)
     q, k, v = (t.expand(B, H, N, D) for t in leaves)
     assert min(t.stride(-2) for t in (q, k, v)) == 0
     go = torch.randn(B, H, N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(dtype)
     kw = dict(max_relative_position=K, is_causal=True)
     want, want_grads = oracle_grads((q, k, v, rk, rv), go, **kw)
-    out = relative_attention(q, k, v, rk, rv, backend="native", **kw)
+    out = relative_attention(q, k, v, rk, rv, backend=backend, **kw)
     assert_close(out, want, dtype, "out")
     got = torch.autograd.grad(out, [*leaves, rk, rv], go)
     wants = [w.sum(-2, keepdim=True) if t.shape[-2] == 1 else w for w, t in zip(want_grads, leaves, strict=False)]
@@ -50,15 +49,15 @@ def test_native_reads_expanded_rows_as_the_oracle(which, dtype):
         assert_close(a, w, dtype, name)
     with torch.no_grad():  # the plan's direct kernel call: the first call plans, the second runs the plan
         for _ in range(2):
-            assert_close(relative_attention(q, k, v, rk, rv, backend="native", **kw), want, dtype, "planned out")
+            assert_close(relative_attention(q, k, v, rk, rv, backend=backend, **kw), want, dtype, "planned out")
 
 
+@pytest.mark.parametrize("backend", backend_params(["native", "triton"]))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("which", ["q", "k", "v"])
-def test_native_packed_reads_expanded_rows_as_the_oracle(which, dtype):
-    """The packed op on the native kernel with ``which`` a (1, H, D) row expanded to all T rows (stride 0): each
-    sequence the oracle's, outputs and gradients."""
-    require_backend("native")
+def test_kernels_packed_read_expanded_rows_as_the_oracle(which, dtype, backend):
+    """The packed op on the kernels with ``which`` a (1, H, D) row expanded to all T rows (stride 0): each sequence
+    the oracle's, outputs and gradients."""
     lengths = (N, 4)
     t_all = sum(lengths)
     g = torch.Generator().manual_seed(3)
@@ -69,7 +68,7 @@ def test_native_packed_reads_expanded_rows_as_the_oracle(which, dtype):
     q, k, v = (t.expand(t_all, H, D) for t in leaves)
     cu = torch.tensor([0, lengths[0], t_all])
     out = relative_attention_varlen(q, k, v, rk, rv, cu_seqlens_q=cu, max_relative_position=K, is_causal=True,
-                                    backend="native")
+                                    backend=backend)
     want = torch.cat([attention_ref(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), rk, rv,
                                     max_relative_position=K, is_causal=True)[0].transpose(0, 1)
                       for a, b in ((0, lengths[0]), (lengths[0], t_all))])

@@ -446,8 +446,9 @@ def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seql
 
 
 def _rows(t: Tensor) -> Tensor:
-    """``t`` as it is when its rows are contiguous (a packed batch's (1, H, T, D) view), else contiguous."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+    """``t`` as it is when its rows are contiguous and a row apart (a packed batch's (1, H, T, D) view), else
+    contiguous (an ``expand()``ed row, stride 0: its gradient, laid out as it, would overlap)."""
+    return t if t.stride(-1) == 1 and t.stride(-2) >= max(1, t.shape[-1]) else t.contiguous()
 
 
 def _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
