@@ -43,6 +43,7 @@ a sequence costs what its own dense call does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -59,6 +60,7 @@ from pathlib import Path
 import torch
 
 from .._io import atomic_path
+from . import cpu
 from ._common import (
     LOW_PRECISION,
     Backend,
@@ -73,12 +75,13 @@ log = logging.getLogger("relattn")
 
 @dataclass(frozen=True)
 class NativeSettings:
-    """The kernel's settings (:data:`SETTINGS`; the tests set small tiles with ``SETTINGS.override(...)``)."""
+    """The kernel's settings (:data:`SETTINGS`; the tests set small tiles with ``SETTINGS.override(...)``). Their
+    defaults are this CPU's choices (:func:`choice`), then ``RELATTN_NATIVE_SETTINGS`` (:func:`settings_from_env`)."""
 
-    tile_q: int = 0  # queries per tile (0: by the number of queries, see tile_q)
+    tile_q: int = 0  # queries per tile (0: by the number of queries and the CPU's tile, see tile_q)
     tile_k: int = 512  # keys per block (benchmarks/fast_vs_sdpa.py: 128 and 1024 within a few percent at N = 2048)
     kv_splits: int = 0  # backward: key segments per head (0: more than 1 only when batch * heads leaves threads idle)
-    gemm16: bool | None = None  # 16-bit inputs: True 16-bit GEMMs, False float32 copies, None the CPU decides
+    gemm16: bool | None = None  # 16-bit inputs: True 16-bit GEMMs, False float32 copies, None the CPU's choice
 
     def __post_init__(self):
         for name, low in (("tile_q", 0), ("tile_k", 1), ("kv_splits", 0)):
@@ -89,7 +92,45 @@ class NativeSettings:
             raise ValueError(f"native setting gemm16 must be None, True or False; got {self.gemm16!r}")
 
 
-SETTINGS = Settings(NativeSettings())
+ENV = "RELATTN_NATIVE_SETTINGS"
+_BOOLS = {"1": True, "true": True, "0": False, "false": False, "none": None, "auto": None}
+
+
+@functools.cache
+def choice() -> cpu.NativeChoice:
+    """This CPU's choices (:func:`relattn.backends.cpu.choose` of its features), made once per process."""
+    return cpu.choose(cpu.features())
+
+
+def settings_from_env(text: str | None, base: NativeSettings) -> NativeSettings:
+    """``base`` with the settings ``text`` names (``RELATTN_NATIVE_SETTINGS``'s form: ``"tile_q=128,tile_k=256,
+    gemm16=0"``; gemm16 takes 1/0/true/false/auto); None or empty: ``base``. Bad text: a ValueError naming it."""
+    if not text or not text.strip():
+        return base
+    changes: dict[str, int | bool | None] = {}
+    fields = set(base.__dataclass_fields__)
+    for item in text.split(","):
+        name, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or name not in fields:
+            raise ValueError(f"{ENV} must be name=value pairs of {', '.join(sorted(fields))} separated by commas; "
+                             f"got {text!r}")
+        if name == "gemm16":
+            if value.lower() not in _BOOLS:
+                raise ValueError(f"{ENV}: gemm16 must be 1, 0, true, false or auto; got {value!r}")
+            changes[name] = _BOOLS[value.lower()]
+        else:
+            try:
+                changes[name] = int(value)
+            except ValueError:
+                raise ValueError(f"{ENV}: {name} must be an int; got {value!r}") from None
+    try:
+        return dataclasses.replace(base, **changes)
+    except ValueError as exc:
+        raise ValueError(f"{ENV}={text!r}: {exc}") from None
+
+
+SETTINGS = Settings(settings_from_env(os.environ.get(ENV), NativeSettings(tile_k=choice().tile_k)))
+
 
 _SOURCE = "shaw_cpu.cpp"
 _lock = threading.Lock()
@@ -224,15 +265,14 @@ def _require() -> None:
         raise RuntimeError(f"relattn: {reason}")
 
 
-# The CPU features (torch.cpu.get_capabilities()) that make 16-bit GEMMs faster than float32 ones, per dtype.
-_GEMM16_FEATURES = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 @functools.cache
 def gemm16_here(dtype: torch.dtype) -> bool:
-    """Whether this CPU has instructions for ``dtype`` GEMMs and libtorch exports MKL's GEMM for it (cached:
-    ``gemm16_here.cache_clear()`` asks again)."""
+    """Whether ``dtype`` inputs take 16-bit GEMMs on this CPU: the CPU's choice (:func:`relattn.backends.cpu.choose`:
+    ``avx512_bf16``/AMX-BF16 for bfloat16, ``avx512_fp16``/AMX-FP16 for float16) and libtorch exports MKL's GEMM for
+    it (cached: ``gemm16_here.cache_clear()`` reads the CPU again)."""
     _require()
-    caps = torch.cpu.get_capabilities()
-    return any(caps.get(f, False) for f in _GEMM16_FEATURES[dtype]) and torch.ops.relattn_native.has_gemm16(dtype)
+    chosen = str(dtype).removeprefix("torch.") in cpu.choose(cpu.read_features()).gemm16
+    return chosen and torch.ops.relattn_native.has_gemm16(dtype)
 
 
 def uses_gemm16(dtype: torch.dtype) -> bool:
@@ -244,18 +284,20 @@ def uses_gemm16(dtype: torch.dtype) -> bool:
 
 
 def tile_q(n: int, causal: bool, rows: int = 0, keys: int = 0) -> int:
-    """Queries per tile for ``n`` queries: the ``tile_q`` setting when set; else 256, and for causal calls 32 below 192
-    queries and 64 below 768 (the split of PyTorch's own CPU flash attention): a tile's rows meet the keys up to its
-    last row only, so smaller tiles skip more of the masked half (at N = 512, 1 thread: forward 15 ms at 64 against
-    22 ms at 256, backward 55 against 65; without causal, 64 and 256 within noise). A table of ``rows`` rows longer
-    than a 256-query tile reaches against ``keys`` keys (DeBERTa-v3's 1013 rows at N = 512) takes 64-query tiles: a
-    tile computes only the ``tile + keys - 1`` table rows it meets (DeBERTa-v3's attention at N = 512, one thread,
-    CPU time: forward+backward about 0.9x of 256-query tiles)."""
+    """Queries per tile for ``n`` queries: the ``tile_q`` setting when set; else the CPU's tile (:func:`choice`,
+    256 on every CPU class so far), and for causal calls 32 below 192 queries and 64 below 768 (the split of
+    PyTorch's own CPU flash attention): a tile's rows meet the keys up to its last row only, so smaller tiles skip more
+    of the masked half (at N = 512, 1 thread: forward 15 ms at 64 against 22 ms at 256, backward 55 against 65;
+    without causal, 64 and 256 within noise). A table of ``rows`` rows longer than a full tile reaches against
+    ``keys`` keys (DeBERTa-v3's 1013 rows at N = 512) takes 64-query tiles: a tile computes only the
+    ``tile + keys - 1`` table rows it meets (DeBERTa-v3's attention at N = 512, one thread, CPU time:
+    forward+backward about 0.9x of 256-query tiles)."""
     if (fixed := SETTINGS.current.tile_q) > 0:
         return fixed
+    full = choice().tile_q
     if not causal:
-        return 64 if rows > 256 + keys - 1 and n > 64 else 256
-    return 32 if n < 192 else 64 if n < 768 else 256
+        return 64 if rows > full + keys - 1 and n > 64 else full
+    return 32 if n < 192 else 64 if n < 768 else full
 
 
 def _as_float(t):
