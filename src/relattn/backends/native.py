@@ -29,6 +29,10 @@ from the sequence's start, its queries at the end of its keys, and writes its ro
 The tasks are split into runs of equal cost per thread, as ragged lengths make them unequal; nothing is padded, and
 a sequence costs what its own dense call does.
 
+The kernel's choices for the CPU it runs on (queries per tile, keys per block, which 16-bit dtypes take 16-bit GEMMs)
+come from the CPU's features (:func:`choice`, :mod:`relattn.backends.cpu`); ``RELATTN_NATIVE_SETTINGS`` and
+``SETTINGS.override`` override them.
+
 16-bit inputs (bfloat16, float16) go one of two ways (``SETTINGS.current.gemm16``, :func:`uses_gemm16`):
 
 * **16-bit GEMMs** where the CPU has instructions for them (``avx512_bf16`` or AMX for bfloat16; ``avx512_fp16``
