@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from relattn.backends import cpu, native
+
 pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +38,8 @@ def test_hf_models_quick_writes_every_case(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["quick"] is True and result["transformers"]
+    assert result["machine"]["cpu_features"] == cpu.features().describe()  # where it ran, and the kernel's choice
+    assert result["machine"]["native_choice"] == native.choice().describe()
     rows = {(r["model"], r["scope"], r["length"], r["mode"]): r for r in result["rows"]}
     assert set(rows) == {(*key, mode) for key in EXPECTED for mode in ("forward", "forward+backward")}
     for (model, scope, length, _), row in rows.items():
