@@ -453,3 +453,23 @@ def test_a_patched_eole_model_in_train_mode_with_dropout_runs_native(monkeypatch
     model(src, tgt, (src != 22).sum(1)).dec_out.sum().backward()
     # the encoder's and the decoder's self-attention layers (cross-attention has no relative positions)
     assert counted.calls["dropout"] == 4 and counted.calls["fwd"] == 4 and counted.calls["bwd"] == 4
+
+
+@needs_native
+@pytest.mark.parametrize("gemm16", [True, False], ids=["16-bit-gemms", "float32-copies"])
+def test_native_bfloat16_with_dropout_draws_the_same_mask(gemm16, kernel_settings):
+    """16-bit inputs drop the same weights as float64 (the mask does not depend on the dtype): the bfloat16 output
+    and gradients within bfloat16's error of the float64 ones (the dropped weights' error would be of order 1)."""
+    from relattn.backends import native
+
+    assert native.unavailable() is None  # loaded
+    if gemm16 and not torch.ops.relattn_native.has_gemm16(torch.bfloat16):
+        pytest.skip("this libtorch exports no bfloat16 GEMM")
+    kernel_settings(native, gemm16=gemm16, tile_q=8, tile_k=16)
+    inputs, kw, go = _case("gqa-relq-causal-offset")
+    want, want_grads = _run("native", inputs, kw, go)
+    low = [None if t is None else t.detach().bfloat16().requires_grad_() for t in inputs]
+    got, got_grads = _run("native", low, kw, go.bfloat16())
+    assert _rel_err(got.double(), want) < 3e-2
+    for a, w in zip(got_grads, want_grads, strict=True):
+        assert _rel_err(a.double(), w) < 5e-2
