@@ -426,13 +426,6 @@ def test_forced_16_bit_gemms_run_in_the_backward_too(dtype):
         assert a.dtype == dtype and not torch.equal(a, b), name
 
 
-@needs_native
-def test_refuses_dropout():
-    with pytest.raises(ValueError, match="native.*dropout"):
-        fn.relative_attention(*random_inputs(1, 2, 9, 9, 4, 4, 2), max_relative_position=2, dropout_p=0.1,
-                              backend="native")
-
-
 # ----------------------------------------------------------------------------------------- availability
 
 

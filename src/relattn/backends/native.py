@@ -14,7 +14,8 @@ or started. It needs a C++ compiler and ninja (a dependency of relattn, from PyP
 Where the build fails, or with ``RELATTN_NATIVE=0`` in the environment, :func:`unavailable` says why and
 "auto" uses the other backends.
 
-Any float dtype, any additive mask that needs no gradient, no dropout, the position-to-content table ``rel_q``
+Any float dtype, any additive mask that needs no gradient, dropout (every backend's mask, ``_common.dropout_keep``,
+drawn in the kernel from row and column hashes and drawn again in the backward), the position-to-content table ``rel_q``
 (``KA = k a^Q^T`` per head and thread, added per row in the same three runs; its gradient binned per key by the
 backward task that owns the key); k and v may have fewer heads than q
 (grouped-query attention, ``H % Hkv == 0``), read in place: dk and dv of a key/value head are summed over its
@@ -335,10 +336,12 @@ def _in_dtypes(grads, inputs) -> tuple:
     return tuple(g if t is None or g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, inputs, strict=True))
 
 
-def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
-            query_offset: int, rel_q=None, q_pos=None):
+def forward(q, k, v, rel_k, rel_v, mask, seed=None, *, max_relative_position: int, is_causal: bool,
+            dropout_p: float = 0.0, scale: float, query_offset: int, rel_q=None, q_pos=None):
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros, lse -inf.
-    k, v may have Hkv heads, H % Hkv == 0; q_pos (q's shape and dtype), when given, the queries rel_k reads."""
+    k, v may have Hkv heads, H % Hkv == 0; q_pos (q's shape and dtype), when given, the queries rel_k reads.
+    ``dropout_p > 0``: the weights dropped by every backend's mask (``_common.dropout_keep``) of ``seed`` (int64,
+    (seed) or (seed, b0, i0, j0)); lse stays the undropped normaliser's."""
     _require()
     dtype = q.dtype
     if dtype in LOW_PRECISION:
@@ -349,12 +352,12 @@ def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causa
                   None if rel_q is None else rel_q.contiguous())
     tiles = _tiles(q.shape[-2], k.shape[-2], is_causal, max_relative_position)
     out, lse = torch.ops.relattn_native.fwd.default(q, k, v, *tables, q_pos, max_relative_position, is_causal, scale,
-                                                    query_offset, *tiles)
+                                                    query_offset, *tiles, seed, dropout_p)
     return (out if out.dtype == dtype else out.to(dtype)), lse
 
 
-def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
-             scale: float, query_offset: int, rel_q=None, q_pos=None):
+def backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, max_relative_position: int, is_causal: bool,
+             dropout_p: float = 0.0, scale: float, query_offset: int, rel_q=None, q_pos=None):
     """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos) in their inputs' dtypes (dk, dv with k's Hkv heads); a table
     gradient, and d_q_pos, is an empty tensor when its input is None. With q_pos, dq is the content term's share
     only and d_q_pos the key table's."""
@@ -364,7 +367,7 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     tiles = _tiles(q.shape[-2], k.shape[-2], is_causal, max_relative_position)
     grads = torch.ops.relattn_native.bwd(go, q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), qp, out_,
                                          lse, max_relative_position, is_causal, scale, query_offset, *tiles,
-                                         SETTINGS.current.kv_splits)
+                                         SETTINGS.current.kv_splits, seed, dropout_p)
     return _in_dtypes(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos))
 
 
@@ -373,14 +376,15 @@ def _no_mask(mask) -> None:
         raise ValueError(f"relattn native: a packed call takes no mask; got a {type(mask).__name__}")
 
 
-def varlen_forward(q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, *, max_relative_position: int,
-                   is_causal: bool, scale: float, query_offset: int, max_seqlen_q: int, max_seqlen_k: int, rel_q=None,
-                   q_pos=None):
+def varlen_forward(q, k, v, rel_k, rel_v, mask, seed, cu_seqlens_q, cu_seqlens_k, *, max_relative_position: int,
+                   is_causal: bool, dropout_p: float = 0.0, scale: float, query_offset: int, max_seqlen_q: int,
+                   max_seqlen_k: int, rel_q=None, q_pos=None):
     """A packed call: (out (1,H,T,Dv) in q's dtype, lse (1,H,T), float32 for 16-bit q). q (1,H,T,D), k (1,Hkv,T_k,D),
     v (1,Hkv,T_k,Dv) (any row strides; rows closer than a row apart, as an ``expand()``ed row, are
     copied); sequence s holds query rows ``cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1`` and
     key rows ``cu_seqlens_k[s] ..`` likewise, its query i at position ``i + m_s - n_s + query_offset``: the dense
-    :func:`forward` of its own rows. Rows with no key give zeros, lse -inf. ``mask`` must be None."""
+    :func:`forward` of its own rows (with dropout, batch entry ``s`` of the mask). Rows with no key give zeros, lse
+    -inf. ``mask`` must be None."""
     _require()
     _no_mask(mask)
     gemm16 = uses_gemm16(q.dtype)
@@ -388,13 +392,14 @@ def varlen_forward(q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, *, m
     q_, k_, v_, qp = _data(gemm16, q, k, v, q_pos)
     rel_k, rel_v, _, rel_q = _tables_and_mask(rel_k, rel_v, None, rel_q)
     out, lse = torch.ops.relattn_native.varlen_fwd(q_, k_, v_, rel_k, rel_v, rel_q, qp, cu_seqlens_q, cu_seqlens_k,
-                                                   max_relative_position, is_causal, scale, query_offset, *tiles)
+                                                   max_relative_position, is_causal, scale, query_offset, *tiles, seed,
+                                                   dropout_p)
     return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
 
 
-def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, out, lse, *,
-                    max_relative_position: int, is_causal: bool, scale: float, query_offset: int, max_seqlen_q: int,
-                    max_seqlen_k: int, rel_q=None, q_pos=None):
+def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, cu_seqlens_q, cu_seqlens_k, out, lse, *,
+                    max_relative_position: int, is_causal: bool, dropout_p: float = 0.0, scale: float,
+                    query_offset: int, max_seqlen_q: int, max_seqlen_k: int, rel_q=None, q_pos=None):
     """The gradients of :func:`varlen_forward`'s call, as :func:`backward` gives them (dq (1,H,T,D), dk, dv
     (1,Hkv,T_k,.), the tables' in their shapes): one task per (sequence, key/value head), table gradients summed
     per thread in a fixed order."""
@@ -406,7 +411,7 @@ def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seql
     rel_k_, rel_v_, _, rel_q_ = _tables_and_mask(rel_k, rel_v, None, rel_q)
     grads = torch.ops.relattn_native.varlen_bwd(go, q_, k_, v_, rel_k_, rel_v_, rel_q_, qp, out_, lse, cu_seqlens_q,
                                                 cu_seqlens_k, max_relative_position, is_causal, scale, query_offset,
-                                                *tiles, SETTINGS.current.kv_splits)
+                                                *tiles, SETTINGS.current.kv_splits, seed, dropout_p)
     return _in_dtypes(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos))
 
 
@@ -428,15 +433,15 @@ def planned_forward(call):
 
 # relattn::native_fwd_{version} / _bwd_{version} (and relattn::native_varlen_fwd_{version} / _bwd_{version} for packed
 # calls), the eager path and the ring's pair calls: see _common.StatsOps.
-OPS = StatsOps("native", forward, backward, flat_tables=True, planned=planned_forward)
-VARLEN_OPS = StatsOps("native_varlen", varlen_forward, varlen_backward, varlen=True)
+OPS = StatsOps("native", forward, backward, dropout=True, flat_tables=True, planned=planned_forward)
+VARLEN_OPS = StatsOps("native_varlen", varlen_forward, varlen_backward, dropout=True, varlen=True)
 
 
 
 BACKEND = Backend("native", OPS.run,
-                  Serves(devices=frozenset({"cpu"}), grouped_kv=True, pos_to_content=True, position_query=True,
-                         chunk_pairs=True, varlen=True),
+                  Serves(devices=frozenset({"cpu"}), dropout=True, grouped_kv=True, pos_to_content=True,
+                         position_query=True, chunk_pairs=True, varlen=True),
                   "C++ kernel, one flash pass: the key term added per row in three runs (left, band, right), "
-                  "the value term as 2K+1 weights per row; CPU, masks, grouped k/v, rel_q, packed sequences in one "
-                  "pass, no dropout (16-bit GEMMs where the CPU has 16-bit instructions, else float32)",
+                  "the value term as 2K+1 weights per row; CPU, masks, dropout, grouped k/v, rel_q, packed sequences "
+                  "in one pass (16-bit GEMMs where the CPU has 16-bit instructions, else float32)",
                   unavailable=unavailable, stats=OPS, packed=VARLEN_OPS)
