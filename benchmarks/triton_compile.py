@@ -155,13 +155,14 @@ def record(shape: Shape, arch: int) -> list[tuple]:
             kw["q_pos"] = torch.empty_like(q)
         if shape.varlen:
             cu_q, cu_k = packed.pop("cu_seqlens_q"), packed.pop("cu_seqlens_k")
-            out, lse = tb.varlen_forward(q, k, v, rk, rv, None, cu_q, cu_k, **kw, **packed)
+            out, lse = tb.varlen_forward(q, k, v, rk, rv, None, None, cu_q, cu_k, **kw, **packed)
             if shape.backward:
-                tb.varlen_backward(torch.empty_like(out), q, k, v, rk, rv, None, cu_q, cu_k, out, lse, **kw, **packed)
+                tb.varlen_backward(torch.empty_like(out), q, k, v, rk, rv, None, None, cu_q, cu_k, out, lse, **kw,
+                                   **packed)
         else:
             out, lse = tb.forward(q, k, v, rk, rv, mask, **kw)
             if shape.backward:
-                tb.backward(torch.empty_like(out), q, k, v, rk, rv, mask, out, lse, **kw)
+                tb.backward(torch.empty_like(out), q, k, v, rk, rv, mask, None, out, lse, **kw)
     finally:
         tb._launch, tb._arch, tb._sm_count = saved
     return launches

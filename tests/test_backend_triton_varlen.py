@@ -136,7 +136,7 @@ def test_rows_without_keys_give_zeros_and_lse_minus_inf():
     q, k, v = (x[n].transpose(0, 1).unsqueeze(0).to(DEVICE) for n in ("q", "k", "v"))
     cq = _cu([n for n, _ in LENGTHS]).to(DEVICE)
     ck = _cu([m for _, m in LENGTHS]).to(DEVICE, torch.int64)  # int64 as well as int32
-    out, lse = tb.varlen_forward(q, k, v, x["rel_k"].to(DEVICE), x["rel_v"].to(DEVICE), None, cq, ck,
+    out, lse = tb.varlen_forward(q, k, v, x["rel_k"].to(DEVICE), x["rel_v"].to(DEVICE), None, None, cq, ck,
                                  max_relative_position=3, is_causal=True, scale=0.4, query_offset=0, max_seqlen_q=40,
                                  max_seqlen_k=40)
     assert out.shape == (1, 4, q.shape[2], 4) and lse.shape == (1, 4, q.shape[2])

@@ -339,6 +339,15 @@ def _padded(grads: tuple) -> tuple:
     return (*grads, *(None,) * len(TRAILING))[:5 + len(TRAILING)]
 
 
+def dropout_seed(call: AttentionCall) -> Tensor:
+    """A call's dropout seed: an int64 0-dim tensor on q's device, drawn from torch's generator for that device
+    (``torch.manual_seed`` reproduces a run; two calls draw different masks); zero without dropout."""
+    q = call.q
+    if call.dropout_p > 0.0:
+        return torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=q.device)
+    return torch.zeros((), dtype=torch.int64, device=q.device)
+
+
 class StatsOps:
     """The ops of a kernel that saves its log-sum-exp: ``forward(*leading, **scalars, rel_q, q_pos) -> (out, lse)`` and
     ``backward(grad_out, *leading, out, lse, **scalars, rel_q, q_pos) -> (dq, dk, dv, d_rel_k, d_rel_v[, d_rel_q[,
@@ -420,11 +429,14 @@ class StatsOps:
                 *(getattr(call, n) for n in self.scalar_names), *(getattr(call, n) for n in TRAILING))
 
     def run(self, call: AttentionCall, *, seed: Tensor | None = None) -> Tensor:
-        """The output (B, H, N, Dv) of ``call`` (``seed``: the dropout seed, for a kernel with dropout); a packed call
-        only on ops built with ``varlen=True`` (the others would read it as one long sequence: a ValueError)."""
+        """The output (B, H, N, Dv) of ``call`` (``seed``: the dropout seed, for a kernel with dropout; None: drawn
+        by :func:`dropout_seed`); a packed call only on ops built with ``varlen=True`` (the others would read it as
+        one long sequence: a ValueError)."""
         if (call.cu_seqlens_q is not None) != self.varlen:
             raise ValueError(f"relattn::{self.name} takes {'only' if self.varlen else 'no'} packed calls "
                              f"(cu_seqlens); the backend's packed ops run those")
+        if self.dropout and seed is None:
+            seed = dropout_seed(call)
         inputs = self._inputs(call, seed)
         if traced():
             return self.fwd(*inputs)[0]
@@ -440,7 +452,8 @@ class StatsOps:
         that does not take them so, ``flat_tables=False``, gets them as (1, 2K+1, d)). A kernel may give its own
         (``planned``: the same function, leaner; None to take this one). None where :meth:`run` needs more than
         that (a differentiated call, a mask, a dropout seed, a packed call)."""
-        if self.dropout or _differentiated(call) or any(getattr(call, n) is not None for n in self.leading_names[5:]):
+        if call.dropout_p > 0.0 or _differentiated(call) or any(
+                getattr(call, n) is not None for n in self.leading_names[5:] if n != "seed"):
             return None
         if self.planned is not None and (own := self.planned(call)) is not None:
             return own
