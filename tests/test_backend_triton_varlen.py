@@ -204,4 +204,5 @@ def test_opcheck_of_the_packed_ops():
     rk, rq = (x[n].float().to(DEVICE).requires_grad_() for n in ("rel_k", "rel_q"))
     cq, ck = _cu([n for n, _ in lengths]).to(DEVICE), _cu([m for _, m in lengths]).to(DEVICE)
     torch.library.opcheck(torch.ops.relattn.triton_varlen_fwd.default,
-                          (q, k, v, rk, None, None, cq, ck, 2, True, 0.5, 0, 6, 6), dict(rel_q=rq))
+                          (q, k, v, rk, None, None, torch.full((), 5, dtype=torch.int64, device=DEVICE), cq, ck, 2,
+                           True, 0.25, 0.5, 0, 6, 6), dict(rel_q=rq))  # with dropout: the seed's mask every time

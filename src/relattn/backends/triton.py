@@ -88,6 +88,12 @@ VARLEN_CONFIGS = {("fwd", 80, 128): (64, 64, 8, 2, 4), ("fwd", 100, 128): (64, 6
                   ("dkdv", 90, 128): (32, 64, 8, 1, 2)}
 VARLEN_RQ_CONFIGS = {("fwd", 80, 64): (64, 64, 8, 2, 4), ("fwd", 90, 64): (128, 64, 8, 2, 2),
                      ("dkdv", 90, 64): (32, 64, 8, 1, 2), ("dq", 80, 64): (64, 32, 8, 1, 2)}
+# The forward of a dense call whose lengths end mid-tile (N or M not a multiple of the tile: every load masked at
+# the end, as a packed batch's) at D = 128 (head dims 65 to 128): with a key-padding mask the 128 x 64 entry above
+# spills there (16 bytes on sm_80, 8 on sm_86 and sm_89, 40 on sm_90a at D = 96, N = 1500; 48 on sm_120 at 64 x 64,
+# stages 2; Triton 3.9). By arch first, then by table, as VARLEN_CONFIGS; these compile without spills.
+RAGGED_CONFIGS = {("fwd", 80, 128): (64, 64, 8, 2, 4), ("fwd", 90, 128): (64, 64, 8, 2, 4),
+                  ("fwd", 100, 128): ARCH_CONFIGS[("fwd", 100, 128)], ("fwd", 120, 128): (64, 64, 8, 1, 2)}
 # Which table each served arch uses. The A100's (at most 64 KB of shared memory per launch) fits the 99 KB of
 # sm_86, sm_89 and sm_120; sm_100 (B200) takes it too. sm_100 and sm_120 have their own forward at D = 128
 # (ARCH_CONFIGS). Each pairing
@@ -186,17 +192,18 @@ def _sm_count(device: torch.device) -> int:
 
 
 def config(kernel: str, dtype: torch.dtype, head_dim: int, arch: int | None, rel_q: bool = False,
-           grouped: bool = False, varlen: bool = False) -> tuple[int, int, int, int, int]:
+           grouped: bool = False, varlen: bool = False, ragged: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, BAND_SPLIT) of ``kernel`` ("fwd", "dkdv", "dq") for a padded head
     dim on a GPU of compute capability ``arch`` (None: interpreted), with or without the ``rel_q`` term, grouped
-    k/v heads, a packed batch (``varlen``)."""
+    k/v heads, a packed batch (``varlen``), lengths that end mid-tile (``ragged``: :data:`RAGGED_CONFIGS`)."""
     if arch is None:
         return (*INTERPRETED_TILES, 4, 1, 1)
     if dtype not in LOW_PRECISION:
         return FP32_CONFIGS[kernel]
     dim = 64 if head_dim <= 64 else 128
     key = (kernel, TABLE_OF_ARCH.get(arch, 80), dim)
-    for table in (VARLEN_RQ_CONFIGS if varlen and rel_q else {}), (VARLEN_CONFIGS if varlen else {}):
+    for table in ((VARLEN_RQ_CONFIGS if varlen and rel_q else {}), (VARLEN_CONFIGS if varlen else {}),
+                  (RAGGED_CONFIGS if ragged and not varlen else {})):
         if (kernel, arch, dim) in table or key in table:
             return table.get((kernel, arch, dim), table.get(key))
     if rel_q and grouped and key in GQA_RQ_CONFIGS:
@@ -230,6 +237,9 @@ def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None, packed: Pa
     dp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
     bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device), rel_q is not None,
                                           k.shape[1] != q.shape[1], packed is not None)
+    if packed is None and (n % bm or m % bn):  # the lengths end mid-tile: the ragged entry, if there is one
+        bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device), rel_q is not None,
+                                              k.shape[1] != q.shape[1], False, True)
     settings = SETTINGS.current
     override = settings.fwd_tiles if kernel == "fwd" else settings.bwd_tiles
     if override is not None:
