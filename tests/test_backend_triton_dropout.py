@@ -244,3 +244,22 @@ def test_packed_equals_padded_call_of_the_same_batch(causal):
         torch.testing.assert_close(a, packed(w), rtol=1e-12, atol=1e-12, msg=lambda s, nm=name: f"d{nm}: {s}")
     for name, a, w in zip("rel_k rel_v rel_q".split(), got[3:], want[3:], strict=True):
         torch.testing.assert_close(a, w, rtol=1e-12, atol=1e-12, msg=lambda s, nm=name: f"d{nm}: {s}")
+
+
+@pytest.mark.slow
+def test_gradcheck_of_the_op_with_a_fixed_seed():
+    """relattn::triton_fwd with dropout and a fixed seed tensor: a deterministic function of its inputs, whose
+    backward (the mask regenerated) passes a fast-mode gradcheck in float64 (grouped k/v, every table, a mask,
+    causal with an offset)."""
+    q, k, v, rk, rv = random_inputs(1, 2, 5, 7, 4, 4, 2, tables="per_head", seed=13)
+    rq = torch.randn(*rk.shape, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
+    q, k, v, rk, rv, rq = (t.to(DEVICE).requires_grad_() for t in (q, k[:, :1], v[:, :1], rk, rv, rq))
+    mask = torch.randn(1, 1, 5, 7, dtype=torch.float64, device=DEVICE)
+    seed = torch.full((), 99, dtype=torch.int64, device=DEVICE)
+
+    def f(q, k, v, rk, rv, rq):
+        return torch.ops.relattn.triton_fwd(q, k, v, rk, rv, mask, seed, 2, True, 0.3, 0.5, 2, rq)[0]
+
+    assert not torch.equal(f(q, k, v, rk, rv, rq), torch.ops.relattn.triton_fwd(
+        q, k, v, rk, rv, mask, seed, 2, True, 0.0, 0.5, 2, rq)[0])
+    assert torch.autograd.gradcheck(f, (q, k, v, rk, rv, rq), fast_mode=True)

@@ -430,15 +430,16 @@ class StatsOps:
 
     def run(self, call: AttentionCall, *, seed: Tensor | None = None) -> Tensor:
         """The output (B, H, N, Dv) of ``call`` (``seed``: the dropout seed, for a kernel with dropout; None: drawn
-        by :func:`dropout_seed`); a packed call only on ops built with ``varlen=True`` (the others would read it as
-        one long sequence: a ValueError)."""
+        by :func:`dropout_seed`, or left None without dropout when nothing traces the call); a packed call only on
+        ops built with ``varlen=True`` (the others would read it as one long sequence: a ValueError)."""
         if (call.cu_seqlens_q is not None) != self.varlen:
             raise ValueError(f"relattn::{self.name} takes {'only' if self.varlen else 'no'} packed calls "
                              f"(cu_seqlens); the backend's packed ops run those")
-        if self.dropout and seed is None:
+        through_op = traced()
+        if self.dropout and seed is None and (call.dropout_p > 0.0 or through_op):  # the op's schema wants one
             seed = dropout_seed(call)
         inputs = self._inputs(call, seed)
-        if traced():
+        if through_op:
             return self.fwd(*inputs)[0]
         if _differentiated(call):
             return self.eager.apply(*inputs)
