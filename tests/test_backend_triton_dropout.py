@@ -49,14 +49,15 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def keep_mask(seed: int, b: int, h: int, n: int, m: int, p: float) -> torch.Tensor:
-    """(B, H, N, M) bool: the formula's keep mask, in int64 torch arithmetic (no overflow: 32-bit values times a
-    27-bit constant)."""
-    entry = torch.arange(b, dtype=torch.int64)[:, None]
+def keep_mask(seed: int, b: int, h: int, n: int, m: int, p: float, origin=(0, 0, 0)) -> torch.Tensor:
+    """(B, H, N, M) bool: the formula's keep mask at batch entries, rows and keys from ``origin`` (b0, i0, j0) on, in
+    int64 torch arithmetic (no overflow: 32-bit values times a 27-bit constant)."""
+    b0, i0, j0 = origin
+    entry = torch.arange(b0, b0 + b, dtype=torch.int64)[:, None] & M32
     head = torch.arange(h, dtype=torch.int64)[None, :]
     key = _mix32(_mix32(_mix32(torch.tensor((seed & M32) ^ 0x243F6A88)) ^ entry) ^ head)[..., None, None]
-    rows = _mix32(key ^ 0x85A308D3 ^ torch.arange(n, dtype=torch.int64)[:, None])
-    cols = _mix32(((key + 0x9E3779B9) & M32) ^ torch.arange(m, dtype=torch.int64)[None, :])
+    rows = _mix32(key ^ 0x85A308D3 ^ (torch.arange(i0, i0 + n, dtype=torch.int64)[:, None] & M32))
+    cols = _mix32(((key + 0x9E3779B9) & M32) ^ (torch.arange(j0, j0 + m, dtype=torch.int64)[None, :] & M32))
     return _mix32(rows ^ cols) >= int(p * 2**32)
 
 
@@ -265,3 +266,24 @@ def test_gradcheck_of_the_op_with_a_fixed_seed():
     assert not torch.equal(f(q, k, v, rk, rv, rq), torch.ops.relattn.triton_fwd(
         q, k, v, rk, rv, mask, seed, 2, True, 0.0, 0.5, 2, rq)[0])
     assert torch.autograd.gradcheck(f, (q, k, v, rk, rv, rq), fast_mode=True)
+
+
+def test_seed_offsets_place_the_call_in_a_larger_mask():
+    """A seed tensor (seed, b0, i0, j0) draws the mask's (b0 + b, h, i0 + i, j0 + j) (what a context-parallel chunk
+    pair or a sequence run alone passes): output and gradients of the op equal the formula's with that mask, and a
+    bare seed (0-dim) is the offsets 0."""
+    q, k, v, rk, rv = random_inputs(2, 2, 7, 20, 8, 8, 2, tables="shared", seed=15)
+    go = torch.randn(2, 2, 7, 8, generator=torch.Generator().manual_seed(16), dtype=torch.float64)
+    p, origin = 0.4, (3, 2**32 + 5, 40)  # i0 past 2**32: the mask's indices are taken mod 2**32
+    for seed, at in ((torch.tensor([77, *origin]), origin), (torch.tensor(77), (0, 0, 0))):
+        leaves = _leaves([q, k, v, rk, rv], device=DEVICE)
+        tables = (leaves[3][None], leaves[4][None])  # the op's shared tables: (1, 2K+1, d)
+        out = torch.ops.relattn.triton_fwd(*leaves[:3], *tables, None, seed.to(DEVICE), 2, False, p, 0.5, 13)[0]
+        got = _grads(out, leaves, go)
+        want_leaves = _leaves([q, k, v, rk, rv])
+        want_out = formula(*want_leaves, keep=keep_mask(77, 2, 2, 7, 20, p, at), p=p, max_relative_position=2,
+                           scale=0.5, query_offset=13)
+        want = _grads(want_out, want_leaves, go)
+        torch.testing.assert_close(out.cpu(), want_out.detach(), rtol=1e-12, atol=1e-12)
+        for a, w in zip(got, want, strict=True):
+            torch.testing.assert_close(a.cpu(), w, rtol=1e-12, atol=1e-12)

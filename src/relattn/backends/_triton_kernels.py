@@ -64,7 +64,8 @@ RowBins = namedtuple("RowBins", ["P", "DS"])  # the dq kernel's per-row bins of 
 Sizes = namedtuple("Sizes", ["N", "M", "D", "DV", "MAX_REL", "off"])  # queries, keys, head dims, K, query offset
 Meta = namedtuple("Meta", ["BLOCK_M", "BLOCK_N", "HEAD_DIM", "HEAD_DIM_V", "BAND_SPLIT", "HAS_RK", "HAS_RQ", "HAS_RV",
                            "HAS_MASK", "CAUSAL", "EVEN_M", "EVEN_N", "EVEN_D", "PREC", "ACC", "DROPOUT"])
-Drop = namedtuple("Drop", ["key", "threshold", "scale"])  # a (batch entry, query head)'s key, floor(p 2**32), 1/(1-p)
+# a (batch entry, query head)'s dropout: its key, the seed's row and key offsets, floor(p 2**32), 1/(1-p)
+Drop = namedtuple("Drop", ["key", "i0", "j0", "threshold", "scale"])
 
 
 # ----------------------------------------------------------------------------------------------- loads and stores
@@ -263,23 +264,26 @@ def _mix32(x):
 
 
 @device_fn
-def _drop_key(SEED, entry, head):
-    """The dropout key of (seed, batch entry, query head): ``mix32(mix32(mix32(seed ^ 0x243F6A88) ^ b) ^ h)``, the
-    seed read from its int64 tensor (no host sync)."""
+def _drop(SEED, entry, head, threshold, scale):
+    """The :data:`Drop` of (batch entry, query head), from the int64 seed tensor ``(seed, b0, i0, j0)`` (read here:
+    no host sync): key ``mix32(mix32(mix32(seed ^ 0x243F6A88) ^ (b0 + b)) ^ h)``; the call's rows and keys are the
+    mask's ``i0 + i`` and ``j0 + j`` (a chunk of a longer call, or a sequence run alone, draws the whole call's)."""
     seed = tl.load(SEED).to(tl.uint32)
-    return _mix32(_mix32(_mix32(seed ^ 0x243F6A88) ^ entry.to(tl.uint32)) ^ head.to(tl.uint32))
+    b = (tl.load(SEED + 1) + entry).to(tl.uint32)
+    key = _mix32(_mix32(_mix32(seed ^ 0x243F6A88) ^ b) ^ head.to(tl.uint32))
+    return Drop(key=key, i0=tl.load(SEED + 2), j0=tl.load(SEED + 3), threshold=threshold.to(tl.uint32), scale=scale)
 
 
 @device_fn
-def _row_hashes(key, offs_m):
+def _row_hashes(drop, offs_m):
     """One hash per query row ``i`` (its index in the call's q; within its sequence when packed)."""
-    return _mix32(key ^ 0x85A308D3 ^ offs_m.to(tl.uint32))
+    return _mix32(drop.key ^ 0x85A308D3 ^ (drop.i0 + offs_m).to(tl.uint32))
 
 
 @device_fn
-def _col_hashes(key, offs_n):
+def _col_hashes(drop, offs_n):
     """One hash per key ``j`` (its index in the call's k; within its sequence when packed)."""
-    return _mix32((key + 0x9E3779B9) ^ offs_n.to(tl.uint32))
+    return _mix32((drop.key + 0x9E3779B9) ^ (drop.j0 + offs_n).to(tl.uint32))
 
 
 @device_fn
@@ -414,7 +418,7 @@ def _fwd_inner(acc, l_i, m_i, left, right, q, start_m, start, end, K, V, terms, 
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if C.DROPOUT:  # dropped pairs weigh nothing below (1/(1-p) applied to the output once)
-            kept = _kept(rows, _col_hashes(drop.key, offs_n), drop.threshold)
+            kept = _kept(rows, _col_hashes(drop, offs_n), drop.threshold)
             p = tl.where(kept, p, 0.0)
             if C.HAS_RV and STAGE == BAND:
                 s = tl.where(kept, s, float("-inf"))
@@ -493,11 +497,11 @@ def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE, CU_Q, CU_K,
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
-    drop = Drop(key=0, threshold=drop_threshold, scale=drop_scale)
+    drop = Drop(key=0, i0=0, j0=0, threshold=drop_threshold, scale=drop_scale)
     rows = offs_m
     if DROPOUT:
-        drop = Drop(key=_drop_key(SEED, entry, off_h), threshold=drop_threshold.to(tl.uint32), scale=drop_scale)
-        rows = _row_hashes(drop.key, offs_m)
+        drop = _drop(SEED, entry, off_h, drop_threshold, drop_scale)
+        rows = _row_hashes(drop, offs_m)
     q = _load_2d(Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, offs_m, offs_d, N, D, EVEN_M, EVEN_D)
     m_i = tl.full((BLOCK_M,), float("-inf"), ACC)
     l_i = tl.zeros((BLOCK_M,), ACC)
@@ -603,7 +607,7 @@ def _dkdv_inner(dk, dv, k_left, k_right, kT, vT, start_n, Q, DO, stats, terms, K
         delta = _load_rows(stats.DELTA + offs_m * stats.stride_n, offs_m, size.N, 0.0, C.EVEN_M)
         rows = offs_m
         if C.DROPOUT:
-            rows = _row_hashes(drop.key, offs_m)
+            rows = _row_hashes(drop, offs_m)
         p, ds = _bwd_tile(q, do, kT, vT, lse2, delta, terms, drop, rows, cols, offs_m, offs_n, size, C, STAGE)
         dv += dot(tl.trans(cast(p, do.dtype)), do, C.PREC)
         dk += dot(tl.trans(cast(ds, q.dtype)), q, C.PREC)
@@ -681,11 +685,11 @@ def _dkdv_kernel(Q, K, V, QA, KA, DOA, MASK, DO, LSE, DELTA, DK, DV_, KB, CU_Q, 
                       MASK=Mask(ptr=MASK + off_b * stride_mb + off_h * stride_mh, stride_n=stride_mn,
                                 stride_m=stride_mm), qk_scale=qk_scale)
         key_bins = Table(ptr=KB + off_b * stride_kbb + off_h * stride_kbh + k0 * stride_kbn, stride_n=stride_kbn)
-        drop = Drop(key=0, threshold=drop_threshold, scale=drop_scale)
+        drop = Drop(key=0, i0=0, j0=0, threshold=drop_threshold, scale=drop_scale)
         cols = offs_n
         if DROPOUT:
-            drop = Drop(key=_drop_key(SEED, entry, off_h), threshold=drop_threshold.to(tl.uint32), scale=drop_scale)
-            cols = _col_hashes(drop.key, offs_n)
+            drop = _drop(SEED, entry, off_h, drop_threshold, drop_scale)
+            cols = _col_hashes(drop, offs_n)
         k_left = tl.zeros((BLOCK_N,), ACC)
         k_right = tl.zeros((BLOCK_N,), ACC)
         if not CAUSAL:  # causal rows never see keys right of their band
@@ -727,7 +731,7 @@ def _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, start_m,
                       size.DV, size.M, C.EVEN_D, C.EVEN_N)
         cols = offs_n
         if C.DROPOUT:
-            cols = _col_hashes(drop.key, offs_n)
+            cols = _col_hashes(drop, offs_n)
         p, ds = _bwd_tile(q, do, kT, vT, lse2, delta, terms, drop, rows, cols, offs_m, offs_n, size, C, STAGE)
         dq += dot(cast(ds, kT.dtype), tl.trans(kT), C.PREC)
         if C.HAS_RV:
@@ -799,11 +803,11 @@ def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB, CU_Q,
                   qk_scale=qk_scale)
     bins = RowBins(P=Table(ptr=PB, stride_n=stride_sn), DS=Table(ptr=SB, stride_n=stride_sn))
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    drop = Drop(key=0, threshold=drop_threshold, scale=drop_scale)
+    drop = Drop(key=0, i0=0, j0=0, threshold=drop_threshold, scale=drop_scale)
     rows = offs_m
     if DROPOUT:
-        drop = Drop(key=_drop_key(SEED, entry, off_h), threshold=drop_threshold.to(tl.uint32), scale=drop_scale)
-        rows = _row_hashes(drop.key, offs_m)
+        drop = _drop(SEED, entry, off_h, drop_threshold, drop_scale)
+        rows = _row_hashes(drop, offs_m)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
     q = _load_2d(Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, offs_m, offs_d, N, D, EVEN_M, EVEN_D)

@@ -348,13 +348,18 @@ def _key_table_grads(kb: Tensor, k: Tensor, rel_q: Tensor, scale: float) -> tupl
 
 
 def _dropout_args(q, seed: Tensor | None, dropout_p: float) -> dict:
-    """The dropout's kernel arguments: the seed tensor (int64, 0-dim: read by the kernel, no host sync), the keep
-    threshold ``floor(p 2**32)`` and the kept weights' scale ``1 / (1 - p)``."""
-    if dropout_p > 0.0 and (seed is None or seed.dtype != torch.int64 or seed.dim() != 0):
-        raise ValueError(f"triton: dropout_p = {dropout_p} needs the seed as an int64 0-dim tensor, got "
-                         f"{None if seed is None else (seed.dtype, tuple(seed.shape))}")
-    return dict(SEED=q if dropout_p == 0.0 else seed, drop_threshold=math.floor(dropout_p * 2**32),
-                drop_scale=1.0 / (1.0 - dropout_p))
+    """The dropout's kernel arguments: the seed tensor, int64 ``(seed, b0, i0, j0)`` (a bare seed, 0-dim or of one
+    entry, has zero offsets; read by the kernel, no host sync), the keep threshold ``floor(p 2**32)`` and the kept
+    weights' scale ``1 / (1 - p)``."""
+    if dropout_p == 0.0:
+        return dict(SEED=q, drop_threshold=0, drop_scale=1.0)
+    if seed is None or seed.dtype != torch.int64 or seed.numel() not in (1, 4):
+        raise ValueError(f"triton: dropout_p = {dropout_p} needs the seed as an int64 tensor (seed) or (seed, b0, "
+                         f"i0, j0), got {None if seed is None else (seed.dtype, tuple(seed.shape))}")
+    seed = seed.reshape(-1)
+    if seed.numel() == 1:
+        seed = torch.nn.functional.pad(seed, (0, 3))
+    return dict(SEED=seed, drop_threshold=math.floor(dropout_p * 2**32), drop_scale=1.0 / (1.0 - dropout_p))
 
 
 def _common_args(q, k, v, max_relative_position, query_offset, scale, packed: Packed | None,
