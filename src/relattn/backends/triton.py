@@ -21,9 +21,8 @@ the kernels are first imported), also CPU tensors (the same kernels, interpreted
 "auto" never picks it on the CPU). float16 and bfloat16 (float32 statistics, 16-bit matmul inputs as in flash
 attention: the weights rounded to 16 bits on their way into a matmul), float32 (IEEE float32 matmuls, no
 TF32) and float64 (gradcheck); head dims up to 128 (D != Dv allowed); any K; the tables a^K, a^V, a^Q (rel_q),
-each optional, shared or per head; any mask that needs no gradient; dropout (the mask of
-``relattn.backends.blocked.dropout_keep``'s formula, a hash of (seed, batch entry, query head, row, key) regenerated
-tile by tile in the backward, never stored).
+each optional, shared or per head; any mask that needs no gradient; dropout (the one mask of every backend, a hash
+of (seed, batch entry, query head, row, key), regenerated tile by tile in the backward, never stored).
 
 Tiles, warps and pipeline stages per kernel come from ``config`` (by GPU architecture, element size and head
 dim; ``TABLE_OF_ARCH``); ``benchmarks/triton_compile.py`` compiles every launch of this module for every served
@@ -380,8 +379,8 @@ def forward(q, k, v, rel_k, rel_v, mask, seed=None, *, max_relative_position: in
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros and lse -inf.
     k, v: (B, Hkv, M, D|Dv) with H % Hkv == 0; rel_q: the position-to-content table (Hr, 2K+1, D) or None; q_pos:
     the queries the key table reads (q's shape; None: q). ``dropout_p > 0``: the weights that multiply v and a^V
-    dropped by the mask of ``seed`` (an int64 0-dim tensor; :func:`dropout_keep` in torch), the kept ones scaled
-    by ``1 / (1 - p)``; lse is the undropped one."""
+    dropped by the mask of ``seed`` (int64, a bare seed or ``(seed, b0, i0, j0)``: the mask's ``(b0 + b, h, i0 + i,
+    j0 + j)``), the kept ones scaled by ``1 / (1 - p)``; lse is the undropped one."""
     return _forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position, is_causal=is_causal,
                     scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos, seed=seed, dropout_p=dropout_p)
 
