@@ -93,6 +93,9 @@ VARLEN_RQ_CONFIGS = {("fwd", 80, 64): (64, 64, 8, 2, 4), ("fwd", 90, 64): (128, 
 # stages 2; Triton 3.9). By arch first, then by table, as VARLEN_CONFIGS; these compile without spills.
 RAGGED_CONFIGS = {("fwd", 80, 128): (64, 64, 8, 2, 4), ("fwd", 90, 128): (64, 64, 8, 2, 4),
                   ("fwd", 100, 128): ARCH_CONFIGS[("fwd", 100, 128)], ("fwd", 120, 128): (64, 64, 8, 1, 2)}
+# Launches with dropout (the mask's hashes: a row and a key hash per tile, one more per pair) where the entries above
+# spill: the forward at D = 128 on sm_120 (8 bytes at 64 x 64, 2 stages, causal; Triton 3.9), by arch.
+DROPOUT_CONFIGS = {("fwd", 120, 128): (64, 64, 8, 1, 2)}
 # Which table each served arch uses. The A100's (at most 64 KB of shared memory per launch) fits the 99 KB of
 # sm_86, sm_89 and sm_120; sm_100 (B200) takes it too. sm_100 and sm_120 have their own forward at D = 128
 # (ARCH_CONFIGS). Each pairing
@@ -191,16 +194,20 @@ def _sm_count(device: torch.device) -> int:
 
 
 def config(kernel: str, dtype: torch.dtype, head_dim: int, arch: int | None, rel_q: bool = False,
-           grouped: bool = False, varlen: bool = False, ragged: bool = False) -> tuple[int, int, int, int, int]:
+           grouped: bool = False, varlen: bool = False, ragged: bool = False,
+           dropout: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, BAND_SPLIT) of ``kernel`` ("fwd", "dkdv", "dq") for a padded head
     dim on a GPU of compute capability ``arch`` (None: interpreted), with or without the ``rel_q`` term, grouped
-    k/v heads, a packed batch (``varlen``), lengths that end mid-tile (``ragged``: :data:`RAGGED_CONFIGS`)."""
+    k/v heads, a packed batch (``varlen``), lengths that end mid-tile (``ragged``: :data:`RAGGED_CONFIGS`),
+    dropout (:data:`DROPOUT_CONFIGS`, by arch, first)."""
     if arch is None:
         return (*INTERPRETED_TILES, 4, 1, 1)
     if dtype not in LOW_PRECISION:
         return FP32_CONFIGS[kernel]
     dim = 64 if head_dim <= 64 else 128
     key = (kernel, TABLE_OF_ARCH.get(arch, 80), dim)
+    if dropout and (kernel, arch, dim) in DROPOUT_CONFIGS:
+        return DROPOUT_CONFIGS[(kernel, arch, dim)]
     for table in ((VARLEN_RQ_CONFIGS if varlen and rel_q else {}), (VARLEN_CONFIGS if varlen else {}),
                   (RAGGED_CONFIGS if ragged and not varlen else {})):
         if (kernel, arch, dim) in table or key in table:
@@ -235,10 +242,10 @@ def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None, packed: Pa
     n, m = (q.shape[2], k.shape[2]) if packed is None else (packed.max_q, packed.max_k)
     dp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
     bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device), rel_q is not None,
-                                          k.shape[1] != q.shape[1], packed is not None)
+                                          k.shape[1] != q.shape[1], packed is not None, dropout=dropout)
     if packed is None and (n % bm or m % bn):  # the lengths end mid-tile: the ragged entry, if there is one
         bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device), rel_q is not None,
-                                              k.shape[1] != q.shape[1], False, True)
+                                              k.shape[1] != q.shape[1], False, True, dropout)
     settings = SETTINGS.current
     override = settings.fwd_tiles if kernel == "fwd" else settings.bwd_tiles
     if override is not None:
