@@ -140,7 +140,7 @@ CI_PAIRS = [("bf16 D=64", 80), ("fp16 D=128 padding mask", 90), ("bf16 D=96 padd
             ("packed bf16 D=64 DeBERTa: keys + rel_q per head", 80), ("packed bf16 D=128 GQA 8 / 2 heads causal", 90),
             ("bf16 D=96 padding mask, B = 1, N = 1500 (Parakeet-like)", 120),
             ("dropout bf16 D=64 DeBERTa: keys + rel_q per head, padding mask", 80),
-            ("dropout packed bf16 D=128 GQA 8 / 2 heads causal", 90)]
+            ("dropout packed bf16 D=64 DeBERTa: keys + rel_q per head", 90)]
 
 
 def record(shape: Shape, arch: int) -> list[tuple]:
