@@ -505,8 +505,9 @@ class StatsOps:
                 *(getattr(call, n) for n in self.scalar_names), *(getattr(call, n) for n in TRAILING))
 
     def run(self, call: AttentionCall, *, seed: Tensor | None = None) -> Tensor:
-        """The output (B, H, N, Dv) of ``call`` (``seed``: the dropout seed, for a kernel with dropout); a packed call
-        only on ops built with ``varlen=True`` (the others would read it as one long sequence: a ValueError)."""
+        """The output (B, H, N, Dv) of ``call`` (``seed``: the dropout seed, for a kernel with dropout; None: the
+        call's own, else drawn by :func:`dropout_seed` with dropout, else None); a packed call only on
+        ops built with ``varlen=True`` (the others would read it as one long sequence: a ValueError)."""
         if (call.cu_seqlens_q is not None) != self.varlen:
             raise ValueError(f"relattn::{self.name} takes {'only' if self.varlen else 'no'} packed calls "
                              f"(cu_seqlens); the backend's packed ops run those")
