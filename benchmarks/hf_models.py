@@ -62,6 +62,8 @@ from dataclasses import dataclass, field
 import torch
 
 from relattn._io import atomic_write_text
+from relattn.backends import cpu as cpu_choice
+from relattn.backends import native
 from relattn.bench.measure import peak_extra_bytes
 
 MODES = ("forward", "forward+backward")
@@ -492,8 +494,8 @@ def _machine() -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "python": platform.python_version()}
+    return {"cpu": cpu, "cpu_features": cpu_choice.features().describe(), "native_choice": native.choice().describe(),
+            "cores": os.cpu_count(), "threads": torch.get_num_threads(), "python": platform.python_version()}
 
 
 def main(argv=None) -> int:
@@ -534,6 +536,7 @@ def main(argv=None) -> int:
     batch = args.batch or (8 if ragged else 1)
     torch.manual_seed(0)
     rows = []
+    print(f"CPU {_machine()['cpu_features']}\nnative kernel: {_machine()['native_choice']}", flush=True)
     for case in build_cases(args.quick, layers, args.only, args.lengths, batch, ragged):
         if args.scopes is None or case.scope.startswith(tuple(args.scopes)):
             rows.extend(measure(case, reps, args.warmup, max_gb, args.modes))

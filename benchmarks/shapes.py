@@ -47,6 +47,7 @@ from torch import nn
 
 from relattn import RelativeMultiheadAttention, relative_attention, relative_attention_varlen
 from relattn._io import atomic_write_text
+from relattn.backends import cpu, native
 from relattn.bench.measure import time_interleaved
 from relattn.positions import causal_allowed
 from relattn.training.model import TransformerConfig, TransformerLM
@@ -242,6 +243,7 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.only or ()) - set(all_cases))
     if unknown:
         p.error(f"unknown cases {unknown}; choose from {sorted(all_cases)}")
+    print(f"CPU {cpu.features().describe()}\nnative kernel: {native.choice().describe()}")
     print(f"torch {torch.__version__}, {args.threads} threads, CPU {torch.backends.cpu.get_cpu_capability()}; "
           f"median of {args.reps} interleaved rounds; ratio = relattn / SDPA (lower is better)")
     print(f"{'case':<12} {'relattn ms':>11} {'sdpa ms':>9} {'ratio':>6}  shape")
@@ -273,7 +275,8 @@ def main(argv=None) -> int:
     worst = max(results.values(), key=lambda r: r["ratio"]) if results else None
     report = {
         "meta": {"torch": torch.__version__, "threads": args.threads, "cpu": platform.processor() or platform.machine(),
-                 "cpu_capability": torch.backends.cpu.get_cpu_capability(), "size": size, "reps": args.reps,
+                 "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_features": cpu.features().describe(),
+                 "native_choice": native.choice().describe(), "size": size, "reps": args.reps,
                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                  "command": " ".join(sys.argv)},
         "cases": results,

@@ -71,6 +71,8 @@ class Shape:
     kv_heads: int = 8  # fewer than the 8 query heads: grouped-query attention
     position_query: bool = False  # q_pos, the key table's own queries (Transformer-XL's biases)
     varlen: bool = False  # a packed batch (cu_seqlens): 3 sequences, the longest n queries and m keys
+    dropout: bool = False  # attention dropout (dropout_p = 0.1: the DROPOUT constexpr)
+    b: int = 2
 
 
 SHAPES = [
@@ -96,6 +98,7 @@ SHAPES = [
     Shape("bf16 D=96 padding mask", d=96, mask=True),
     Shape("fp16 D=96 causal", dtype=torch.float16, d=96, causal=True),
     Shape("bf16 D=96 DeBERTa: keys + rel_q per head, padding mask", d=96, tables="deberta", mask=True),
+    Shape("bf16 D=96 padding mask, B = 1, N = 1500 (Parakeet-like)", d=96, mask=True, b=1, n=1500, m=1500),
     Shape("fp32 D=64", dtype=torch.float32),
     Shape("fp32 D=128 causal", dtype=torch.float32, d=128, causal=True),
     Shape("fp32 D=64 DeBERTa: keys + rel_q per head", dtype=torch.float32, tables="deberta"),
@@ -115,13 +118,29 @@ SHAPES = [
     Shape("packed bf16 D=128 Transformer-XL: keys table per head + q_pos, K = N - 1", d=128, tables="xl", kk=2047,
           position_query=True, varlen=True),
     Shape("packed fp32 D=64 DeBERTa: keys + rel_q per head", dtype=torch.float32, tables="deberta", varlen=True),
+    Shape("dropout bf16 D=64", dropout=True),
+    Shape("dropout bf16 D=128 causal", d=128, causal=True, dropout=True),
+    Shape("dropout fp16 D=64 causal padding mask", dtype=torch.float16, causal=True, mask=True, dropout=True),
+    Shape("dropout bf16 D=64 DeBERTa: keys + rel_q per head, padding mask", tables="deberta", mask=True,
+          dropout=True),
+    Shape("dropout bf16 D=96 padding mask, B = 1, N = 1500", d=96, mask=True, b=1, n=1500, m=1500, dropout=True),
+    Shape("dropout bf16 D=128 GQA 8 / 2 heads causal", d=128, causal=True, kv_heads=2, dropout=True),
+    Shape("dropout bf16 D=128 Transformer-XL: keys table per head + q_pos, K = N - 1, padding mask", d=128,
+          tables="xl", kk=2047, mask=True, position_query=True, dropout=True),
+    Shape("dropout fp32 D=64 DeBERTa: keys + rel_q per head", dtype=torch.float32, tables="deberta", dropout=True),
+    Shape("dropout packed bf16 D=64 DeBERTa: keys + rel_q per head", tables="deberta", varlen=True, dropout=True),
+    Shape("dropout packed bf16 D=128 GQA 8 / 2 heads causal", d=128, causal=True, kv_heads=2, varlen=True,
+          dropout=True),
 ]
 # the CI subset: one or two shapes per arch, every kernel, so that each arch and each kind of launch is compiled
 CI_PAIRS = [("bf16 D=64", 80), ("fp16 D=128 padding mask", 90), ("bf16 D=96 padding mask", 86),
             ("bf16 D=64 decoding 1 x 4096", 89), ("bf16 D=64 DeBERTa: keys + rel_q per head, padding mask", 100),
             ("bf16 D=128 GQA 8 / 2 heads causal", 120),
             ("bf16 D=128 Transformer-XL: keys table per head + q_pos, K = N - 1, padding mask", 90),
-            ("packed bf16 D=64 DeBERTa: keys + rel_q per head", 80), ("packed bf16 D=128 GQA 8 / 2 heads causal", 90)]
+            ("packed bf16 D=64 DeBERTa: keys + rel_q per head", 80), ("packed bf16 D=128 GQA 8 / 2 heads causal", 90),
+            ("bf16 D=96 padding mask, B = 1, N = 1500 (Parakeet-like)", 120),
+            ("dropout bf16 D=64 DeBERTa: keys + rel_q per head, padding mask", 80),
+            ("dropout packed bf16 D=64 DeBERTa: keys + rel_q per head", 90)]
 
 
 def record(shape: Shape, arch: int) -> list[tuple]:
@@ -132,7 +151,7 @@ def record(shape: Shape, arch: int) -> list[tuple]:
     tb._arch = lambda device: arch
     tb._sm_count = lambda device: SMS[arch]
     try:
-        b, h, heads = 2, 8, shape.kv_heads
+        b, h, heads = shape.b, 8, shape.kv_heads
         meta = dict(device="meta", dtype=shape.dtype)
         if shape.varlen:  # (1, H, T, D) views of the packed (T, H, D), as the op passes them
             t, tk = shape.n + shape.n // 2 + 1, shape.m + shape.m // 2 + 1
@@ -153,15 +172,18 @@ def record(shape: Shape, arch: int) -> list[tuple]:
                   query_offset=shape.offset, rel_q=rq)
         if shape.position_query:
             kw["q_pos"] = torch.empty_like(q)
+        seed = torch.zeros((), dtype=torch.int64, device="meta") if shape.dropout else None
+        kw["dropout_p"] = 0.1 if shape.dropout else 0.0
         if shape.varlen:
             cu_q, cu_k = packed.pop("cu_seqlens_q"), packed.pop("cu_seqlens_k")
-            out, lse = tb.varlen_forward(q, k, v, rk, rv, None, cu_q, cu_k, **kw, **packed)
+            out, lse = tb.varlen_forward(q, k, v, rk, rv, None, seed, cu_q, cu_k, **kw, **packed)
             if shape.backward:
-                tb.varlen_backward(torch.empty_like(out), q, k, v, rk, rv, None, cu_q, cu_k, out, lse, **kw, **packed)
+                tb.varlen_backward(torch.empty_like(out), q, k, v, rk, rv, None, seed, cu_q, cu_k, out, lse, **kw,
+                                   **packed)
         else:
-            out, lse = tb.forward(q, k, v, rk, rv, mask, **kw)
+            out, lse = tb.forward(q, k, v, rk, rv, mask, seed, **kw)
             if shape.backward:
-                tb.backward(torch.empty_like(out), q, k, v, rk, rv, mask, out, lse, **kw)
+                tb.backward(torch.empty_like(out), q, k, v, rk, rv, mask, seed, out, lse, **kw)
     finally:
         tb._launch, tb._arch, tb._sm_count = saved
     return launches

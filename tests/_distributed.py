@@ -63,16 +63,17 @@ N_LOCAL = 6  # positions per rank
 
 
 def _case(window, tables="shared", *, causal=False, layout="contiguous", beyond="clip", mask=None, backend="auto",
-          rel_q=None, heads=(3, 3), offset=0, scale=None, biases=False):
+          rel_q=None, heads=(3, 3), offset=0, scale=None, biases=False, dropout=0.0):
     """One conformance case of the ring: ``tables`` as helpers.TABLES names them, ``rel_q`` None / "shared" /
-    "per_head", ``heads`` (H, Hkv), ``mask`` None / "padding" / "full" (random, one row fully masked) / "float"."""
+    "per_head", ``heads`` (H, Hkv), ``mask`` None / "padding" / "full" (random, one row fully masked) / "float",
+    ``dropout`` the op's dropout_p (the ring draws the single-process op's mask)."""
     return dict(window=window, tables=tables, causal=causal, layout=layout, beyond=beyond, mask=mask,
-                backend=backend, rel_q=rel_q, heads=heads, offset=offset, scale=scale, biases=biases)
+                backend=backend, rel_q=rel_q, heads=heads, offset=offset, scale=scale, biases=biases, dropout=dropout)
 
 
 # The ring's conformance cases: the op's features combined pairwise (tables shared / per head / one side / none,
 # rel_q, grouped heads, windows: K below and above the chunk, K > N, K = 0, asymmetric, zero beyond, LogBuckets;
-# masks, causal, query offsets, both layouts, both CPU backends that serve chunk pairs).
+# masks, causal, query offsets, both layouts, both CPU backends that serve chunk pairs, dropout).
 OP_CASES = {
     "K<chunk shared": _case(2),
     "K<chunk shared causal": _case(2, causal=True),
@@ -97,12 +98,16 @@ OP_CASES = {
     "blocked gqa rel_q": _case(9, "per_head", backend="blocked", heads=(4, 2), rel_q="shared"),
     "blocked causal zigzag mask log": _case(("log", 3, 4, 12), causal=True, layout="zigzag", mask="full",
                                             backend="blocked"),
+    "dropout zigzag causal gqa rel_q": _case(5, "per_head", causal=True, layout="zigzag", heads=(4, 2),
+                                             rel_q="shared", dropout=0.3),
+    "dropout blocked transformer-xl mask": _case(9, "keys_per_head", biases=True, backend="blocked", mask="padding",
+                                                 dropout=0.2),
 }
 
 # The cases 3 ranks also run (a third process costs more than the cases).
 OP_CASES_3 = ("K<chunk shared causal", "K>chunk per-head causal rel_q", "K>N shared causal gqa",
               "asymmetric causal rel_q", "log buckets causal gqa zigzag", "full mask causal zigzag offset",
-              "blocked causal zigzag mask log")
+              "blocked causal zigzag mask log", "dropout zigzag causal gqa rel_q")
 
 
 def cases_for(world: int) -> tuple[str, ...]:
@@ -145,7 +150,7 @@ def _case_inputs(name: str, world: int):
     elif c["mask"] == "float":
         mask = rnd(2, h, n, n)
     kw = dict(max_relative_position=window, beyond=c["beyond"], is_causal=c["causal"], query_offset=c["offset"],
-              scale=c["scale"], enable_gqa=hkv != h)
+              scale=c["scale"], enable_gqa=hkv != h, dropout_p=c["dropout"])
     if c["biases"]:
         kw.update(content_bias=rnd(h, d), position_bias=rnd(h, d))
     return (q, k, v, rel_k, rel_v, rel_q, grad_out, mask), kw, c["layout"], c["backend"]
@@ -171,7 +176,7 @@ def _refusal(fn) -> str | None:
 WALK = {
     "rel_k": ("table", "served"), "rel_v": ("table", "served"), "rel_q": ("table", "served"),
     "max_relative_position": (("log", 3, 4, 12), "served"), "beyond": ("zero", "served"),
-    "attn_mask": ("mask", "served"), "is_causal": (True, "served"), "dropout_p": (0.1, "refused"),
+    "attn_mask": ("mask", "served"), "is_causal": (True, "served"), "dropout_p": (0.1, "served"),
     "scale": (0.3, "served"), "query_offset": (3, "served"), "enable_gqa": (True, "served"),
     "backend": ("dense", "refused"), "content_bias": ("bias", "served"), "position_bias": ("bias", "served"),
     "rel_bias": ("scalars", "refused"),
@@ -214,6 +219,7 @@ def _walk(rank: int, world: int) -> dict:
             kw[name] = value
         if name in ("beyond", "is_causal", "query_offset", "scale", "enable_gqa", "content_bias", "position_bias"):
             tables["rel_k"] = torch.randn(5, 4, generator=g, dtype=torch.float64)
+        torch.manual_seed(5)  # dropout: the op and the ring draw the same seed (the ring: its first rank's)
         want = None if kind == "refused" else relative_attention(q, k, v, **tables, **kw)
 
         def local(t):
@@ -221,6 +227,7 @@ def _walk(rank: int, world: int) -> dict:
 
         local_kw = {**kw, **({"attn_mask": local(kw["attn_mask"])} if name == "attn_mask" else {})}
         try:
+            torch.manual_seed(5 + rank)  # each rank's generator its own: rank 0's seed is every rank's
             got = context_parallel_attention(local(q), local(k), local(v), **tables, **local_kw)
             results[name] = ("served", _err(got, local(want)) if want is not None else float("inf"))
         except (ValueError, TypeError) as e:
@@ -283,6 +290,7 @@ def op_worker(rank: int, world: int, out_dir: str) -> None:
     for name in cases_for(world):
         (q, k, v, rel_k, rel_v, rel_q, grad_out, mask), kw, layout, backend = _case_inputs(name, world)
         full = [t.clone().requires_grad_() if t is not None else None for t in (q, k, v, rel_k, rel_v, rel_q)]
+        torch.manual_seed(11)  # dropout: the op's seed; the ring's is its first rank's, seeded alike below
         want = relative_attention(*full[:5], rel_q=full[5], attn_mask=mask, backend="dense", **kw)
         want.backward(grad_out)
 
@@ -292,6 +300,7 @@ def op_worker(rank: int, world: int, out_dir: str) -> None:
         mine = [local(t).clone().requires_grad_() for t in (q, k, v)]
         mine += [t.clone().requires_grad_() if t is not None else None for t in (rel_k, rel_v, rel_q)]
         local_mask = None if mask is None or mask.shape[2] == 1 else local(mask)
+        torch.manual_seed(11 + rank)  # every rank's generator its own: rank 0's draw is broadcast
         got = context_parallel_attention(*mine[:5], rel_q=mine[5], attn_mask=mask if local_mask is None else local_mask,
                                          layout=layout, backend=backend, **kw)
         got.backward(local(grad_out))

@@ -8,9 +8,9 @@ import torch
 # under Triton's interpreter on CPU tensors (set before relattn is imported, which reads it for what it serves).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# torch.compile's on-disk caches are keyed by the traced graph, not by what relattn's custom ops are: a cache that
-# another checkout (another version of the ops) filled can hand back code calling them with other arguments. The
-# suite keeps its own, in this checkout.
+# torch.compile's on-disk caches are keyed by the traced graph, not by what relattn's custom ops are (their names
+# carry a hash of their schemas, so a changed op is another op; a changed fake kernel or autograd formula is not).
+# The suite keeps its own cache, in this checkout.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), ".pytest_cache", "torchinductor"))
 

@@ -168,7 +168,7 @@ def attention_ref(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, rel
     out = w @ v
     if rel_v is not None and upcast:
         # the specification's value term: per-row bucket sums of the weights times the table, so a NaN entry
-        # reaches every row (0 * NaN), as there
+        # reaches every row (0 * NaN), as there (where a row no allowed pair meets is zeroed first: not here)
         rows = rel_v.shape[-2] + (beyond == "zero")
         buckets = w.new_zeros(*w.shape[:-1], rows).scatter_add(-1, idx.expand_as(w), w)
         table = rel_v if beyond == "clip" else torch.cat([rel_v, rel_v.new_zeros(*rel_v.shape[:-2], 1,

@@ -77,12 +77,13 @@ def test_one_autograd_wiring_no_backend_or_ring_writes_its_own():
 
 def test_kernels_with_a_saved_lse_declare_their_ops_and_serve_chunk_pairs():
     """"A kernel that saves its log-sum-exp declares stats=StatsOps(...)": the backends with a hand-written
-    backward have ops ``relattn::{name}_fwd`` / ``_bwd`` and serve context-parallel chunk pairs; dense has neither."""
+    backward have ops ``relattn::{name}_fwd_{version}`` / ``_bwd_{version}`` and serve context-parallel chunk pairs;
+    dense has neither."""
     for name, backend in BACKENDS.items():
-        has_ops = hasattr(torch.ops.relattn, f"{name}_fwd")
+        ops = [] if backend.stats is None else [backend.stats.fwd_name, backend.stats.bwd_name]
+        has_ops = bool(ops) and all(hasattr(torch.ops.relattn, op.split("::")[1]) for op in ops)
         assert (backend.stats is not None) == backend.serves.chunk_pairs == has_ops == (name != "dense"), name
-        if backend.stats is not None:
-            assert hasattr(torch.ops.relattn, f"{name}_bwd")
+        assert all(op.startswith(f"relattn::{name}_") for op in ops), ops
 
 
 def test_the_tests_by_layer_table_names_files_that_exist():

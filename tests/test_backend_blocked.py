@@ -1,4 +1,4 @@
-"""The "blocked" backend's internals: the key-block tiling, the counter-based dropout hash, dropout through both
+"""The "blocked" backend's internals: the key-block tiling, dropout through both
 sums and its backward, and a mask's gradient path. Its results against the reference are in
 ``test_conformance.py``."""
 
@@ -11,7 +11,8 @@ import torch
 
 from helpers import assert_close, grads, random_inputs
 from relattn import functional as fn
-from relattn.backends.blocked import DEFAULT_BLOCK, blocked_backward, blocked_forward, dropout_keep
+from relattn.backends import blocked
+from relattn.backends.blocked import DEFAULT_BLOCK, blocked_backward, blocked_forward
 
 # ----------------------------------------------------------------------------------------- tiling
 
@@ -50,16 +51,6 @@ def test_any_key_block_matches_dense_autograd(block, n, m, kk, causal, off):
 # ----------------------------------------------------------------------------------------- dropout
 
 
-def test_dropout_hash_is_tiling_independent_and_keeps_1_minus_p():
-    seed = torch.tensor(1234)
-    full = dropout_keep(seed, (2, 3, 40, 50), torch.arange(40), torch.arange(50), 0.25)
-    part = dropout_keep(seed, (2, 3, 40, 50), torch.arange(10, 20), torch.arange(30, 50), 0.25)
-    assert torch.equal(full[:, :, 10:20, 30:50], part)
-    assert abs(full.float().mean().item() - 0.75) < 0.02
-    other = dropout_keep(torch.tensor(1235), (2, 3, 40, 50), torch.arange(40), torch.arange(50), 0.25)
-    assert (full != other).float().mean() > 0.3
-
-
 def test_dropout_reproducible_from_torch_manual_seed():
     inputs = random_inputs(1, 2, 9, 9, 4, 4, 3, tables="keys_per_head")
 
@@ -95,7 +86,7 @@ def test_dropout_backward_regenerates_the_mask():
     seed = torch.tensor(99)
 
     def f(*x):
-        return torch.ops.relattn.blocked_fwd(*x, None, seed, 2, False, 0.3, 0.5, 0)[0]
+        return blocked.OPS.fwd_op(*x, None, seed, 2, False, 0.3, 0.5, 0)[0]
 
     assert torch.autograd.gradcheck(f, (q, k, v, rk, rv), fast_mode=True)
 

@@ -426,13 +426,6 @@ def test_forced_16_bit_gemms_run_in_the_backward_too(dtype):
         assert a.dtype == dtype and not torch.equal(a, b), name
 
 
-@needs_native
-def test_refuses_dropout():
-    with pytest.raises(ValueError, match="native.*dropout"):
-        fn.relative_attention(*random_inputs(1, 2, 9, 9, 4, 4, 2), max_relative_position=2, dropout_p=0.1,
-                              backend="native")
-
-
 # ----------------------------------------------------------------------------------------- availability
 
 
@@ -583,7 +576,7 @@ def test_eager_differentiated_calls_skip_the_custom_op_and_equal_it(small_tiles)
 
     (op_out, op_grads), op_names = ops_run(Passthrough())
     (out, got), names = ops_run(contextlib.nullcontext())
-    assert {"relattn::native_fwd", "relattn::native_bwd"} <= op_names
+    assert {native.OPS.fwd_name, native.OPS.bwd_name} <= op_names
     assert not names, f"an eager call went through the custom ops {names}"
     assert torch.equal(out, op_out)
     assert all(torch.equal(a, b) for a, b in zip(got, op_grads, strict=True))

@@ -164,9 +164,9 @@ def test_rows_without_keys_give_zeros_and_lse_minus_inf(small_tiles):
     lengths = [(3, 0), (5, 2), (2, 2)]
     inputs, cu_q, cu_k, go, kw = _packed(lengths, FEATURES["gqa-per-head-k-shared-q-qpos-causal"])
     q, q_pos, k, v, rk, rv, rq = (None if t is None else t.detach() for t in inputs)
-    out, lse = native.varlen_forward(_four(q), _four(k), _four(v), rk, rv, None, cu_q, cu_k, max_relative_position=K,
-                                     is_causal=True, scale=kw["scale"], query_offset=0, max_seqlen_q=5,
-                                     max_seqlen_k=2, rel_q=rq, q_pos=_four(q_pos))
+    out, lse = native.varlen_forward(_four(q), _four(k), _four(v), rk, rv, None, None, cu_q, cu_k,
+                                     max_relative_position=K, is_causal=True, scale=kw["scale"], query_offset=0,
+                                     max_seqlen_q=5, max_seqlen_k=2, rel_q=rq, q_pos=_four(q_pos))
     empty = torch.tensor([True] * 3 + [True] * 3 + [False] * 2 + [False] * 2)  # seq 1: rows 0-2 precede key 0
     assert torch.equal(out[0, :, empty], torch.zeros_like(out[0, :, empty]))
     assert (lse[0, :, empty] == float("-inf")).all() and torch.isfinite(lse[0, :, ~empty]).all()
@@ -203,22 +203,23 @@ def test_bad_cu_seqlens_are_refused_by_name(cu_q, cu_k, match):
     q, k, v = (torch.randn(1, 2, 6, 4) for _ in range(3))
     cq = torch.tensor(cu_q) if isinstance(cu_q[0], float) else torch.tensor(cu_q, dtype=torch.int64)
     with pytest.raises(RuntimeError, match=match):
-        native.varlen_forward(q, k, v, None, None, None, cq, torch.tensor(cu_k), max_relative_position=2,
+        native.varlen_forward(q, k, v, None, None, None, None, cq, torch.tensor(cu_k), max_relative_position=2,
                               is_causal=False, scale=0.5, query_offset=0, max_seqlen_q=6, max_seqlen_k=6)
 
 
 def test_the_custom_ops_pass_opcheck_and_equal_the_eager_path(small_tiles):
     """relattn::native_varlen_fwd and _bwd (what torch.compile and torch.export see): torch.library.opcheck (schema,
     fake kernels, autograd registration, AOT dispatch) on the arguments a packed call passes, and the forward op's
-    result is the eager one."""
+    result is the eager one (with dropout: the seed tensor and dropout_p in the schema)."""
     inputs, cu_q, cu_k, go, kw = _packed(LENGTHS["cross"], FEATURES["per-head-v-q-qpos"])
     q, q_pos, k, v, rk, rv, rq = inputs
-    lead = (_four(q), _four(k), _four(v), rk, rv, None, cu_q, cu_k)
-    scalars = (K, False, kw["scale"], 0, 11, 14)
-    fwd, bwd = torch.ops.relattn.native_varlen_fwd.default, torch.ops.relattn.native_varlen_bwd.default
+    lead = (_four(q), _four(k), _four(v), rk, rv, None, torch.tensor([3, 0, 0, 0]), cu_q, cu_k)
+    scalars = (K, False, 0.2, kw["scale"], 0, 11, 14)
+    fwd, bwd = native.VARLEN_OPS.fwd_op.default, native.VARLEN_OPS.bwd_op.default
     out, lse = fwd(*lead, *scalars, rq, _four(q_pos))
     want_out, want_lse = native.varlen_forward(*(None if t is None else t.detach() for t in lead),
-                                               max_relative_position=K, is_causal=False, scale=kw["scale"],
+                                               max_relative_position=K, is_causal=False, dropout_p=0.2,
+                                               scale=kw["scale"],
                                                query_offset=0, max_seqlen_q=11, max_seqlen_k=14, rel_q=rq.detach(),
                                                q_pos=_four(q_pos.detach()))
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)

@@ -109,6 +109,11 @@ def test_keys_split_across_programs_match_reference(device, n, m, off, kind, ker
         assert_close(a, w, torch.float32, f"d{name}")
 
 
+def _seed(device):
+    """The ops' dropout seed without dropout (dropout_p = 0: never read)."""
+    return torch.zeros((), dtype=torch.int64, device=device)
+
+
 def _masks(b, h, n, m):
     """A bool key-padding mask (B, 1, 1, M) with row 3 fully masked by a (N, M) part, and a float per-head mask."""
     g = torch.Generator().manual_seed(7)
@@ -144,7 +149,7 @@ def test_masks_match_reference_and_empty_rows_give_zeros(device, kind):
 def test_rows_before_every_key_give_zeros_and_lse_minus_inf(device):
     """Causal with a negative offset: queries 0..2 sit before key 0, so they attend to nothing."""
     q, k, v, rk, rv = (t.to(device, torch.float32) for t in random_inputs(1, 2, 20, 20, 8, 8, 2, seed=9))
-    out, lse = torch.ops.relattn.triton_fwd(q, k, v, rk[None], rv[None], None, 2, True, 0.5, -3)
+    out, lse = tb.OPS.fwd_op(q, k, v, rk[None], rv[None], None, _seed(device), 2, True, 0.0, 0.5, -3)
     assert torch.equal(out[:, :, :3], torch.zeros_like(out[:, :, :3]))
     assert torch.isneginf(lse[:, :, :3]).all() and torch.isfinite(lse[:, :, 3:]).all()
     assert out[:, :, 3:].abs().min() > 0
@@ -232,15 +237,20 @@ def test_opcheck_and_fake_kernels(device):
     q, k, v, rk = (t.to(device).requires_grad_() for t in (q, k, v, rk))
     rv = rv[:1].to(device).requires_grad_()  # shared, as the op takes it: (1, 2K+1, Dv)
     mask = torch.randn(1, 2, 7, 9, device=device)
-    torch.library.opcheck(torch.ops.relattn.triton_fwd.default, (q, k, v, rk, rv, mask, 2, True, 0.5, 2))
-    torch.library.opcheck(torch.ops.relattn.triton_fwd.default, (q, k, v, None, rv, None, 2, False, 0.5, 0))
+    seed = _seed(device)
+    torch.library.opcheck(tb.OPS.fwd_op.default, (q, k, v, rk, rv, mask, seed, 2, True, 0.0, 0.5, 2))
+    torch.library.opcheck(tb.OPS.fwd_op.default, (q, k, v, None, rv, None, seed, 2, False, 0.0, 0.5, 0))
+    drawn = torch.full((), 1234, dtype=torch.int64, device=device)  # with dropout: the same mask every time
+    torch.library.opcheck(tb.OPS.fwd_op.default, (q, k, v, rk, rv, mask, drawn, 2, True, 0.3, 0.5, 2))
     real = [t.detach().bfloat16() for t in (q, k, v)]
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(t) for t in real)
-        out, lse = torch.ops.relattn.triton_fwd(fq, fk, fv, None, None, None, 2, False, 0.5, 0)
-        grads = torch.ops.relattn.triton_bwd(out, fq, fk, fv, None, None, None, out, lse, 2, False, 0.5, 0)
+        fs = mode.from_tensor(seed)
+        out, lse = tb.OPS.fwd_op(fq, fk, fv, None, None, None, fs, 2, False, 0.0, 0.5, 0)
+        grads = tb.OPS.bwd_op(out, fq, fk, fv, None, None, None, fs, out, lse, 2, False, 0.0, 0.5, 0)
     assert out.shape == (1, 2, 7, 4) and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, (0,), (0,), (0,), (0,)]  # tables, rel_q, q_pos
+    # the tables, rel_q, q_pos, rel_bias: empty without their inputs
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, (0,), (0,), (0,), (0,), (0,)]
 
 
 def _call(device="cpu", dtype=torch.float32, **kw):
@@ -252,8 +262,7 @@ def _call(device="cpu", dtype=torch.float32, **kw):
 
 def test_refusals_name_the_reason(monkeypatch):
     backend = BACKENDS["triton"]
-    assert not_supported_reasons(backend, _call(dropout_p=0.1)) == [
-        "dropout_p > 0 (no dropout; 'blocked' and 'dense' take it)"]
+    assert not_supported_reasons(backend, _call(dropout_p=0.1)) == []  # dropout served (test_backend_triton_dropout)
     wide = fn.validate(*random_inputs(1, 1, 3, 3, 160, 4, 1), max_relative_position=1, attn_mask=None,
                        is_causal=False, dropout_p=0.0, scale=None, query_offset=0)
     assert not_supported_reasons(backend, wide) == ["head dim 160 (at most 128)"]
@@ -305,9 +314,8 @@ def test_auto_never_picks_triton_on_the_cpu():
 def test_auto_picks_triton_on_cuda():
     call = _call("cuda", torch.bfloat16)
     assert choose(call).name == "triton"
-    dropout = _call("cuda", dropout_p=0.1)
-    assert choose(dropout).name in ("dense", "blocked")
-    assert why_not(dropout)["triton"] == ["dropout_p > 0 (no dropout; 'blocked' and 'dense' take it)"]
+    dropout = _call("cuda", torch.bfloat16, dropout_p=0.1)  # training as configured keeps the kernel
+    assert choose(dropout).name == "triton"
 
 
 @needs_cuda
@@ -431,7 +439,7 @@ def test_rel_q_gradcheck_fast_mode(device):
     mask = torch.randn(1, 1, 7, 9, dtype=torch.float64, device=device)
 
     def f(q, k, v, rk, rv, rq):
-        return torch.ops.relattn.triton_fwd(q, k, v, rk, rv, mask, 2, True, 0.5, 2, rq)[0]
+        return tb.OPS.fwd_op(q, k, v, rk, rv, mask, _seed(device), 2, True, 0.0, 0.5, 2, rq)[0]
 
     assert torch.autograd.gradcheck(f, (q, k, v, rk, rv, rq), fast_mode=True)
 

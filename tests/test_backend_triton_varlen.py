@@ -136,7 +136,7 @@ def test_rows_without_keys_give_zeros_and_lse_minus_inf():
     q, k, v = (x[n].transpose(0, 1).unsqueeze(0).to(DEVICE) for n in ("q", "k", "v"))
     cq = _cu([n for n, _ in LENGTHS]).to(DEVICE)
     ck = _cu([m for _, m in LENGTHS]).to(DEVICE, torch.int64)  # int64 as well as int32
-    out, lse = tb.varlen_forward(q, k, v, x["rel_k"].to(DEVICE), x["rel_v"].to(DEVICE), None, cq, ck,
+    out, lse = tb.varlen_forward(q, k, v, x["rel_k"].to(DEVICE), x["rel_v"].to(DEVICE), None, None, cq, ck,
                                  max_relative_position=3, is_causal=True, scale=0.4, query_offset=0, max_seqlen_q=40,
                                  max_seqlen_k=40)
     assert out.shape == (1, 4, q.shape[2], 4) and lse.shape == (1, 4, q.shape[2])
@@ -203,5 +203,6 @@ def test_opcheck_of_the_packed_ops():
     q, k, v = (x[n].float().transpose(0, 1).unsqueeze(0).to(DEVICE).requires_grad_() for n in ("q", "k", "v"))
     rk, rq = (x[n].float().to(DEVICE).requires_grad_() for n in ("rel_k", "rel_q"))
     cq, ck = _cu([n for n, _ in lengths]).to(DEVICE), _cu([m for _, m in lengths]).to(DEVICE)
-    torch.library.opcheck(torch.ops.relattn.triton_varlen_fwd.default,
-                          (q, k, v, rk, None, None, cq, ck, 2, True, 0.5, 0, 6, 6), dict(rel_q=rq))
+    torch.library.opcheck(tb.VARLEN_OPS.fwd_op.default,
+                          (q, k, v, rk, None, None, torch.full((), 5, dtype=torch.int64, device=DEVICE), cq, ck, 2,
+                           True, 0.25, 0.5, 0, 6, 6), dict(rel_q=rq))  # with dropout: the seed's mask every time

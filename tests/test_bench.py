@@ -12,7 +12,7 @@ import torch
 from helpers import assert_close, oracle_grads
 from relattn import BACKENDS, relative_attention
 from relattn import reference as ref
-from relattn.backends import Backend, Serves, native
+from relattn.backends import Backend, Serves, cpu, native
 from relattn.backends.dense import dense_attention
 from relattn.bench import PRESETS, BenchConfig, format_table, run_bench, write_results
 from relattn.bench.measure import Problem, Runner, make_inputs, measure, peak_extra_bytes, sdpa_runner
@@ -149,6 +149,8 @@ def test_cli_bench_writes_json_and_png(tmp_path, capsys, causal):
     result = json.loads((tmp_path / "bench.json").read_text())
 
     assert {"cpu", "torch", "torch_threads", "date_utc", "python"} <= set(result["machine"])
+    assert result["machine"]["native_choice"] == native.choice().describe()  # and printed: the CPU, the choice
+    assert f"cpu: {cpu.features().describe()}" in printed and f"native kernel: {native.choice().describe()}" in printed
     assert result["machine"]["torch_threads"] == 1
     assert result["config"]["causal"] is causal and result["config"]["lengths"] == [32, 64]
     assert "profiler" in result["memory_method"]

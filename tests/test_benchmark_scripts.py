@@ -142,3 +142,17 @@ def test_decode_overhead(tmp_path):
             assert got["overhead_us"] == pytest.approx(us["relattn"] - us["op"])
             assert got["ratio"] == pytest.approx(us["relattn"] / us["sdpa"])
             assert f"{row['keys']:6d} {stat:>8} {got['relattn_us']:9.1f}" in out
+
+
+@pytest.mark.slow
+def test_dropout(tmp_path):
+    require_backend("native")
+    out = _run("dropout.py", "--lengths", "48", "--repeats", "1", "--threads", "1", "--json", str(tmp_path / "d.json"))
+    rows = json.loads((tmp_path / "d.json").read_text())["rows"]
+    assert [r["n"] for r in rows] == [48] and rows[0]["dropout_p"] == 0.1 and rows[0]["backend"] == "native"
+    r = rows[0]
+    assert r["dropout / no dropout"] == pytest.approx(r["dropout ms"] / r["no dropout ms"], rel=1e-12)
+    assert r["sdpa dropout / dropout"] == pytest.approx(r["sdpa dropout ms"] / r["dropout ms"], rel=1e-12)
+    cells = _printed(out, "48")[0]  # N dropout none sdpa ratio ratio
+    assert float(cells[4]) == pytest.approx(r["dropout / no dropout"], abs=0.006)
+    assert float(cells[5]) == pytest.approx(r["sdpa dropout / dropout"], abs=0.006)

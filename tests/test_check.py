@@ -4,11 +4,13 @@ exit 1 and names it."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from relattn import cli
-from relattn.backends import BACKENDS, Backend, Serves
+from relattn.backends import BACKENDS, Backend, Serves, cpu, native
 from relattn.bench.check import CASES, check_case, formula, run_check
 
 
@@ -17,7 +19,10 @@ def test_check_on_the_cpu_prints_the_machine_autos_choices_and_exits_0(capsys):
     assert cli.main(["check", "--time-n", "64"]) == 0
     out = capsys.readouterr().out
     assert "device    cpu" in out and f"torch {torch.__version__}" in out
-    assert "the same with attention dropout 0.1" in out and "dropout_p > 0" in out  # auto's choice, and why
+    assert cpu.features().describe() in out  # the CPU: model, instruction sets, caches
+    assert f"native    {native.choice().describe()}; in force: {native.SETTINGS.current}" in out
+    chosen = "native" if BACKENDS["native"].unavailable() is None else "blocked"  # auto's choice with dropout
+    assert re.search(rf"the same with attention dropout 0\.1\s+{chosen}\b", out)
     for name in BACKENDS:
         assert f"  {name:<8} float32" in out
     assert " ok " in out and "WRONG" not in out and "sdpa (no positions)" in out

@@ -105,7 +105,8 @@ DATA = [  # (declaration, a call violating it, the reason derived from the decla
     (dict(devices=frozenset({"cuda", "cpu"})), dict(device="meta"), "device meta (serves cpu, cuda)"),
     (dict(dtypes=frozenset({torch.float32, torch.float16})), dict(dtype=torch.float64),
      "dtype torch.float64 (serves torch.float16, torch.float32)"),
-    (dict(dropout=False), dict(dropout_p=0.1), "dropout_p > 0 (no dropout; 'blocked' and 'dense' take it)"),
+    (dict(dropout=False), dict(dropout_p=0.1),
+     "dropout_p > 0 (no dropout; 'native', 'triton', 'blocked' and 'dense' take it)"),
     (dict(mask=False), dict(mask=torch.zeros(1, 1, 9, 9)),
      "an attn_mask (takes none; use is_causal, or 'native', 'triton', 'blocked' and 'dense')"),
     (dict(mask_grad=False), dict(mask=torch.zeros(1, 1, 9, 9, requires_grad=True)),
@@ -133,7 +134,7 @@ def test_default_declaration_refuses_dropout_and_mask_grad_only():
     assert not_supported_reasons(plain, call_of(dtype=torch.bfloat16, device="meta", d=3, dv=700,
                                                 mask=torch.zeros(9, 9), is_causal=True)) == []
     assert not_supported_reasons(plain, call_of(dropout_p=0.5, mask=torch.zeros(9, 9, requires_grad=True))) == [
-        "dropout_p > 0 (no dropout; 'blocked' and 'dense' take it)",
+        "dropout_p > 0 (no dropout; 'native', 'triton', 'blocked' and 'dense' take it)",
         "attn_mask requires grad (only 'dense' differentiates the mask)"]
 
 
@@ -143,7 +144,7 @@ def test_every_violated_declaration_is_a_reason_in_order():
     reasons = not_supported_reasons(backend, call_of(d=4, dv=3, dropout_p=0.2, mask=torch.zeros(9, 9,
                                                                                                 requires_grad=True)))
     assert reasons == ["device cpu (serves cuda)", "dtype torch.float32 (serves torch.float16)",
-                       "dropout_p > 0 (no dropout; 'blocked' and 'dense' take it)",
+                       "dropout_p > 0 (no dropout; 'native', 'triton', 'blocked' and 'dense' take it)",
                        "an attn_mask (takes none; use is_causal, or 'native', 'triton', 'blocked' and 'dense')",
                        "attn_mask requires grad (only 'dense' differentiates the mask)",
                        "head dim 4 (at most 2)", "D = 4 != Dv = 3 (needs equal head dims)"]
@@ -160,7 +161,7 @@ def test_unavailable_is_asked_only_when_the_declaration_serves_the_call():
 
     backend = fake("lazy", unavailable=unavailable)
     assert not_supported_reasons(backend, call_of(dropout_p=0.1)) == [
-        "dropout_p > 0 (no dropout; 'blocked' and 'dense' take it)"]
+        "dropout_p > 0 (no dropout; 'native', 'triton', 'blocked' and 'dense' take it)"]
     assert asked == []
     assert not_supported_reasons(backend, call_of()) == ["no compiler here"]
     assert asked == [1]
@@ -338,7 +339,7 @@ def test_choose_never_picks_a_backend_that_cannot_serve():
     for call in calls:
         chosen = choose(call)
         assert not not_supported_reasons(chosen, call), (chosen.name, not_supported_reasons(chosen, call))
-    with_native = ["native", "native", "dense", "dense", "native", "blocked", "native", "dense", "native"]
+    with_native = ["native", "native", "native", "dense", "native", "native", "native", "dense", "native"]
     without = ["dense", "dense", "dense", "dense", "blocked", "blocked", "blocked", "dense", "blocked"]
     assert [choose(c).name for c in calls] == (with_native if unavailable_here("native") is None else without)
     assert not not_supported_reasons(BACKENDS["blocked"], calls[2])  # dropout

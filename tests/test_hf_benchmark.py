@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from relattn.backends import cpu, native
+
 pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +26,9 @@ EXPECTED = {  # (model, scope, length) -> variants; each in both modes
     ("deberta-v3-base", "attention", 40): {"eager", "relattn"},
     ("deberta-v3-base", "model (1 layers)", 40): {"eager", "relattn"},
     ("parakeet-0.6b", "attention", 40): {"eager", "sdpa", "relattn"},
+    ("t5-base", "encoder (1 layers) x4", 40): {"eager", "sdpa", "relattn"},
+    ("mpnet-base", "model ragged 4-40 x8", 40): {"eager", "relattn"},
+    ("mpnet-base", "model x4", 40): {"eager", "relattn"},
 }
 
 
@@ -36,6 +41,8 @@ def test_hf_models_quick_writes_every_case(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["quick"] is True and result["transformers"]
+    assert result["machine"]["cpu_features"] == cpu.features().describe()  # where it ran, and the kernel's choice
+    assert result["machine"]["native_choice"] == native.choice().describe()
     rows = {(r["model"], r["scope"], r["length"], r["mode"]): r for r in result["rows"]}
     assert set(rows) == {(*key, mode) for key in EXPECTED for mode in ("forward", "forward+backward")}
     for (model, scope, length, _), row in rows.items():

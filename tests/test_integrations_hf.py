@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
 
 from helpers import assert_close  # noqa: E402
+from relattn.backends import blocked  # noqa: E402
 from relattn.integrations.transformers import is_patched, patch, unpatch  # noqa: E402
 
 
@@ -602,7 +603,7 @@ class _OpCalls(torch.utils._python_dispatch.TorchDispatchMode):
         self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func.name() == "relattn::blocked_fwd"
+        self.calls += func.name() == blocked.OPS.fwd_name
         return func(*args, **(kwargs or {}))
 
 

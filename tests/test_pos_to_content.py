@@ -14,7 +14,7 @@ from helpers import assert_close, backend_params, np64, require_backend
 from relattn import BACKENDS, relative_attention, relative_attention_weights
 from relattn import functional as fn
 from relattn import reference as ref
-from relattn.backends import Backend, Serves, choose, not_supported_reasons
+from relattn.backends import Backend, Serves, blocked, choose, not_supported_reasons
 from relattn.backends.blocked import blocked_backward, blocked_forward
 from relattn.positions import LogBuckets, log_bucket_position
 
@@ -247,7 +247,7 @@ def test_gradcheck_blocked_with_rel_q_and_dropout():
     seed = torch.tensor(7)
 
     def f(q, k, v, rel_k, rel_q):
-        return torch.ops.relattn.blocked_fwd(q, k, v, rel_k, None, None, seed, 2, False, 0.3, 0.5, 0, rel_q)[0]
+        return blocked.OPS.fwd_op(q, k, v, rel_k, None, None, seed, 2, False, 0.3, 0.5, 0, rel_q)[0]
 
     assert torch.autograd.gradcheck(f, (q, k, v, rel_k, rel_q), fast_mode=True)
 

@@ -37,20 +37,19 @@ def _cuda_only_triton(monkeypatch):
 
 def test_module_and_model_refuse_at_construction(monkeypatch):
     _cuda_only_triton(monkeypatch)
-    with pytest.raises(ValueError, match=r"backend 'native' cannot serve this module: dropout_p > 0"):
-        RelativeMultiheadAttention(32, 4, backend="native", dropout=0.1)
+    with pytest.raises(ValueError, match=r"backend 'native' cannot serve this module: device meta \(serves cpu\)"):
+        RelativeMultiheadAttention(32, 4, backend="native", device="meta")
     with pytest.raises(ValueError, match=r"backend 'triton' cannot serve this module: .*device cpu \(serves cuda\)"):
         RelativeMultiheadAttention(32, 4, backend="triton", device="cpu")
-    with pytest.raises(ValueError, match=r"backend 'native' cannot serve this module: dropout_p > 0"):
-        TransformerLM(TransformerConfig(d_model=16, n_heads=2, n_layers=1, d_ff=16, dropout=0.1, backend="native"))
-    RelativeMultiheadAttention(32, 4, backend="native")  # no dropout: served
+    TransformerLM(TransformerConfig(d_model=16, n_heads=2, n_layers=1, d_ff=16, dropout=0.1, backend="triton"))
+    RelativeMultiheadAttention(32, 4, backend="native", dropout=0.1)  # dropout: served (triton's too, above)
     RelativeMultiheadAttention(32, 4, backend="dense", dropout=0.1)
 
 
 @pytest.mark.parametrize(("command", "args", "expect"), [
-    ("train", ["--dropout", "0.1", "--backend", "native"], "--backend native cannot train this model: dropout_p > 0"),
     ("train", ["--backend", "triton", "--device", "cpu"], "--backend triton cannot train this model: device cpu"),
-    ("compare", ["--dropout", "0.1", "--backend", "native"], "--backend native cannot train this model: dropout"),
+    ("compare", ["--dropout", "0.1", "--backend", "triton", "--device", "cpu"],
+     "--backend triton cannot train this model: device cpu"),
 ])
 def test_train_and_compare_refuse_before_any_work(tmp_path, capsys, monkeypatch, command, args, expect):
     _cuda_only_triton(monkeypatch)

@@ -3,8 +3,9 @@ scores at the key term's row) and T5's bucket map :class:`relattn.positions.T5Bu
 transformers' own functions, the numpy reference's loop against its vectorised form and against an independent torch
 formula, and every backend that serves the term against the reference (outputs and every gradient, the bias's
 included), combined with tables or none, windows and buckets, masks, causal, grouped heads, query offsets, packed
-sequences and decoding step by step; gradcheck in float64, the bias's gradient the same bits run to run, bfloat16
-within twice plain PyTorch's error, and the backends that do not serve it refusing it by declaration."""
+sequences and decoding step by step; dropout with the bias one mask on native, blocked and dense; gradcheck in
+float64, the bias's gradient the same bits run to run, bfloat16 within twice plain PyTorch's error, and the backends
+that do not serve it refusing it by declaration."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_close, attention_ref, backend_params, np64, oracle_grads, reference_output
+from helpers import (
+    assert_close,
+    attention_ref,
+    backend_params,
+    np64,
+    oracle_grads,
+    reference_output,
+    unavailable_here,
+)
 from relattn import (
     BACKENDS,
     relative_attention,
@@ -258,6 +267,43 @@ def test_bfloat16_within_twice_plain_pytorch(backend):
     assert_close(out, want, torch.bfloat16, f"{backend} out", yardstick=plain)
     for i, (a, w, p) in enumerate(zip(got, want_grads, plain_grads, strict=True)):
         assert_close(a, w, torch.bfloat16, f"{backend} grad {i}", yardstick=p)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("t5-decoder-causal", "mpnet-shaped-mask",
+                                                              "keys-gqa-causal-float-mask", "window-decoding",
+                                                              "buckets-offset-negative")], ids=lambda c: c[0])
+def test_dropout_with_the_bias_is_one_mask_on_every_backend(case, small_tiles):
+    """Dropout with ``rel_bias`` (the bias is part of the scores the weights come from): native, blocked and dense
+    draw the same mask for the same ``torch.manual_seed`` and give the same outputs and gradients (the bias's
+    included) in float64 to 1e-12; dropout and the bias each change the output (a backend ignoring either fails)."""
+    for name in ("native", "blocked"):
+        if unavailable_here(name):
+            pytest.skip(unavailable_here(name))
+    name, h, hkv, n, m, positions, rows, tables, per_head, causal, offset, mask_kind = case
+    small_tiles()
+    inputs, bias = _inputs(2, h, hkv, n, m, 5, rows, tables=tables, bias_heads=per_head, seed=3)
+    kw = dict(max_relative_position=positions, is_causal=causal, query_offset=offset, attn_mask=_mask(mask_kind, n, m),
+              enable_gqa=hkv != h, scale=1.0 if not tables else None)
+    present = [t for t in inputs if t is not None] + [bias]
+    go = torch.randn(2, h, n, 6, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+
+    def run(backend, p=0.3, rel_bias=bias):
+        torch.manual_seed(17)
+        out = relative_attention(*inputs, backend=backend, dropout_p=p, rel_bias=rel_bias, **kw)
+        return out, torch.autograd.grad(out, present if rel_bias is not None else present[:-1], go)
+
+    def rel_err(a, b):
+        return float((a - b).detach().abs().max() / (b.detach().abs().max() + 1e-300))
+
+    want, want_grads = run("dense")
+    for backend in ("native", "blocked"):
+        got, got_grads = run(backend)
+        assert rel_err(got, want) <= 1e-12, backend
+        for i, (a, w) in enumerate(zip(got_grads, want_grads, strict=True)):
+            assert rel_err(a, w) <= 1e-12, (backend, i)
+    assert want_grads[-1].abs().max() > 0  # the bias gets a gradient through the dropped weights
+    assert rel_err(want, run("dense", p=0.0)[0]) > 1e-2  # dropout did something
+    assert rel_err(want, run("dense", rel_bias=None)[0]) > 1e-2  # and so did the bias
 
 
 def test_weights_carry_the_bias():

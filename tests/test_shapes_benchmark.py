@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from relattn.backends import cpu, native
 from relattn.training.model import TransformerConfig, TransformerLM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +30,8 @@ def test_quick_run_writes_every_case(tmp_path):
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     assert set(report["cases"]) == CASES and report["meta"]["size"] == "quick"
+    assert report["meta"]["cpu_features"] == cpu.features().describe()  # where it ran, and the kernel's choice
+    assert report["meta"]["native_choice"] == native.choice().describe() and "native kernel: class" in done.stdout
     for name, row in report["cases"].items():
         assert len(row["relattn_all_ms"]) == len(row["sdpa_all_ms"]) == 2, name
         assert row["relattn_ms"] > 0 and row["sdpa_ms"] > 0 and math.isfinite(row["ratio"]), name

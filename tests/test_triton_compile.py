@@ -27,9 +27,11 @@ def test_gpu_tiles_are_at_least_the_floor():
     assert set(tb.RQ_CONFIGS) <= set(tb.CONFIGS) and set(tb.GQA_RQ_CONFIGS) <= set(tb.CONFIGS)
     assert {(kernel, d) for kernel, _, d in tb.ARCH_CONFIGS} <= {(kernel, d) for kernel, _, d in tb.CONFIGS}
     assert {arch for _, arch, _ in tb.ARCH_CONFIGS} <= set(tb.TABLE_OF_ARCH)
-    assert {arch for _, arch, _ in (*tb.VARLEN_CONFIGS, *tb.VARLEN_RQ_CONFIGS)} <= set(tb.TABLE_OF_ARCH)
+    assert {arch for _, arch, _ in (*tb.VARLEN_CONFIGS, *tb.VARLEN_RQ_CONFIGS, *tb.RAGGED_CONFIGS,
+                                    *tb.DROPOUT_CONFIGS)} <= set(tb.TABLE_OF_ARCH)
     entries = [*tb.CONFIGS.items(), *tb.RQ_CONFIGS.items(), *tb.GQA_RQ_CONFIGS.items(), *tb.ARCH_CONFIGS.items(),
-               *tb.VARLEN_CONFIGS.items(), *tb.VARLEN_RQ_CONFIGS.items()]
+               *tb.VARLEN_CONFIGS.items(), *tb.VARLEN_RQ_CONFIGS.items(), *tb.RAGGED_CONFIGS.items(),
+               *tb.DROPOUT_CONFIGS.items()]
     for (kernel, arch, d), (bm, bn, _, _, split) in entries:
         if kernel == "fwd":
             assert bm >= 64 and bn >= 64, (kernel, arch, d)

@@ -20,7 +20,7 @@ import torch
 from . import backends as _backends
 from .arguments import PLAN_RULES, AttentionArgs
 from .backends import AttentionCall, Backend, Serves, dense_max_scores, priority, resolve
-from .backends._common import traced
+from .backends._common import call_seed, traced
 from .positions import check_beyond, check_positions, symmetric_table, table_rows
 
 
@@ -646,6 +646,7 @@ def run_packed(backend: Backend, call: AttentionCall) -> torch.Tensor:
         return backend.packed.run(as_served(backend, call))
     cu_q, cu_k = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
     rows = lambda t, a, b: None if t is None else t[:, :, a:b]  # noqa: E731
+    seed = call_seed(call)  # one draw for the call; sequence s draws the mask's batch entry s, as the packed kernels do
     outs = []
     for s in range(len(cu_q) - 1):
         (q0, q1), (k0, k1) = (cu_q[s], cu_q[s + 1]), (cu_k[s], cu_k[s + 1])
@@ -657,7 +658,8 @@ def run_packed(backend: Backend, call: AttentionCall) -> torch.Tensor:
         offset = call.query_offset + (k1 - k0) - (q1 - q0)
         one = dataclasses.replace(call, q=rows(call.q, q0, q1), k=rows(call.k, k0, k1), v=rows(call.v, k0, k1),
                                   q_pos=rows(call.q_pos, q0, q1), query_offset=offset,
-                                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0)
+                                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                                  seed=None if seed is None else seed + seed.new_tensor([0, s, 0, 0]))
         outs.append(backend.run(as_served(backend, one)))
     if not outs:
         return call.q.new_zeros(1, call.q.shape[1], call.q.shape[2], call.v.shape[-1])

@@ -70,6 +70,18 @@ def _right_packing(key_padding_mask: torch.Tensor, bf: bool) -> Packing | None:
     return packing if packing is not None and packing.padded else None
 
 
+def _right_padding_traced(key_padding_mask: torch.Tensor) -> torch.Tensor:
+    """(B, N) bool: True at the padded positions of a right-aligned ``key_padding_mask`` (those
+    :func:`_right_packing` packs, bool True or ``-inf`` only), all False for any other mask; from tensors alone (no
+    host read), so that a traced call zeroes what an eager one does."""
+    if key_padding_mask.dtype == torch.bool:
+        padding, exact = key_padding_mask, True
+    else:
+        padding = key_padding_mask == float("-inf")
+        exact = (padding == (key_padding_mask != 0)).all()
+    return padding & (exact & (padding[:, 1:] >= padding[:, :-1]).all())
+
+
 def sinusoids(positions: torch.Tensor, dim: int) -> torch.Tensor:
     """(L, dim) sinusoidal embeddings of ``positions`` (L,) (Vaswani et al.; Transformer-XL's relative encoding):
     column ``2c`` is ``sin(p / 10000^(2c/dim))``, column ``2c + 1`` its cosine, in ``positions``' dtype."""
@@ -172,8 +184,8 @@ class RelativeMultiheadAttention(nn.Module):
        gives zeros there; nn.MultiheadAttention lets a padded query attend the real keys. Every real position gets
        what the masked call gives. When at least ``relattn.padding.PACK_FROM`` (10%) of the positions are padding
        the call runs packed (:func:`relattn.relative_attention_varlen` on the real tokens only, projections
-       included), below that masked (then zeroed). Other padding (left-aligned, holes) keeps nn.MultiheadAttention's
-       behaviour.
+       included), below that masked (then zeroed); under ``torch.compile`` masked (then zeroed: the lengths are
+       data there). Other padding (left-aligned, holes) keeps nn.MultiheadAttention's behaviour.
     """
 
     def __init__(
@@ -564,6 +576,8 @@ class RelativeMultiheadAttention(nn.Module):
             if packing is not None and packing.worth_packing:
                 return self._packed_forward(query, packing, is_causal), None
             zero_at = packing  # little padding: the masked call below, then zeros at the padding all the same
+            if batched and key_padding_mask.dim() == 2 and torch.compiler.is_compiling():
+                zero_at = _right_padding_traced(key_padding_mask)  # the lengths are data: zeros where eager's are
         if not batched:
             query, key, value = query[None], key[None], value[None]
         bf = self.batch_first or not batched
@@ -589,7 +603,9 @@ class RelativeMultiheadAttention(nn.Module):
             out = attend(args) if context_parallel is None else context_parallel.attend(args)
         out = out.transpose(1, 2) if bf else out.permute(2, 0, 1, 3)
         out = self.out_proj(out.flatten(2))
-        if zero_at is not None:
+        if isinstance(zero_at, torch.Tensor):
+            out = out.masked_fill((zero_at if self.batch_first else zero_at.T)[..., None], 0)
+        elif zero_at is not None:
             out = zero_at.zero_padding(out)
         return (out if batched else out[0]), weights
 

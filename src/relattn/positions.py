@@ -269,6 +269,44 @@ def causal_allowed(n: int, m: int, query_offset: int, device) -> torch.Tensor:
     return torch.arange(m, device=device)[None, :] <= torch.arange(n, device=device)[:, None] + query_offset
 
 
+def met_rows(n, m, max_relative_position: int, *, query_offset: int = 0, is_causal: bool = False):
+    """(first, last): the rows of a symmetric clipped ``2K + 1``-row table that the pairs a call may attend meet,
+    ``N`` queries (the first at ``query_offset``) against ``M`` keys, causal or not: the clipped offsets from
+    ``-(N - 1) - query_offset`` to ``M - 1 - query_offset`` (at most 0 under ``is_causal``); None when no pair may
+    attend. Every offset in between occurs, so the rows met are exactly ``first .. last``."""
+    kk = max_relative_position
+    lowest, highest = -(n - 1) - query_offset, m - 1 - query_offset
+    if is_causal:
+        highest = torch.sym_min(highest, 0)
+    if n == 0 or m == 0 or lowest > highest:
+        return None
+    return torch.sym_max(torch.sym_min(lowest, kk), -kk) + kk, torch.sym_max(torch.sym_min(highest, kk), -kk) + kk
+
+
+def unmet_rows_zeroed(table, n, m, max_relative_position: int, *, query_offset: int = 0, is_causal: bool = False):
+    """``table`` (..., 2K + 1, d) with zeros in the rows no pair the call may attend meets (:func:`met_rows`;
+    ``table`` itself when every row is met, None for None): such a row is never read, so a NaN there reaches
+    nothing, as in the kernels, which never read it (no ``0 * NaN`` through a masked pair's zero weight). Its
+    gradient is zero. Symbolic sizes (torch.export) always take the ``where``, bounds symbolic, and no call is
+    taken to have no pair."""
+    if table is None:
+        return None
+    rows = 2 * max_relative_position + 1
+    r = torch.arange(rows, device=table.device)
+    if not all(type(x) is int for x in (n, m, query_offset)):  # symbolic sizes (torch.export): no guard on them
+        kk, highest = max_relative_position, m - 1 - query_offset
+        bounds = [torch.sym_max(torch.sym_min(x, kk), -kk) + kk for x in
+                  (-(n - 1) - query_offset, torch.sym_min(highest, 0) if is_causal else highest)]
+        return torch.where(((r >= bounds[0]) & (r <= bounds[1]))[:, None], table,
+                           torch.zeros((), dtype=table.dtype, device=table.device))
+    met = met_rows(n, m, max_relative_position, query_offset=query_offset, is_causal=is_causal)
+    if met is not None and met[0] == 0 and met[1] == rows - 1:
+        return table
+    keep = (r >= met[0]) & (r <= met[1]) if met is not None else torch.zeros(rows, dtype=torch.bool,
+                                                                            device=table.device)
+    return torch.where(keep[:, None], table, torch.zeros((), dtype=table.dtype, device=table.device))
+
+
 def relative_position_index(
     query_len: int | torch.SymInt,
     key_len: int | torch.SymInt,

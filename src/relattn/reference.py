@@ -347,6 +347,18 @@ def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position
         tables.append(np.broadcast_to(t, (h, rows, dim)))
     rel_q = None if rel_q is None else np.broadcast_to(np.asarray(rel_q, dtype=np.float64), (h, rows, d))
     rel_bias = None if rel_bias is None else np.broadcast_to(np.asarray(rel_bias, dtype=np.float64), (h, rows))
+    # A table row that no pair the call may attend meets (an offset beyond the keys, or after the query under
+    # is_causal) is never read: a NaN there reaches nothing (not every row by 0 * NaN through a zero weight).
+    allowed = np.ones((n, m), dtype=bool)
+    if is_causal:
+        allowed = np.arange(m)[None, :] <= np.arange(n)[:, None] + query_offset
+    emb = RelativePositionEmbedding.from_tables(np.zeros((rows, 1)), np.zeros((rows, 1)), (left, right), beyond=beyond,
+                                          buckets=buckets)
+    met = np.zeros(rows + 1, dtype=bool)
+    met[emb.index_matrix(n, m, query_offset=query_offset)[allowed]] = True
+    tables = [np.where(met[:rows, None], t, 0.0) for t in tables]
+    rel_q = None if rel_q is None else np.where(met[:rows, None], rel_q, 0.0)
+    rel_bias = None if rel_bias is None else np.where(met[None, :rows], rel_bias, 0.0)
     biases = [None if t is None else np.broadcast_to(np.asarray(t, dtype=np.float64), (h, d))
               for t in (content_bias, position_bias)]
     bias = np.zeros((b, h, n, m))

@@ -18,6 +18,7 @@ from ._common import (
     Serves,
     StatsAutograd,
     StatsOps,
+    call_seed,
     compute_capability,
     stats_dtype,
 )
@@ -236,4 +237,5 @@ def resolve(name: str, call: AttentionCall, *, chunk_pairs: bool = False) -> Bac
 
 
 __all__ = ["BACKENDS", "REFUSED", "AttentionCall", "Backend", "Registry", "Serves", "StatsAutograd", "StatsOps",
-           "check_name", "choose", "not_supported_reasons", "priority", "refusals", "resolve", "stats_dtype", "why_not"]
+           "call_seed", "check_name", "choose", "not_supported_reasons", "priority", "refusals", "resolve",
+           "stats_dtype", "why_not"]

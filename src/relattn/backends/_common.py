@@ -9,6 +9,7 @@ position; tables arrive as ``(Hr, 2K+1, D|Dv)`` with ``Hr`` in ``{1, H}``.
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -72,6 +73,73 @@ class AttentionCall:
     cu_seqlens_k: Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    seed: Tensor | None = None  # the dropout seed (:func:`dropout_seed`); None: the backend draws one
+
+
+# ------------------------------------------------------------------ the dropout mask, one for every backend
+
+_M32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # < 2**27: a 32-bit value times it stays inside int64
+
+
+def mix32(x: Tensor) -> Tensor:
+    """The 32-bit integer hash of the dropout mask (three xorshifts, two multiplies), of int64 values in
+    [0, 2**32); the C++ and Triton kernels compute it on uint32."""
+    x = x ^ (x >> 16)
+    x = (x * _MIX) & _M32
+    x = x ^ (x >> 16)
+    x = (x * _MIX) & _M32
+    return x ^ (x >> 16)
+
+
+def dropout_keep(seed: Tensor | int, b: Tensor, h: Tensor, i: Tensor, j: Tensor, dropout_p: float) -> Tensor:
+    """Whether attention weight (b, h, i, j) is kept under dropout ``dropout_p`` with ``seed``: bool, the broadcast
+    shape of the int64 tensors ``b`` (batch entry; a packed call's sequence), ``h`` (query head), ``i`` (query row of
+    the call's q, within its sequence) and ``j`` (key row of the call's k, within its sequence). The mask every
+    backend draws (docs/backends.md, "Dropout")::
+
+        key(seed, b, h) = mix32(mix32(mix32(seed ^ 0x243F6A88) ^ b) ^ h)
+        row(key, i) = mix32(key ^ 0x85A308D3 ^ i);  col(key, j) = mix32((key + 0x9E3779B9) ^ j)   (mod 2**32)
+        keep = mix32(row ^ col) >= floor(p * 2**32)
+
+    A function of (seed, b, h, i, j) alone: no shape, tile, thread or backend changes it; P(keep) = 1 - p within
+    2**-32."""
+    seed = torch.as_tensor(seed, dtype=torch.int64)
+    key = mix32(mix32(mix32((seed & _M32) ^ 0x243F6A88) ^ (b & _M32)) ^ (h & _M32))
+    row = mix32(key ^ 0x85A308D3 ^ (i & _M32))
+    col = mix32(((key + 0x9E3779B9) & _M32) ^ (j & _M32))
+    return mix32(row ^ col) >= int(dropout_p * 2**32)
+
+
+def dropout_seed(device: torch.device) -> Tensor:
+    """A fresh dropout seed: int64 ``(seed, b0, i0, j0)`` on ``device``, the seed drawn from torch's generator for
+    that device (``torch.manual_seed`` reproduces it; two calls differ), the offsets zero. A call with seed
+    ``(s, b0, i0, j0)`` draws at its weight (b, h, i, j) the mask's (s, b0 + b, h, i0 + i, j0 + j): a packed call's
+    sequence run alone (b0 its index) or a chunk of a longer sequence draws what the whole call would."""
+    seed = torch.zeros(4, dtype=torch.int64, device=device)
+    seed[0] = torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=device)
+    return seed
+
+
+def call_seed(call: AttentionCall) -> Tensor | None:
+    """The dropout seed of ``call``: its own when given, else None without dropout, else a fresh one."""
+    if call.seed is not None or call.dropout_p == 0.0:
+        return call.seed
+    return dropout_seed(call.q.device)
+
+
+def keep_scale(seed: Tensor, batch: int, heads: int, rows: Tensor, cols: Tensor, dropout_p: float,
+               dtype: torch.dtype) -> Tensor:
+    """(batch, heads, len(rows), len(cols)) of ``dtype``: ``1 / (1 - p)`` where the mask keeps weight (b, h, rows[x],
+    cols[y]) of a call with dropout seed ``seed`` (:func:`dropout_seed`'s layout, or a bare seed: offsets 0), else 0:
+    what the weights are multiplied by."""
+    seed = seed.reshape(-1)
+    dev = rows.device
+    origin = [seed[n] if n < seed.numel() else 0 for n in range(4)]
+    b = (origin[1] + torch.arange(batch, device=dev)).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=dev).view(1, -1, 1, 1)
+    keep = dropout_keep(seed[0], b, h, (origin[2] + rows).view(-1, 1), (origin[3] + cols).view(1, -1), dropout_p)
+    return keep.to(dtype) / (1.0 - dropout_p)
 
 
 @dataclass(frozen=True)
@@ -193,7 +261,7 @@ OP_ARGUMENTS: tuple[tuple[str, str, str | None], ...] = (
     ("rel_k", "Tensor?", None),
     ("rel_v", "Tensor?", None),
     ("mask", "Tensor?", None),
-    ("seed", "Tensor", "dropout"),
+    ("seed", "Tensor?", "dropout"),
     ("cu_seqlens_q", "Tensor", "varlen"),
     ("cu_seqlens_k", "Tensor", "varlen"),
     ("max_relative_position", "int", None),
@@ -347,17 +415,28 @@ def _padded(grads: tuple) -> tuple:
     return (*grads, *(None,) * len(TRAILING))[:5 + len(TRAILING)]
 
 
+def schema_version(*schemas: str) -> str:
+    """The short hash of a pair of ops' schemas that their names carry (``relattn::{name}_fwd_{version}``).
+    torch.compile's on-disk caches are keyed by the traced graph, which names the ops it calls but not their
+    schemas: a graph an older relattn cached (its backward too) calls ops of names that code registered; once a
+    schema changes, so does the name, the graph a new relattn traces differs, and the stale entry is never hit
+    (nor could it find an op of its name registered with other arguments)."""
+    return hashlib.sha256("\n".join(schemas).encode()).hexdigest()[:8]
+
+
 class StatsOps:
     """The ops of a kernel that saves its log-sum-exp: ``forward(*leading, **scalars, rel_q, q_pos) -> (out, lse)`` and
     ``backward(grad_out, *leading, out, lse, **scalars, rel_q, q_pos) -> (dq, dk, dv, d_rel_k, d_rel_v[, d_rel_q[,
     d_q_pos]])``: the optional tensors of :data:`TRAILING` are passed by name, and only when given (a kernel that does
     not take one is never handed it: its declaration refuses the calls that carry it).
 
-    * ``relattn::{name}_fwd(q, k, v, rel_k?, rel_v?, mask?, [seed,] K, is_causal, [dropout_p,] scale, query_offset,
-      rel_q?=None, q_pos?=None) -> (out, lse)`` and ``relattn::{name}_bwd(grad_out, <the same leading tensors>, out,
-      lse, <the same scalars>, rel_q?=None, q_pos?=None) -> (dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos)`` (a
-      missing tensor's gradient an empty tensor): custom ops with fake kernels and autograd, which torch.compile
-      and torch.export see as one opaque, shape-correct op each. ``dropout=True`` adds the seed tensor and
+    * ``relattn::{name}_fwd_{version}(q, k, v, rel_k?, rel_v?, mask?, [seed,] K, is_causal, [dropout_p,] scale,
+      query_offset, rel_q?=None, q_pos?=None) -> (out, lse)`` and ``relattn::{name}_bwd_{version}(grad_out, <the same
+      leading tensors>, out, lse, <the same scalars>, rel_q?=None, q_pos?=None) -> (dq, dk, dv, d_rel_k, d_rel_v,
+      d_rel_q, d_q_pos)`` (a missing tensor's gradient an empty tensor): custom ops with fake kernels and autograd,
+      which torch.compile and torch.export see as one opaque, shape-correct op each; ``version`` is
+      :func:`schema_version` of the two schemas (``fwd_name``, ``bwd_name``: the ops' qualified names; ``fwd_op``,
+      ``bwd_op``: the ops). ``dropout=True`` adds the seed tensor and
       ``dropout_p``; ``varlen=True`` (a packed call) the tensors ``cu_seqlens_q, cu_seqlens_k`` after the leading
       ones and the scalars ``max_seqlen_q, max_seqlen_k`` after the others.
     * :meth:`run` gives a call's output: through the op when something traces the call, else through a plain
@@ -365,7 +444,8 @@ class StatsOps:
       op's dispatch and Python wrappers cost about 0.15 ms of a forward+backward, most of a short sequence's
       overhead), else by calling the kernel.
     * :meth:`pair_forward` and :meth:`pair_backward`: one call's ``(out, lse)`` and its gradients given the merged
-      ``out`` and ``lse`` of a larger softmax, what a context-parallel chunk pair needs (no dropout).
+      ``out`` and ``lse`` of a larger softmax, what a context-parallel chunk pair needs (dropout with a seed whose
+      offsets place the pair in the whole call's mask).
     """
 
     def __init__(self, name: str, forward: Callable, backward: Callable, *, dropout: bool = False,
@@ -395,11 +475,16 @@ class StatsOps:
             tensors = (*inputs[:5], *inputs[sig.bwd_trailing])  # q, k, v, rel_k, rel_v, then the trailing tensors
             return grads_laid_out(tensors, grads)
 
-        self.fwd = torch.library.custom_op(f"relattn::{name}_fwd", fwd, mutates_args=(), schema=sig.fwd_schema)
+        version = schema_version(sig.fwd_schema, sig.bwd_schema)
+        self.fwd_name, self.bwd_name = f"relattn::{name}_fwd_{version}", f"relattn::{name}_bwd_{version}"
+        self.fwd = torch.library.custom_op(self.fwd_name, fwd, mutates_args=(), schema=sig.fwd_schema)
         self.fwd.register_fake(lambda *inputs, **named: stats_fake(inputs[0], inputs[2]))
-        self.bwd = torch.library.custom_op(f"relattn::{name}_bwd", bwd, mutates_args=(), schema=sig.bwd_schema)
+        self.bwd = torch.library.custom_op(self.bwd_name, bwd, mutates_args=(), schema=sig.bwd_schema)
         self.bwd.register_fake(lambda grad_out, *inputs, **named: grads_fake(
             *inputs[:5], *whole(inputs, named, sig.bwd_trailing)[sig.bwd_trailing]))
+        # the ops as torch.ops holds them (OpOverloadPackets: ``.default`` is the overload), for tests and tools
+        self.fwd_op, self.bwd_op = (getattr(torch.ops.relattn, n.split("::")[1])
+                                    for n in (self.fwd_name, self.bwd_name))
         op_wiring = StatsAutograd(self.bwd, leading=lead, scalars=ns, trailing=nt)
         self.fwd.register_autograd(op_wiring.grads, setup_context=op_wiring.setup)
         self.eager = self.wiring.function(self._forward)
@@ -429,11 +514,14 @@ class StatsOps:
                 *(getattr(call, n) for n in self.scalar_names), *(getattr(call, n) for n in TRAILING))
 
     def run(self, call: AttentionCall, *, seed: Tensor | None = None) -> Tensor:
-        """The output (B, H, N, Dv) of ``call`` (``seed``: the dropout seed, for a kernel with dropout); a packed call
-        only on ops built with ``varlen=True`` (the others would read it as one long sequence: a ValueError)."""
+        """The output (B, H, N, Dv) of ``call`` (``seed``: the dropout seed, for a kernel with dropout; None: the
+        call's own, else drawn by :func:`dropout_seed` with dropout, else None); a packed call only on
+        ops built with ``varlen=True`` (the others would read it as one long sequence: a ValueError)."""
         if (call.cu_seqlens_q is not None) != self.varlen:
             raise ValueError(f"relattn::{self.name} takes {'only' if self.varlen else 'no'} packed calls "
                              f"(cu_seqlens); the backend's packed ops run those")
+        if self.dropout and seed is None:
+            seed = call_seed(call)
         inputs = self._inputs(call, seed)
         if traced():
             return self.fwd(*inputs)[0]
@@ -449,7 +537,8 @@ class StatsOps:
         that does not take them so, ``flat_tables=False``, gets them as (1, 2K+1, d)). A kernel may give its own
         (``planned``: the same function, leaner; None to take this one). None where :meth:`run` needs more than
         that (a differentiated call, a mask, a dropout seed, a packed call)."""
-        if self.dropout or _differentiated(call) or any(getattr(call, n) is not None for n in self.leading_names[5:]):
+        if (call.dropout_p > 0.0 or _differentiated(call)
+                or any(getattr(call, n) is not None for n in self.leading_names[5:])):
             return None
         if self.planned is not None and (own := self.planned(call)) is not None:
             return own
@@ -475,22 +564,29 @@ class StatsOps:
                               **{n: trailing[n] for n in named})[0]
         return forward
 
-    def _pair(self, q, k, v, rel_k, rel_v, mask, tables, scalars: dict) -> tuple[tuple, dict]:
-        """The kernel's positional inputs and keywords for one chunk pair (no dropout: a zero seed)."""
+    def _pair(self, q, k, v, rel_k, rel_v, mask, tables, seed, scalars: dict) -> tuple[tuple, dict]:
+        """The kernel's positional inputs and keywords for one chunk pair (without dropout_p in ``scalars``: none)."""
         lead = (q, k, v, rel_k, rel_v, mask)
         tables = (*tables, *(None,) * (len(TRAILING) - len(tables)))  # the ring passes rel_q and q_pos
         if self.dropout:
-            lead, scalars = (*lead, torch.zeros((), dtype=torch.int64, device=q.device)), {**scalars, "dropout_p": 0.0}
+            if seed is None:
+                seed = torch.zeros((), dtype=torch.int64, device=q.device)
+            lead, scalars = (*lead, seed), {"dropout_p": 0.0, **scalars}
+        elif scalars.pop("dropout_p", 0.0) > 0.0:
+            raise ValueError(f"relattn::{self.name} takes no dropout")
         return lead, {**scalars, **{n: t for n, t in zip(TRAILING, tables, strict=True) if t is not None}}
 
-    def pair_forward(self, q, k, v, rel_k, rel_v, mask, tables, **scalars) -> tuple[Tensor, Tensor]:
-        """(out, lse) of one call, no dropout; ``tables``: the trailing tensors of :data:`TRAILING` (or None);
-        ``scalars``: ``max_relative_position``, ``is_causal``, ``scale``, ``query_offset``."""
-        lead, kw = self._pair(q, k, v, rel_k, rel_v, mask, tables, scalars)
+    def pair_forward(self, q, k, v, rel_k, rel_v, mask, tables, *, seed: Tensor | None = None,
+                     **scalars) -> tuple[Tensor, Tensor]:
+        """(out, lse) of one call; ``tables``: the trailing tensors of :data:`TRAILING` (or None); ``scalars``:
+        ``max_relative_position``, ``is_causal``, ``scale``, ``query_offset`` and optionally ``dropout_p``, with
+        ``seed`` placing the pair in the mask (:func:`dropout_seed`: its offsets the pair's first row and key)."""
+        lead, kw = self._pair(q, k, v, rel_k, rel_v, mask, tables, seed, scalars)
         return self.kernel_forward(*lead, **kw)
 
-    def pair_backward(self, grad_out, q, k, v, rel_k, rel_v, mask, tables, out, lse, **scalars) -> tuple:
+    def pair_backward(self, grad_out, q, k, v, rel_k, rel_v, mask, tables, out, lse, *, seed: Tensor | None = None,
+                      **scalars) -> tuple:
         """(dq, dk, dv, d_rel_k, d_rel_v, *d tables) of one call given the merged ``out`` and ``lse`` of its rows (one
         gradient per table of ``tables``)."""
-        lead, kw = self._pair(q, k, v, rel_k, rel_v, mask, tables, scalars)
+        lead, kw = self._pair(q, k, v, rel_k, rel_v, mask, tables, seed, scalars)
         return _padded(self.kernel_backward(grad_out, *lead, out, lse, **kw))[:5 + len(tables)]

@@ -63,7 +63,9 @@ Terms = namedtuple("Terms", ["QA", "KA", "DOA", "MASK", "qk_scale"])  # what sco
 RowBins = namedtuple("RowBins", ["P", "DS"])  # the dq kernel's per-row bins of P (for a^V) and dS (for a^K)
 Sizes = namedtuple("Sizes", ["N", "M", "D", "DV", "MAX_REL", "off"])  # queries, keys, head dims, K, query offset
 Meta = namedtuple("Meta", ["BLOCK_M", "BLOCK_N", "HEAD_DIM", "HEAD_DIM_V", "BAND_SPLIT", "HAS_RK", "HAS_RQ", "HAS_RV",
-                           "HAS_MASK", "CAUSAL", "EVEN_M", "EVEN_N", "EVEN_D", "PREC", "ACC"])
+                           "HAS_MASK", "CAUSAL", "EVEN_M", "EVEN_N", "EVEN_D", "PREC", "ACC", "DROPOUT"])
+# a (batch entry, query head)'s dropout: its key, the seed's row and key offsets, floor(p 2**32), 1/(1-p)
+Drop = namedtuple("Drop", ["key", "i0", "j0", "threshold", "scale"])
 
 
 # ----------------------------------------------------------------------------------------------- loads and stores
@@ -247,6 +249,50 @@ def _store_edges(B, left, right, offs, n, MAX_REL, EVEN: tl.constexpr):
         _store_rows(B.ptr + offs * B.stride_n + 2 * MAX_REL, right, offs, n, EVEN)
 
 
+# ------------------------------------------------------------------------------------------------------ dropout
+
+
+@device_fn
+def _mix32(x):
+    """A 32-bit integer hash (uint32 in, uint32 out; the multiplies wrap)."""
+    x ^= x >> 16
+    x *= 0x45D9F3B
+    x ^= x >> 16
+    x *= 0x45D9F3B
+    x ^= x >> 16
+    return x
+
+
+@device_fn
+def _drop(SEED, entry, head, threshold, scale):
+    """The :data:`Drop` of (batch entry, query head), from the int64 seed tensor ``(seed, b0, i0, j0)`` (read here:
+    no host sync): key ``mix32(mix32(mix32(seed ^ 0x243F6A88) ^ (b0 + b)) ^ h)``; the call's rows and keys are the
+    mask's ``i0 + i`` and ``j0 + j`` (a chunk of a longer call, or a sequence run alone, draws the whole call's)."""
+    seed = tl.load(SEED).to(tl.uint32)
+    b = (tl.load(SEED + 1) + entry).to(tl.uint32)
+    key = _mix32(_mix32(_mix32(seed ^ 0x243F6A88) ^ b) ^ head.to(tl.uint32))
+    return Drop(key=key, i0=tl.load(SEED + 2), j0=tl.load(SEED + 3), threshold=threshold.to(tl.uint32), scale=scale)
+
+
+@device_fn
+def _row_hashes(drop, offs_m):
+    """One hash per query row ``i`` (its index in the call's q; within its sequence when packed)."""
+    return _mix32(drop.key ^ 0x85A308D3 ^ (drop.i0 + offs_m).to(tl.uint32))
+
+
+@device_fn
+def _col_hashes(drop, offs_n):
+    """One hash per key ``j`` (its index in the call's k; within its sequence when packed)."""
+    return _mix32((drop.key + 0x9E3779B9) ^ (drop.j0 + offs_n).to(tl.uint32))
+
+
+@device_fn
+def _kept(rows, cols, threshold):
+    """The tile's keep mask: ``mix32(row_i ^ col_j) >= floor(p 2**32)``, unsigned; a function of (seed, b, h, i, j)
+    alone, so the backward's tiles regenerate the forward's mask."""
+    return _mix32(rows[:, None] ^ cols[None, :]) >= threshold
+
+
 # ------------------------------------------------------------------------------------------- the stages' bounds
 
 
@@ -346,10 +392,11 @@ def _table_scores_kernel(X, T, S,
 
 
 @device_fn
-def _fwd_inner(acc, l_i, m_i, left, right, q, start_m, start, end, K, V, terms, BINS, size, C,
+def _fwd_inner(acc, l_i, m_i, left, right, q, start_m, start, end, K, V, terms, BINS, drop, rows, size, C,
                STAGE: tl.constexpr):
     """One stage of a query tile's key loop: the online softmax over the stage's key tiles among [start, end)
-    (band tiles ``C.BAND_SPLIT`` times narrower)."""
+    (band tiles ``C.BAND_SPLIT`` times narrower). C.DROPOUT: the weights that multiply v and a^V are the kept ones
+    (``drop``: :data:`Drop`; ``rows``: the tile's row hashes), the normaliser sums them all."""
     lo, hi = _key_range(start_m, start, end, size, C, STAGE)
     if STAGE == BAND:
         BLOCK_N: tl.constexpr = C.BLOCK_N // C.BAND_SPLIT
@@ -370,6 +417,11 @@ def _fwd_inner(acc, l_i, m_i, left, right, q, start_m, start, end, K, V, terms, 
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if C.DROPOUT:  # dropped pairs weigh nothing below (1/(1-p) applied to the output once)
+            kept = _kept(rows, _col_hashes(drop, offs_n), drop.threshold)
+            p = tl.where(kept, p, 0.0)
+            if C.HAS_RV and STAGE == BAND:
+                s = tl.where(kept, s, float("-inf"))
         # -- P v
         v = _load_2d(V.ptr + offs_n[:, None] * V.stride_n + offs_dv[None, :] * V.stride_d, offs_n, offs_dv, size.M,
                      size.DV, C.EVEN_N, C.EVEN_D)
@@ -383,7 +435,7 @@ def _fwd_inner(acc, l_i, m_i, left, right, q, start_m, start, end, K, V, terms, 
     return acc, l_i, m_i, left, right
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["drop_threshold"])
 def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE, CU_Q, CU_K,
                 stride_qb, stride_qh, stride_qn, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
@@ -394,24 +446,30 @@ def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE, CU_Q, CU_K,
                 stride_mb, stride_mh, stride_mn, stride_mm,
                 stride_os, stride_ob, stride_oh, stride_on, stride_od,
                 stride_ls, stride_lb, stride_lh, stride_ln,
-                H, GROUP, KA_GROUP, N, M, D, DV, MAX_REL, off, qk_scale, split_len,
+                H, GROUP, KA_GROUP, N, M, D, DV, MAX_REL, off, qk_scale, split_len, SEED,
+                drop_threshold, drop_scale,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
                 CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-                PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr, VARLEN: tl.constexpr):
+                PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr, VARLEN: tl.constexpr,
+                DROPOUT: tl.constexpr):
     """Per (query tile, batch * head, split of the keys): out and lse of the split's keys. One split: the
     attention's out and lse. Several (decoding: too few query tiles to fill the GPU): each split's normalised out
     and lse at split strides stride_os and stride_ls, merged by the launcher. QA: the rows' table scores; KA: the
     keys' (head ``h // KA_GROUP``); BINS: scratch (B, H, N, 2K+1) for the band's scores. VARLEN: a packed batch
     (B = 1) whose "batch entries" are the sequences of CU_Q, CU_K (:func:`_sequence`); N, M the longest lengths;
-    the programs past their sequence's end exit."""
+    the programs past their sequence's end exit. DROPOUT: the kept weights of the mask of (the int64 at SEED, batch
+    entry or sequence, query head, row, key) times ``drop_scale``, the ones whose hash is at least
+    ``drop_threshold`` (:func:`_kept`)."""
     C: tl.constexpr = Meta(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
                            BAND_SPLIT=BAND_SPLIT, HAS_RK=HAS_RK, HAS_RQ=HAS_RQ, HAS_RV=HAS_RV, HAS_MASK=HAS_MASK,
-                           CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PREC=PREC, ACC=ACC)
+                           CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PREC=PREC, ACC=ACC,
+                           DROPOUT=DROPOUT)
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     split = tl.program_id(2)
     off_b = (off_bh // H).to(tl.int64)
+    entry = off_b  # the dropout mask's b: the batch entry, or the sequence of a packed batch
     q0 = 0
     k0 = 0
     if VARLEN:  # a packed batch: entry off_b is a sequence of the one batch entry, from its rows q0 and keys k0 on
@@ -439,6 +497,11 @@ def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE, CU_Q, CU_K,
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
+    drop = Drop(key=0, i0=0, j0=0, threshold=drop_threshold, scale=drop_scale)
+    rows = offs_m
+    if DROPOUT:
+        drop = _drop(SEED, entry, off_h, drop_threshold, drop_scale)
+        rows = _row_hashes(drop, offs_m)
     q = _load_2d(Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, offs_m, offs_d, N, D, EVEN_M, EVEN_D)
     m_i = tl.full((BLOCK_M,), float("-inf"), ACC)
     l_i = tl.zeros((BLOCK_M,), ACC)
@@ -453,12 +516,12 @@ def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE, CU_Q, CU_K,
         end = tl.minimum(end, start_m + BLOCK_M + off)
     end = tl.maximum(end, start)
     acc, l_i, m_i, left, right = _fwd_inner(acc, l_i, m_i, left, right, q, start_m, start, end, keys, values, terms,
-                                            bins, size, C, LEFT)
+                                            bins, drop, rows, size, C, LEFT)
     acc, l_i, m_i, left, right = _fwd_inner(acc, l_i, m_i, left, right, q, start_m, start, end, keys, values, terms,
-                                            bins, size, C, BAND)
+                                            bins, drop, rows, size, C, BAND)
     if not CAUSAL:  # causal rows see no key right of the band
         acc, l_i, m_i, left, right = _fwd_inner(acc, l_i, m_i, left, right, q, start_m, start, end, keys, values,
-                                                terms, bins, size, C, RIGHT)
+                                                terms, bins, drop, rows, size, C, RIGHT)
 
     # -- the value table's term, sum_t P_it a^V_t: the edge sums, then the band's bins one chunk of rows at a time
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -483,7 +546,10 @@ def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE, CU_Q, CU_K,
     # -- normalise; the log-sum-exp (natural log, -inf for a row with no key) for the backward and the merge
     seen = (l_i > 0.0) | (l_i != l_i)  # a NaN total (a NaN key) is a NaN row, as in the reference, not an empty one
     denom = tl.where(seen, l_i, 1.0)
-    out = acc / denom[:, None]
+    if DROPOUT:
+        out = acc * (drop.scale / denom)[:, None]
+    else:
+        out = acc / denom[:, None]
     lse = tl.where(seen, (m_safe + tl.log2(denom)) * LN2, float("-inf"))
     OUT += split * stride_os + off_b * stride_ob + off_h * stride_oh + q0 * stride_on
     LSE += split * stride_ls + off_b * stride_lb + off_h * stride_lh + q0 * stride_ln
@@ -498,20 +564,28 @@ def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE, CU_Q, CU_K,
 
 
 @device_fn
-def _bwd_tile(q, do, kT, vT, lse2, delta, terms, offs_m, offs_n, size, C, STAGE: tl.constexpr):
-    """P and dS of a (query tile, key tile) pair, recomputed from the saved log-sum-exp (FlashAttention-2's
-    backward): P = exp(S - lse), dP = dO v^T + dO . a^V_t, dS = P (dP - delta)."""
+def _bwd_tile(q, do, kT, vT, lse2, delta, terms, drop, rows, cols, offs_m, offs_n, size, C, STAGE: tl.constexpr):
+    """W and dS of a (query tile, key tile) pair, recomputed from the saved log-sum-exp (FlashAttention-2's
+    backward): P = exp(S - lse), dW = dO v^T + dO . a^V_t, dS = P (dW - delta); W = P without dropout. C.DROPOUT
+    (``drop``: :data:`Drop`; ``rows``, ``cols``: the tile's row and key hashes): the forward's mask Z regenerated,
+    W = P Z / (1 - p) (what multiplied v and a^V), dS = P (dW Z / (1 - p) - delta)."""
     s = _scores(q, kT, terms, offs_m, offs_n, size, C, STAGE)
     p = tl.exp2(s - lse2[:, None])
     dp = dot(do, vT, C.PREC)
     if C.HAS_RV:
         dp += _rel_term(terms.DOA, offs_m, offs_n, size, STAGE, C.EVEN_M)
-    ds = p * (dp - delta[:, None])
+    if C.DROPOUT:
+        kept = _kept(rows, cols, drop.threshold)
+        ds = p * (tl.where(kept, dp * drop.scale, 0.0) - delta[:, None])
+        p = tl.where(kept, p * drop.scale, 0.0)
+    else:
+        ds = p * (dp - delta[:, None])
     return p, ds
 
 
 @device_fn
-def _dkdv_inner(dk, dv, k_left, k_right, kT, vT, start_n, Q, DO, stats, terms, KB, size, C, STAGE: tl.constexpr):
+def _dkdv_inner(dk, dv, k_left, k_right, kT, vT, start_n, Q, DO, stats, terms, KB, drop, cols, size, C,
+                STAGE: tl.constexpr):
     """One stage of a key tile's loop over the stage's query tiles (band tiles ``C.BAND_SPLIT`` times narrower):
     dv += P^T dO, dk += dS^T q, and (HAS_RQ) dS per key and table row: the edge sums, the band's interior stored to
     KB."""
@@ -531,7 +605,10 @@ def _dkdv_inner(dk, dv, k_left, k_right, kT, vT, start_n, Q, DO, stats, terms, K
                       size.N, size.DV, C.EVEN_M, C.EVEN_D)
         lse2 = _load_rows(stats.LSE + offs_m * stats.stride_n, offs_m, size.N, float("inf"), C.EVEN_M) * LOG2E
         delta = _load_rows(stats.DELTA + offs_m * stats.stride_n, offs_m, size.N, 0.0, C.EVEN_M)
-        p, ds = _bwd_tile(q, do, kT, vT, lse2, delta, terms, offs_m, offs_n, size, C, STAGE)
+        rows = offs_m
+        if C.DROPOUT:
+            rows = _row_hashes(drop, offs_m)
+        p, ds = _bwd_tile(q, do, kT, vT, lse2, delta, terms, drop, rows, cols, offs_m, offs_n, size, C, STAGE)
         dv += dot(tl.trans(cast(p, do.dtype)), do, C.PREC)
         dk += dot(tl.trans(cast(ds, q.dtype)), q, C.PREC)
         if C.HAS_RQ:
@@ -541,7 +618,7 @@ def _dkdv_inner(dk, dv, k_left, k_right, kT, vT, start_n, Q, DO, stats, terms, K
     return dk, dv, k_left, k_right
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["drop_threshold"])
 def _dkdv_kernel(Q, K, V, QA, KA, DOA, MASK, DO, LSE, DELTA, DK, DV_, KB, CU_Q, CU_K,
                  stride_qb, stride_qh, stride_qn, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
@@ -552,22 +629,25 @@ def _dkdv_kernel(Q, K, V, QA, KA, DOA, MASK, DO, LSE, DELTA, DK, DV_, KB, CU_Q, 
                  stride_mb, stride_mh, stride_mn, stride_mm,
                  stride_dob, stride_doh, stride_don, stride_dod,
                  stride_lb, stride_lh, stride_ln,
-                 H_KV, GROUP, KA_GROUP, N, M, D, DV, MAX_REL, off, qk_scale, scale,
+                 H_KV, GROUP, KA_GROUP, N, M, D, DV, MAX_REL, off, qk_scale, scale, SEED, drop_threshold, drop_scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                  HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
                  CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-                 PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr, VARLEN: tl.constexpr):
+                 PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr, VARLEN: tl.constexpr,
+                 DROPOUT: tl.constexpr):
     """Per (key tile, batch * key/value head): dk = scale dS^T q and dv = P^T dO, summed over the group's query
     heads in order (DK, DV_ laid out like k, v). HAS_RQ: KA, the keys' table scores (head ``h // KA_GROUP``), and
     KB (B, H, M, 2K+1), each query head's dS per (key, table row), every bin of this program's keys written once
     (zeros where no pair falls are the launcher's). VARLEN: as the forward's, the programs past their sequence's
-    keys exit."""
+    keys exit. DROPOUT: the forward's mask, regenerated (each query head's key)."""
     C: tl.constexpr = Meta(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
                            BAND_SPLIT=BAND_SPLIT, HAS_RK=HAS_RK, HAS_RQ=HAS_RQ, HAS_RV=HAS_RV, HAS_MASK=HAS_MASK,
-                           CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PREC=PREC, ACC=ACC)
+                           CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PREC=PREC, ACC=ACC,
+                           DROPOUT=DROPOUT)
     start_n = tl.program_id(0) * BLOCK_N
     off_bh = tl.program_id(1)
     off_b = (off_bh // H_KV).to(tl.int64)
+    entry = off_b  # the dropout mask's b: the batch entry, or the sequence of a packed batch
     q0 = 0
     k0 = 0
     if VARLEN:  # as the forward's
@@ -605,15 +685,20 @@ def _dkdv_kernel(Q, K, V, QA, KA, DOA, MASK, DO, LSE, DELTA, DK, DV_, KB, CU_Q, 
                       MASK=Mask(ptr=MASK + off_b * stride_mb + off_h * stride_mh, stride_n=stride_mn,
                                 stride_m=stride_mm), qk_scale=qk_scale)
         key_bins = Table(ptr=KB + off_b * stride_kbb + off_h * stride_kbh + k0 * stride_kbn, stride_n=stride_kbn)
+        drop = Drop(key=0, i0=0, j0=0, threshold=drop_threshold, scale=drop_scale)
+        cols = offs_n
+        if DROPOUT:
+            drop = _drop(SEED, entry, off_h, drop_threshold, drop_scale)
+            cols = _col_hashes(drop, offs_n)
         k_left = tl.zeros((BLOCK_N,), ACC)
         k_right = tl.zeros((BLOCK_N,), ACC)
         if not CAUSAL:  # causal rows never see keys right of their band
             dk, dv, k_left, k_right = _dkdv_inner(dk, dv, k_left, k_right, kT, vT, start_n, queries, grads, stats,
-                                                  terms, key_bins, size, C, RIGHT)
+                                                  terms, key_bins, drop, cols, size, C, RIGHT)
         dk, dv, k_left, k_right = _dkdv_inner(dk, dv, k_left, k_right, kT, vT, start_n, queries, grads, stats, terms,
-                                              key_bins, size, C, BAND)
+                                              key_bins, drop, cols, size, C, BAND)
         dk, dv, k_left, k_right = _dkdv_inner(dk, dv, k_left, k_right, kT, vT, start_n, queries, grads, stats, terms,
-                                              key_bins, size, C, LEFT)
+                                              key_bins, drop, cols, size, C, LEFT)
         if HAS_RQ:
             _store_edges(key_bins, k_left, k_right, offs_n, M, MAX_REL, EVEN_N)
 
@@ -626,8 +711,8 @@ def _dkdv_kernel(Q, K, V, QA, KA, DOA, MASK, DO, LSE, DELTA, DK, DV_, KB, CU_Q, 
 
 
 @device_fn
-def _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, start_m, end, K, V, terms, bins, size, C,
-              STAGE: tl.constexpr):
+def _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, start_m, end, K, V, terms, bins, drop, rows,
+              size, C, STAGE: tl.constexpr):
     """One stage of a query tile's loop over the stage's key tiles among [0, end) (band tiles ``C.BAND_SPLIT``
     times narrower): dq += dS k, and P, dS per table row (``bins``: :data:`RowBins`)."""
     lo, hi = _key_range(start_m, 0, end, size, C, STAGE)
@@ -644,7 +729,10 @@ def _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, start_m,
                       size.M, C.EVEN_D, C.EVEN_N)
         vT = _load_2d(V.ptr + offs_dv[:, None] * V.stride_d + offs_n[None, :] * V.stride_n, offs_dv, offs_n,
                       size.DV, size.M, C.EVEN_D, C.EVEN_N)
-        p, ds = _bwd_tile(q, do, kT, vT, lse2, delta, terms, offs_m, offs_n, size, C, STAGE)
+        cols = offs_n
+        if C.DROPOUT:
+            cols = _col_hashes(drop, offs_n)
+        p, ds = _bwd_tile(q, do, kT, vT, lse2, delta, terms, drop, rows, cols, offs_m, offs_n, size, C, STAGE)
         dq += dot(cast(ds, kT.dtype), tl.trans(kT), C.PREC)
         if C.HAS_RV:
             p_left, p_right = _edge_sums(p, p_left, p_right, offs_m, offs_n, size, STAGE)
@@ -657,7 +745,7 @@ def _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, start_m,
     return dq, p_left, p_right, s_left, s_right
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["drop_threshold"])
 def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB, CU_Q, CU_K,
                stride_qb, stride_qh, stride_qn, stride_qd,
                stride_kb, stride_kh, stride_kn, stride_kd,
@@ -668,22 +756,25 @@ def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB, CU_Q,
                stride_mb, stride_mh, stride_mn, stride_mm,
                stride_dob, stride_doh, stride_don, stride_dod,
                stride_lb, stride_lh, stride_ln,
-               H, GROUP, KA_GROUP, N, M, D, DV, MAX_REL, off, qk_scale, scale,
+               H, GROUP, KA_GROUP, N, M, D, DV, MAX_REL, off, qk_scale, scale, SEED, drop_threshold, drop_scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
                CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr, KEY_TABLE_DQ: tl.constexpr,
-               VARLEN: tl.constexpr):
+               VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
     """Per (query tile, batch * head): dq = scale (dS k + sum_t SB_it a^K_t), and the per-row bins of P (PB) and
     dS (SB) per table row (zeros where no pair falls), from which the launcher forms the table gradients.
     KEY_TABLE_DQ False (position queries q_pos read the key table): dq = scale dS k only, the launcher forms the
-    key table's share, the gradient of q_pos, from SB. VARLEN: as the forward's."""
+    key table's share, the gradient of q_pos, from SB. VARLEN, DROPOUT: as the forward's (P's bins hold the kept
+    weights)."""
     C: tl.constexpr = Meta(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
                            BAND_SPLIT=BAND_SPLIT, HAS_RK=HAS_RK, HAS_RQ=HAS_RQ, HAS_RV=HAS_RV, HAS_MASK=HAS_MASK,
-                           CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PREC=PREC, ACC=ACC)
+                           CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PREC=PREC, ACC=ACC,
+                           DROPOUT=DROPOUT)
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
+    entry = off_b  # the dropout mask's b: the batch entry, or the sequence of a packed batch
     q0 = 0
     k0 = 0
     if VARLEN:  # a packed batch: entry off_b is a sequence of the one batch entry, from its rows q0 and keys k0 on
@@ -712,14 +803,19 @@ def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB, CU_Q,
                   qk_scale=qk_scale)
     bins = RowBins(P=Table(ptr=PB, stride_n=stride_sn), DS=Table(ptr=SB, stride_n=stride_sn))
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    drop = Drop(key=0, i0=0, j0=0, threshold=drop_threshold, scale=drop_scale)
+    rows = offs_m
+    if DROPOUT:
+        drop = _drop(SEED, entry, off_h, drop_threshold, drop_scale)
+        rows = _row_hashes(drop, offs_m)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
     q = _load_2d(Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, offs_m, offs_d, N, D, EVEN_M, EVEN_D)
     do = _load_2d(DO + offs_m[:, None] * stride_don + offs_dv[None, :] * stride_dod, offs_m, offs_dv, N, DV, EVEN_M,
                   EVEN_D)
-    rows = off_b * stride_lb + off_h * stride_lh + q0 * stride_ln
-    lse2 = _load_rows(LSE + rows + offs_m * stride_ln, offs_m, N, float("inf"), EVEN_M) * LOG2E
-    delta = _load_rows(DELTA + rows + offs_m * stride_ln, offs_m, N, 0.0, EVEN_M)
+    stats_at = off_b * stride_lb + off_h * stride_lh + q0 * stride_ln
+    lse2 = _load_rows(LSE + stats_at + offs_m * stride_ln, offs_m, N, float("inf"), EVEN_M) * LOG2E
+    delta = _load_rows(DELTA + stats_at + offs_m * stride_ln, offs_m, N, 0.0, EVEN_M)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), ACC)
     p_left = tl.zeros((BLOCK_M,), ACC)
     p_right = tl.zeros((BLOCK_M,), ACC)
@@ -731,12 +827,15 @@ def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB, CU_Q,
     if CAUSAL:
         end = tl.maximum(tl.minimum(M, start_m + BLOCK_M + off), 0)
     dq, p_left, p_right, s_left, s_right = _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta,
-                                                     start_m, end, keys, values, terms, bins, size, C, LEFT)
+                                                     start_m, end, keys, values, terms, bins, drop, rows, size, C,
+                                                     LEFT)
     dq, p_left, p_right, s_left, s_right = _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta,
-                                                     start_m, end, keys, values, terms, bins, size, C, BAND)
+                                                     start_m, end, keys, values, terms, bins, drop, rows, size, C,
+                                                     BAND)
     if not CAUSAL:
         dq, p_left, p_right, s_left, s_right = _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta,
-                                                         start_m, end, keys, values, terms, bins, size, C, RIGHT)
+                                                         start_m, end, keys, values, terms, bins, drop, rows,
+                                                         size, C, RIGHT)
 
     # -- the edge bins; then the key table's share of dq, sum_t SB_it a^K_t, one chunk of table rows at a time
     if HAS_RV:

@@ -22,59 +22,32 @@ backward, per key block, recomputing ``p = exp(s - lse)`` and the same dropout m
     key_bins = bucket(ds^T, idx^T) (Bk, 2K+1), per key row;  dk_blk += key_bins a^Q;  d a^Q += key_bins^T k_blk
     bucket(ds / scale, idx) -> d b (the scalar bias, T5's: unscaled, so its gradient is the unscaled dS's row sums)
 
-The dropout mask is a counter-based hash of (seed, b, h, i, j) in integer torch ops, so the backward
-regenerates exactly the forward's mask whatever the tiling; ``seed`` is drawn from torch's default
-generator by the caller, so ``torch.manual_seed`` makes it reproducible. Softmax statistics are float32
-for 16-bit inputs. Every reduction has a fixed order (no atomics): the backward is deterministic on CPU.
+The dropout mask is every backend's (``_common.dropout_keep``): a counter-based hash of (seed, b, h, i, j) in
+integer torch ops, so the backward regenerates exactly the forward's mask whatever the tiling; ``seed`` is drawn
+from torch's generator for the device (``_common.dropout_seed``), so ``torch.manual_seed`` makes it reproducible.
+Softmax statistics are float32 for 16-bit inputs. Every reduction has a fixed order (no atomics): the backward is
+deterministic on CPU.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
-from ..positions import clip_and_shift
+from ..positions import clip_and_shift, unmet_rows_zeroed
 from ._common import (
-    AttentionCall,
     Backend,
     Serves,
     StatsOps,
+    keep_scale,
     no_autocast,
     stats_dtype,
 )
 
 DEFAULT_BLOCK = 128
-_M32 = 0xFFFFFFFF
-_HASH_MUL = 0x45D9F3B  # < 2**27: 32-bit products stay far inside int64
-
-
 def _sum_table_grad(g: torch.Tensor, hr: int) -> torch.Tensor:
     """(B, H, ...) -> (Hr, ...): sum over batch, and over heads when the table is shared (Hr = 1)."""
     g = g.sum(0)
     return g.sum(0, keepdim=True) if hr == 1 else g
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (two multiply-xorshift rounds) of int64 values in [0, 2**32)."""
-    x = (((x >> 16) ^ x) * _HASH_MUL) & _M32
-    x = (((x >> 16) ^ x) * _HASH_MUL) & _M32
-    return (x >> 16) ^ x
-
-
-def dropout_keep(seed: torch.Tensor, shape: tuple[int, int, int, int], rows: torch.Tensor, cols: torch.Tensor,
-                 dropout_p: float) -> torch.Tensor:
-    """Bool (B, H, len(rows), len(cols)): True where weight (b, h, i, j) of a (B, H, N, M) problem is kept.
-
-    A function of (seed, b, h, i, j) only, so any tiling regenerates the same mask; P(keep) = 1 - p
-    up to 2**-32.
-    """
-    b, h, n, m = shape
-    dev = rows.device
-    bh = (torch.arange(b, device=dev)[:, None] * h + torch.arange(h, device=dev)[None, :])[:, :, None, None]
-    lin = (bh * n + rows[None, None, :, None]) * m + cols[None, None, None, :]
-    x = _mix32((lin & _M32) ^ _mix32(seed.to(dev) & _M32))
-    x = _mix32(x ^ ((lin >> 32) & _M32))
-    return x >= int(dropout_p * 2**32)
 
 
 class _Tile:
@@ -103,7 +76,7 @@ class _Tile:
         self.s = s
         self.keep = None
         if dropout_p > 0.0:
-            self.keep = dropout_keep(seed, (b, h, n, m), rows, cols, dropout_p).to(s.dtype) / (1.0 - dropout_p)
+            self.keep = keep_scale(seed, b, h, rows, cols, dropout_p, s.dtype)
 
     def bucket_into(self, acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``acc`` (B, H, N, 2K+1) plus, in place, the sums of ``x`` (B, H, N, Bk) over the keys sharing a table row
@@ -137,6 +110,8 @@ def blocked_forward(q, k, v, rel_k, rel_v, mask, seed, *, max_relative_position:
     dtype = q.dtype
     q, k, v, rel_k, rel_v, mask, rel_q, q_pos, rel_bias = _prepare(q, k, v, rel_k, rel_v, mask, rel_q, q_pos,
                                                                    rel_bias)
+    rel_k, rel_v, rel_q = (unmet_rows_zeroed(t, q.shape[2], k.shape[2], kk, query_offset=query_offset,
+                                             is_causal=is_causal) for t in (rel_k, rel_v, rel_q))
     b, h, n, _ = q.shape
     m, dv = k.shape[2], v.shape[3]
     reader = q if q_pos is None else q_pos
@@ -180,6 +155,8 @@ def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, m
     dtype = q.dtype
     q, k, v, rel_k, rel_v, mask, rel_q, q_pos, rel_bias = _prepare(q, k, v, rel_k, rel_v, mask, rel_q, q_pos,
                                                                    rel_bias)
+    rel_k, rel_v, rel_q = (unmet_rows_zeroed(t, q.shape[2], k.shape[2], kk, query_offset=query_offset,
+                                             is_causal=is_causal) for t in (rel_k, rel_v, rel_q))
     grad_out, out = grad_out.to(q.dtype), out.to(q.dtype)
     b, h, n, _ = q.shape
     m = k.shape[2]
@@ -238,22 +215,13 @@ def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, m
     return tuple(t.to(dtype) if t is not None else None for t in grads)
 
 
-# relattn::blocked_fwd(q, k, v, rel_k?, rel_v?, mask?, seed, K, is_causal, dropout_p, scale, query_offset, rel_q?,
-#   q_pos?) -> (out, lse) and relattn::blocked_bwd, the eager path and the ring's pair calls: see _common.StatsOps.
+# relattn::blocked_fwd_{version}(q, k, v, rel_k?, rel_v?, mask?, seed, K, is_causal, dropout_p, scale, query_offset,
+#   rel_q?, q_pos?) -> (out, lse) and relattn::blocked_bwd_{version}, the eager path and the ring's pair calls: see
+#   _common.StatsOps.
 OPS = StatsOps("blocked", no_autocast(blocked_forward), no_autocast(blocked_backward), dropout=True)
 
 
-def blocked_attention(call: AttentionCall) -> Tensor:
-    """The output (B, H, N, Dv). The dropout seed is drawn from torch's default generator (``torch.manual_seed``)."""
-    q = call.q
-    if call.dropout_p > 0.0:
-        seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=q.device)
-    else:
-        seed = torch.zeros((), dtype=torch.int64, device=q.device)
-    return OPS.run(call, seed=seed)
-
-
-BACKEND = Backend("blocked", blocked_attention,
+BACKEND = Backend("blocked", OPS.run,
                   Serves(dropout=True, pos_to_content=True, position_query=True, rel_bias=True, chunk_pairs=True),
                   "flash algorithm in plain torch: online softmax over key blocks, O(N(D+K)) memory, any mask, dropout",
                   stats=OPS)

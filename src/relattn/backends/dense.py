@@ -8,15 +8,15 @@ Position-to-content term: ``k @ rel_q.T`` is (B, H, M, 2K+1), gathered through t
 against the row ``idx_ij`` of each query.
 Scalar bias (T5's): ``rel_bias`` (Hr, 2K+1) gathered through the index, added after the scale.
 Value term: per-row bucket sums of the weights, (B, H, N, 2K+1), times ``rel_v``.
+Dropout: the weights times every backend's keep mask (``_common.dropout_keep``), computed over the whole (B, H, N, M).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ..positions import causal_allowed, relative_position_index
-from ._common import AttentionCall, Backend, Serves
+from ..positions import causal_allowed, relative_position_index, unmet_rows_zeroed
+from ._common import AttentionCall, Backend, Serves, call_seed, keep_scale
 
 
 def masked_softmax(scores: torch.Tensor) -> torch.Tensor:
@@ -36,6 +36,8 @@ def dense_weights(q, k, rel_k, *, max_relative_position, mask, is_causal, scale,
     ``q_pos`` when given, else by ``q``."""
     n, m = q.shape[-2], k.shape[-2]
     idx = relative_position_index(n, m, max_relative_position, query_offset=query_offset, device=q.device)
+    rel_k, rel_q = (unmet_rows_zeroed(t, n, m, max_relative_position, query_offset=query_offset,
+                                      is_causal=is_causal) for t in (rel_k, rel_q))
     # Softmax statistics in at least float32: bf16/fp16 (or autocast) scores are upcast once, here.
     stats = torch.promote_types(q.dtype, torch.float32)
     scores = (q @ k.transpose(-1, -2)).to(stats)
@@ -61,9 +63,14 @@ def dense_attention(call: AttentionCall, *, need_weights: bool = False):
     p, idx = dense_weights(call.q, call.k, call.rel_k, max_relative_position=call.max_relative_position,
                            mask=call.mask, is_causal=call.is_causal, scale=call.scale, query_offset=call.query_offset,
                            rel_q=call.rel_q, q_pos=call.q_pos, rel_bias=call.rel_bias)
-    if call.dropout_p > 0.0:
-        p = F.dropout(p, call.dropout_p, training=True)
-    v, rel_v = call.v, call.rel_v
+    if call.dropout_p > 0.0:  # every backend's mask (_common.dropout_keep), over the whole (B, H, N, M)
+        b, h, n, m = p.shape[0], call.q.shape[1], p.shape[-2], p.shape[-1]
+        dev = p.device
+        p = p * keep_scale(call_seed(call), b, h, torch.arange(n, device=dev), torch.arange(m, device=dev),
+                           call.dropout_p, p.dtype)
+    v = call.v
+    rel_v = unmet_rows_zeroed(call.rel_v, call.q.shape[-2], v.shape[-2], call.max_relative_position,
+                              query_offset=call.query_offset, is_causal=call.is_causal)
     out = p.to(v.dtype) @ v
     if rel_v is not None:
         # Bucket sums from the float32 (or float64) weights: a bf16 accumulator over ~M weights loses them.

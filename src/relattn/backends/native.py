@@ -14,7 +14,8 @@ or started. It needs a C++ compiler and ninja (a dependency of relattn, from PyP
 Where the build fails, or with ``RELATTN_NATIVE=0`` in the environment, :func:`unavailable` says why and
 "auto" uses the other backends.
 
-Any float dtype, any additive mask that needs no gradient, no dropout, the position-to-content table ``rel_q``
+Any float dtype, any additive mask that needs no gradient, dropout (every backend's mask, ``_common.dropout_keep``,
+drawn in the kernel from row and column hashes and drawn again in the backward), the position-to-content table ``rel_q``
 (``KA = k a^Q^T`` per head and thread, added per row in the same three runs; its gradient binned per key by the
 backward task that owns the key), the scalar bias ``rel_bias`` (T5's: added to each tile's ``2K+1`` row scores before
 the runs, its gradient those rows' sums of dS); k and v may have fewer heads than q
@@ -30,6 +31,10 @@ from the sequence's start, its queries at the end of its keys, and writes its ro
 The tasks are split into runs of equal cost per thread, as ragged lengths make them unequal; nothing is padded, and
 a sequence costs what its own dense call does.
 
+The kernel's choices for the CPU it runs on (queries per tile, keys per block, which 16-bit dtypes take 16-bit GEMMs)
+come from the CPU's features (:func:`choice`, :mod:`relattn.backends.cpu`); ``RELATTN_NATIVE_SETTINGS`` and
+``SETTINGS.override`` override them.
+
 16-bit inputs (bfloat16, float16) go one of two ways (``SETTINGS.current.gemm16``, :func:`uses_gemm16`):
 
 * **16-bit GEMMs** where the CPU has instructions for them (``avx512_bf16`` or AMX for bfloat16; ``avx512_fp16``
@@ -44,6 +49,7 @@ a sequence costs what its own dense call does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -60,6 +66,7 @@ from pathlib import Path
 import torch
 
 from .._io import atomic_path
+from . import cpu
 from ._common import (
     LOW_PRECISION,
     Backend,
@@ -74,12 +81,13 @@ log = logging.getLogger("relattn")
 
 @dataclass(frozen=True)
 class NativeSettings:
-    """The kernel's settings (:data:`SETTINGS`; the tests set small tiles with ``SETTINGS.override(...)``)."""
+    """The kernel's settings (:data:`SETTINGS`; the tests set small tiles with ``SETTINGS.override(...)``). Their
+    defaults are this CPU's choices (:func:`choice`), then ``RELATTN_NATIVE_SETTINGS`` (:func:`settings_from_env`)."""
 
-    tile_q: int = 0  # queries per tile (0: by the number of queries, see tile_q)
+    tile_q: int = 0  # queries per tile (0: by the number of queries and the CPU's tile, see tile_q)
     tile_k: int = 512  # keys per block (benchmarks/fast_vs_sdpa.py: 128 and 1024 within a few percent at N = 2048)
     kv_splits: int = 0  # backward: key segments per head (0: more than 1 only when batch * heads leaves threads idle)
-    gemm16: bool | None = None  # 16-bit inputs: True 16-bit GEMMs, False float32 copies, None the CPU decides
+    gemm16: bool | None = None  # 16-bit inputs: True 16-bit GEMMs, False float32 copies, None the CPU's choice
 
     def __post_init__(self):
         for name, low in (("tile_q", 0), ("tile_k", 1), ("kv_splits", 0)):
@@ -90,7 +98,45 @@ class NativeSettings:
             raise ValueError(f"native setting gemm16 must be None, True or False; got {self.gemm16!r}")
 
 
-SETTINGS = Settings(NativeSettings())
+ENV = "RELATTN_NATIVE_SETTINGS"
+_BOOLS = {"1": True, "true": True, "0": False, "false": False, "none": None, "auto": None}
+
+
+@functools.cache
+def choice() -> cpu.NativeChoice:
+    """This CPU's choices (:func:`relattn.backends.cpu.choose` of its features), made once per process."""
+    return cpu.choose(cpu.features())
+
+
+def settings_from_env(text: str | None, base: NativeSettings) -> NativeSettings:
+    """``base`` with the settings ``text`` names (``RELATTN_NATIVE_SETTINGS``'s form: ``"tile_q=128,tile_k=256,
+    gemm16=0"``; gemm16 takes 1/0/true/false/auto); None or empty: ``base``. Bad text: a ValueError naming it."""
+    if not text or not text.strip():
+        return base
+    changes: dict[str, int | bool | None] = {}
+    fields = set(base.__dataclass_fields__)
+    for item in text.split(","):
+        name, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or name not in fields:
+            raise ValueError(f"{ENV} must be name=value pairs of {', '.join(sorted(fields))} separated by commas; "
+                             f"got {text!r}")
+        if name == "gemm16":
+            if value.lower() not in _BOOLS:
+                raise ValueError(f"{ENV}: gemm16 must be 1, 0, true, false or auto; got {value!r}")
+            changes[name] = _BOOLS[value.lower()]
+        else:
+            try:
+                changes[name] = int(value)
+            except ValueError:
+                raise ValueError(f"{ENV}: {name} must be an int; got {value!r}") from None
+    try:
+        return dataclasses.replace(base, **changes)
+    except ValueError as exc:
+        raise ValueError(f"{ENV}={text!r}: {exc}") from None
+
+
+SETTINGS = Settings(settings_from_env(os.environ.get(ENV), NativeSettings(tile_k=choice().tile_k)))
+
 
 _SOURCE = "shaw_cpu.cpp"
 _lock = threading.Lock()
@@ -225,15 +271,14 @@ def _require() -> None:
         raise RuntimeError(f"relattn: {reason}")
 
 
-# The CPU features (torch.cpu.get_capabilities()) that make 16-bit GEMMs faster than float32 ones, per dtype.
-_GEMM16_FEATURES = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 @functools.cache
 def gemm16_here(dtype: torch.dtype) -> bool:
-    """Whether this CPU has instructions for ``dtype`` GEMMs and libtorch exports MKL's GEMM for it (cached:
-    ``gemm16_here.cache_clear()`` asks again)."""
+    """Whether ``dtype`` inputs take 16-bit GEMMs on this CPU: the CPU's choice (:func:`relattn.backends.cpu.choose`:
+    ``avx512_bf16``/AMX-BF16 for bfloat16, ``avx512_fp16``/AMX-FP16 for float16) and libtorch exports MKL's GEMM for
+    it (cached: ``gemm16_here.cache_clear()`` reads the CPU again)."""
     _require()
-    caps = torch.cpu.get_capabilities()
-    return any(caps.get(f, False) for f in _GEMM16_FEATURES[dtype]) and torch.ops.relattn_native.has_gemm16(dtype)
+    chosen = str(dtype).removeprefix("torch.") in cpu.choose(cpu.read_features()).gemm16
+    return chosen and torch.ops.relattn_native.has_gemm16(dtype)
 
 
 def uses_gemm16(dtype: torch.dtype) -> bool:
@@ -245,18 +290,20 @@ def uses_gemm16(dtype: torch.dtype) -> bool:
 
 
 def tile_q(n: int, causal: bool, rows: int = 0, keys: int = 0) -> int:
-    """Queries per tile for ``n`` queries: the ``tile_q`` setting when set; else 256, and for causal calls 32 below 192
-    queries and 64 below 768 (the split of PyTorch's own CPU flash attention): a tile's rows meet the keys up to its
-    last row only, so smaller tiles skip more of the masked half (at N = 512, 1 thread: forward 15 ms at 64 against
-    22 ms at 256, backward 55 against 65; without causal, 64 and 256 within noise). A table of ``rows`` rows longer
-    than a 256-query tile reaches against ``keys`` keys (DeBERTa-v3's 1013 rows at N = 512) takes 64-query tiles: a
-    tile computes only the ``tile + keys - 1`` table rows it meets (DeBERTa-v3's attention at N = 512, one thread,
-    CPU time: forward+backward about 0.9x of 256-query tiles)."""
+    """Queries per tile for ``n`` queries: the ``tile_q`` setting when set; else the CPU's tile (:func:`choice`,
+    256 on every CPU class so far), and for causal calls 32 below 192 queries and 64 below 768 (the split of
+    PyTorch's own CPU flash attention): a tile's rows meet the keys up to its last row only, so smaller tiles skip more
+    of the masked half (at N = 512, 1 thread: forward 15 ms at 64 against 22 ms at 256, backward 55 against 65;
+    without causal, 64 and 256 within noise). A table of ``rows`` rows longer than a full tile reaches against
+    ``keys`` keys (DeBERTa-v3's 1013 rows at N = 512) takes 64-query tiles: a tile computes only the
+    ``tile + keys - 1`` table rows it meets (DeBERTa-v3's attention at N = 512, one thread, CPU time:
+    forward+backward about 0.9x of 256-query tiles)."""
     if (fixed := SETTINGS.current.tile_q) > 0:
         return fixed
+    full = choice().tile_q
     if not causal:
-        return 64 if rows > 256 + keys - 1 and n > 64 else 256
-    return 32 if n < 192 else 64 if n < 768 else 256
+        return 64 if rows > full + keys - 1 and n > 64 else full
+    return 32 if n < 192 else 64 if n < 768 else full
 
 
 def _as_float(t):
@@ -295,11 +342,13 @@ def _in_dtypes(grads, inputs) -> tuple:
     return tuple(g if t is None or g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, inputs, strict=True))
 
 
-def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
-            query_offset: int, rel_q=None, q_pos=None, rel_bias=None):
+def forward(q, k, v, rel_k, rel_v, mask, seed=None, *, max_relative_position: int, is_causal: bool,
+            dropout_p: float = 0.0, scale: float, query_offset: int, rel_q=None, q_pos=None, rel_bias=None):
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros, lse -inf.
     k, v may have Hkv heads, H % Hkv == 0; q_pos (q's shape and dtype), when given, the queries rel_k reads;
-    rel_bias (Hr, 2K+1), the scalar bias."""
+    rel_bias (Hr, 2K+1), the scalar bias. ``dropout_p > 0``: the weights dropped by every backend's mask
+    (``_common.dropout_keep``) of ``seed`` (int64, (seed) or (seed, b0, i0, j0)); lse stays the undropped
+    normaliser's."""
     _require()
     dtype = q.dtype
     if dtype in LOW_PRECISION:
@@ -310,12 +359,12 @@ def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causa
                   None if rel_q is None else rel_q.contiguous())
     tiles = _tiles(q.shape[-2], k.shape[-2], is_causal, max_relative_position)
     out, lse = torch.ops.relattn_native.fwd.default(q, k, v, *tables, q_pos, _bias(rel_bias), max_relative_position,
-                                                    is_causal, scale, query_offset, *tiles)
+                                                    is_causal, scale, query_offset, *tiles, seed, dropout_p)
     return (out if out.dtype == dtype else out.to(dtype)), lse
 
 
-def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
-             scale: float, query_offset: int, rel_q=None, q_pos=None, rel_bias=None):
+def backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, max_relative_position: int, is_causal: bool,
+             dropout_p: float = 0.0, scale: float, query_offset: int, rel_q=None, q_pos=None, rel_bias=None):
     """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos, d_rel_bias) in their inputs' dtypes (dk, dv with k's Hkv
     heads); a table gradient, and d_q_pos, is an empty tensor when its input is None. With q_pos, dq is the content
     term's share only and d_q_pos the key table's."""
@@ -325,7 +374,7 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_po
     tiles = _tiles(q.shape[-2], k.shape[-2], is_causal, max_relative_position)
     grads = torch.ops.relattn_native.bwd(go, q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), qp,
                                          _bias(rel_bias), out_, lse, max_relative_position, is_causal, scale,
-                                         query_offset, *tiles, SETTINGS.current.kv_splits)
+                                         query_offset, *tiles, SETTINGS.current.kv_splits, seed, dropout_p)
     return _in_dtypes(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos, rel_bias))
 
 
@@ -334,13 +383,16 @@ def _no_mask(mask) -> None:
         raise ValueError(f"relattn native: a packed call takes no mask; got a {type(mask).__name__}")
 
 
-def varlen_forward(q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, *, max_relative_position: int,
-                   is_causal: bool, scale: float, query_offset: int, max_seqlen_q: int, max_seqlen_k: int, rel_q=None,
-                   q_pos=None, rel_bias=None):
+def varlen_forward(q, k, v, rel_k, rel_v, mask, seed, cu_seqlens_q, cu_seqlens_k, *, max_relative_position: int,
+                   is_causal: bool, dropout_p: float = 0.0, scale: float, query_offset: int, max_seqlen_q: int,
+                   max_seqlen_k: int, rel_q=None, q_pos=None,
+                   rel_bias=None):
     """A packed call: (out (1,H,T,Dv) in q's dtype, lse (1,H,T), float32 for 16-bit q). q (1,H,T,D), k (1,Hkv,T_k,D),
-    v (1,Hkv,T_k,Dv) (any row strides); sequence s holds query rows ``cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1`` and
+    v (1,Hkv,T_k,Dv) (any row strides; rows closer than a row apart, as an ``expand()``ed row, are
+    copied); sequence s holds query rows ``cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1`` and
     key rows ``cu_seqlens_k[s] ..`` likewise, its query i at position ``i + m_s - n_s + query_offset``: the dense
-    :func:`forward` of its own rows. Rows with no key give zeros, lse -inf. ``mask`` must be None."""
+    :func:`forward` of its own rows (with dropout, batch entry ``s`` of the mask). Rows with no key give zeros, lse
+    -inf. ``mask`` must be None."""
     _require()
     _no_mask(mask)
     gemm16 = uses_gemm16(q.dtype)
@@ -348,14 +400,14 @@ def varlen_forward(q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, *, m
     q_, k_, v_, qp = _data(gemm16, q, k, v, q_pos)
     rel_k, rel_v, _, rel_q = _tables_and_mask(rel_k, rel_v, None, rel_q)
     out, lse = torch.ops.relattn_native.varlen_fwd(q_, k_, v_, rel_k, rel_v, rel_q, qp, _bias(rel_bias), cu_seqlens_q,
-                                                   cu_seqlens_k,
-                                                   max_relative_position, is_causal, scale, query_offset, *tiles)
+                                                   cu_seqlens_k, max_relative_position, is_causal, scale, query_offset,
+                                                   *tiles, seed, dropout_p)
     return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
 
 
-def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, out, lse, *,
-                    max_relative_position: int, is_causal: bool, scale: float, query_offset: int, max_seqlen_q: int,
-                    max_seqlen_k: int, rel_q=None, q_pos=None, rel_bias=None):
+def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, cu_seqlens_q, cu_seqlens_k, out, lse, *,
+                    max_relative_position: int, is_causal: bool, dropout_p: float = 0.0, scale: float,
+                    query_offset: int, max_seqlen_q: int, max_seqlen_k: int, rel_q=None, q_pos=None, rel_bias=None):
     """The gradients of :func:`varlen_forward`'s call, as :func:`backward` gives them (dq (1,H,T,D), dk, dv
     (1,Hkv,T_k,.), the tables' in their shapes): one task per (sequence, key/value head), table gradients summed
     per thread in a fixed order."""
@@ -367,7 +419,7 @@ def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seql
     rel_k_, rel_v_, _, rel_q_ = _tables_and_mask(rel_k, rel_v, None, rel_q)
     grads = torch.ops.relattn_native.varlen_bwd(go, q_, k_, v_, rel_k_, rel_v_, rel_q_, qp, _bias(rel_bias), out_, lse,
                                                 cu_seqlens_q, cu_seqlens_k, max_relative_position, is_causal, scale,
-                                                query_offset, *tiles, SETTINGS.current.kv_splits)
+                                                query_offset, *tiles, SETTINGS.current.kv_splits, seed, dropout_p)
     return _in_dtypes(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos, rel_bias))
 
 
@@ -387,17 +439,17 @@ def planned_forward(call):
     return run
 
 
-# relattn::native_fwd / relattn::native_bwd (and relattn::native_varlen_fwd / _bwd for packed calls), the eager path
-# and the ring's pair calls: see _common.StatsOps.
-OPS = StatsOps("native", forward, backward, flat_tables=True, planned=planned_forward)
-VARLEN_OPS = StatsOps("native_varlen", varlen_forward, varlen_backward, varlen=True)
+# relattn::native_fwd_{version} / _bwd_{version} (and relattn::native_varlen_fwd_{version} / _bwd_{version} for packed
+# calls), the eager path and the ring's pair calls: see _common.StatsOps.
+OPS = StatsOps("native", forward, backward, dropout=True, flat_tables=True, planned=planned_forward)
+VARLEN_OPS = StatsOps("native_varlen", varlen_forward, varlen_backward, dropout=True, varlen=True)
 
 
 
 BACKEND = Backend("native", OPS.run,
-                  Serves(devices=frozenset({"cpu"}), grouped_kv=True, pos_to_content=True, position_query=True,
-                         rel_bias=True, chunk_pairs=True, varlen=True),
+                  Serves(devices=frozenset({"cpu"}), dropout=True, grouped_kv=True, pos_to_content=True,
+                         position_query=True, rel_bias=True, chunk_pairs=True, varlen=True),
                   "C++ kernel, one flash pass: the key term added per row in three runs (left, band, right), "
-                  "the value term as 2K+1 weights per row; CPU, masks, grouped k/v, rel_q, rel_bias, packed sequences "
-                  "in one pass, no dropout (16-bit GEMMs where the CPU has 16-bit instructions, else float32)",
+                  "the value term as 2K+1 weights per row; CPU, masks, dropout, grouped k/v, rel_q, rel_bias, "
+                  "packed sequences in one pass (16-bit GEMMs where the CPU has 16-bit instructions, else float32)",
                   unavailable=unavailable, stats=OPS, packed=VARLEN_OPS)

@@ -21,7 +21,8 @@ the kernels are first imported), also CPU tensors (the same kernels, interpreted
 "auto" never picks it on the CPU). float16 and bfloat16 (float32 statistics, 16-bit matmul inputs as in flash
 attention: the weights rounded to 16 bits on their way into a matmul), float32 (IEEE float32 matmuls, no
 TF32) and float64 (gradcheck); head dims up to 128 (D != Dv allowed); any K; the tables a^K, a^V, a^Q (rel_q),
-each optional, shared or per head; any mask that needs no gradient; no dropout.
+each optional, shared or per head; any mask that needs no gradient; dropout (the one mask of every backend, a hash
+of (seed, batch entry, query head, row, key), regenerated tile by tile in the backward, never stored).
 
 Tiles, warps and pipeline stages per kernel come from ``config`` (by GPU architecture, element size and head
 dim; ``TABLE_OF_ARCH``); ``benchmarks/triton_compile.py`` compiles every launch of this module for every served
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..positions import unmet_rows_zeroed
 from ._common import (
     LOW_PRECISION,
     Backend,
@@ -86,6 +88,16 @@ VARLEN_CONFIGS = {("fwd", 80, 128): (64, 64, 8, 2, 4), ("fwd", 100, 128): (64, 6
                   ("dkdv", 90, 128): (32, 64, 8, 1, 2)}
 VARLEN_RQ_CONFIGS = {("fwd", 80, 64): (64, 64, 8, 2, 4), ("fwd", 90, 64): (128, 64, 8, 2, 2),
                      ("dkdv", 90, 64): (32, 64, 8, 1, 2), ("dq", 80, 64): (64, 32, 8, 1, 2)}
+# The forward of a dense call whose lengths end mid-tile (N or M not a multiple of the tile: every load masked at
+# the end, as a packed batch's) at D = 128 (head dims 65 to 128): with a key-padding mask the 128 x 64 entry above
+# spills there (16 bytes on sm_80, 8 on sm_86 and sm_89, 40 on sm_90a at D = 96, N = 1500; 48 on sm_120 at 64 x 64,
+# stages 2; Triton 3.9). By arch first, then by table, as VARLEN_CONFIGS; these compile without spills.
+RAGGED_CONFIGS = {("fwd", 80, 128): (64, 64, 8, 2, 4), ("fwd", 90, 128): (64, 64, 8, 2, 4),
+                  ("fwd", 100, 128): ARCH_CONFIGS[("fwd", 100, 128)], ("fwd", 120, 128): (64, 64, 8, 1, 2)}
+# Launches with dropout (the mask's hashes: a row and a key hash per tile, one more per pair) where the entries above
+# spill, by arch: the forward at D = 128 on sm_120 (8 bytes at 64 x 64, 2 stages, band / 2, causal; 128 bytes at
+# 1 stage with lengths ending mid-tile and a padding mask, D = 96, N = 1500; Triton 3.9): 1 stage, band / 4.
+DROPOUT_CONFIGS = {("fwd", 120, 128): (64, 64, 8, 1, 4)}
 # Which table each served arch uses. The A100's (at most 64 KB of shared memory per launch) fits the 99 KB of
 # sm_86, sm_89 and sm_120; sm_100 (B200) takes it too. sm_100 and sm_120 have their own forward at D = 128
 # (ARCH_CONFIGS). Each pairing
@@ -184,17 +196,22 @@ def _sm_count(device: torch.device) -> int:
 
 
 def config(kernel: str, dtype: torch.dtype, head_dim: int, arch: int | None, rel_q: bool = False,
-           grouped: bool = False, varlen: bool = False) -> tuple[int, int, int, int, int]:
+           grouped: bool = False, varlen: bool = False, ragged: bool = False,
+           dropout: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, BAND_SPLIT) of ``kernel`` ("fwd", "dkdv", "dq") for a padded head
     dim on a GPU of compute capability ``arch`` (None: interpreted), with or without the ``rel_q`` term, grouped
-    k/v heads, a packed batch (``varlen``)."""
+    k/v heads, a packed batch (``varlen``), lengths that end mid-tile (``ragged``: :data:`RAGGED_CONFIGS`),
+    dropout (:data:`DROPOUT_CONFIGS`, by arch, first)."""
     if arch is None:
         return (*INTERPRETED_TILES, 4, 1, 1)
     if dtype not in LOW_PRECISION:
         return FP32_CONFIGS[kernel]
     dim = 64 if head_dim <= 64 else 128
     key = (kernel, TABLE_OF_ARCH.get(arch, 80), dim)
-    for table in (VARLEN_RQ_CONFIGS if varlen and rel_q else {}), (VARLEN_CONFIGS if varlen else {}):
+    if dropout and (kernel, arch, dim) in DROPOUT_CONFIGS:
+        return DROPOUT_CONFIGS[(kernel, arch, dim)]
+    for table in ((VARLEN_RQ_CONFIGS if varlen and rel_q else {}), (VARLEN_CONFIGS if varlen else {}),
+                  (RAGGED_CONFIGS if ragged and not varlen else {})):
         if (kernel, arch, dim) in table or key in table:
             return table.get((kernel, arch, dim), table.get(key))
     if rel_q and grouped and key in GQA_RQ_CONFIGS:
@@ -220,13 +237,17 @@ class Packed:
         return self.cu_q.shape[0] - 1
 
 
-def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None, packed: Packed | None = None):
+def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None, packed: Packed | None = None,
+          dropout: bool = False):
     """The constexprs and launch options of one kernel for these inputs (``packed``: of a packed batch, whose
     lengths vary by sequence: the tiles cut to the longest, every tile masked at its sequence's end)."""
     n, m = (q.shape[2], k.shape[2]) if packed is None else (packed.max_q, packed.max_k)
     dp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
     bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device), rel_q is not None,
-                                          k.shape[1] != q.shape[1], packed is not None)
+                                          k.shape[1] != q.shape[1], packed is not None, dropout=dropout)
+    if packed is None and (n % bm or m % bn):  # the lengths end mid-tile: the ragged entry, if there is one
+        bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device), rel_q is not None,
+                                              k.shape[1] != q.shape[1], False, True, dropout)
     settings = SETTINGS.current
     override = settings.fwd_tiles if kernel == "fwd" else settings.bwd_tiles
     if override is not None:
@@ -239,7 +260,7 @@ def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None, packed: Pa
                 HAS_RK=rel_k is not None, HAS_RQ=rel_q is not None, HAS_RV=rel_v is not None,
                 HAS_MASK=_mask_kind(q, k, mask), CAUSAL=is_causal,
                 EVEN_M=packed is None and n % bm == 0, EVEN_N=packed is None and m % bn == 0,
-                EVEN_D=(dp == q.shape[-1] and dvp == v.shape[-1]), VARLEN=packed is not None,
+                EVEN_D=(dp == q.shape[-1] and dvp == v.shape[-1]), VARLEN=packed is not None, DROPOUT=dropout,
                 PREC="ieee" if q.dtype not in LOW_PRECISION else "tf32",
                 ACC=kern.tl.float64 if q.dtype == torch.float64 else kern.tl.float32,
                 BAND_SPLIT=split, num_warps=warps, num_stages=stages)
@@ -334,48 +355,77 @@ def _key_table_grads(kb: Tensor, k: Tensor, rel_q: Tensor, scale: float) -> tupl
     return dk, (grad * scale).to(rel_q.dtype)
 
 
-def _common_args(q, k, v, max_relative_position, query_offset, scale, packed: Packed | None) -> dict:
+def _dropout_args(q, seed: Tensor | None, dropout_p: float) -> dict:
+    """The dropout's kernel arguments: the seed tensor, int64 ``(seed, b0, i0, j0)`` (a bare seed, 0-dim or of one
+    entry, has zero offsets; read by the kernel, no host sync), the keep threshold ``floor(p 2**32)`` and the kept
+    weights' scale ``1 / (1 - p)``."""
+    if dropout_p == 0.0:
+        return dict(SEED=q, drop_threshold=0, drop_scale=1.0)
+    if seed is None or seed.dtype != torch.int64 or seed.numel() not in (1, 4):
+        raise ValueError(f"triton: dropout_p = {dropout_p} needs the seed as an int64 tensor (seed) or (seed, b0, "
+                         f"i0, j0), got {None if seed is None else (seed.dtype, tuple(seed.shape))}")
+    seed = seed.reshape(-1)
+    if seed.numel() == 1:
+        seed = torch.nn.functional.pad(seed, (0, 3))
+    return dict(SEED=seed, drop_threshold=math.floor(dropout_p * 2**32), drop_scale=1.0 / (1.0 - dropout_p))
+
+
+def _common_args(q, k, v, max_relative_position, query_offset, scale, packed: Packed | None,
+                 seed: Tensor | None = None, dropout_p: float = 0.0) -> dict:
     """What every attention kernel takes: strides, sizes (a packed batch's: the longest lengths, and its cumulative
-    lengths), the query offset and the scale in log2 units."""
+    lengths), the query offset, the scale in log2 units and the dropout's arguments."""
     b, h, n, d = q.shape
     n, m = (n, k.shape[2]) if packed is None else (packed.max_q, packed.max_k)
     return dict(**_strides("q", q, "bhnd"), **_strides("k", k, "bhnd"), **_strides("v", v, "bhnd"),
                 GROUP=h // k.shape[1], N=n, M=m, D=d, DV=v.shape[3], MAX_REL=max_relative_position,
                 off=query_offset, qk_scale=scale * LOG2E,
-                CU_Q=q if packed is None else packed.cu_q, CU_K=q if packed is None else packed.cu_k)
+                CU_Q=q if packed is None else packed.cu_q, CU_K=q if packed is None else packed.cu_k,
+                **_dropout_args(q, seed, dropout_p))
 
 
-def forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
-            query_offset: int, rel_q=None, q_pos=None) -> tuple[Tensor, Tensor]:
+def forward(q, k, v, rel_k, rel_v, mask, seed=None, *, max_relative_position: int, is_causal: bool, scale: float,
+            query_offset: int, dropout_p: float = 0.0, rel_q=None, q_pos=None) -> tuple[Tensor, Tensor]:
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros and lse -inf.
     k, v: (B, Hkv, M, D|Dv) with H % Hkv == 0; rel_q: the position-to-content table (Hr, 2K+1, D) or None; q_pos:
-    the queries the key table reads (q's shape; None: q)."""
+    the queries the key table reads (q's shape; None: q). ``dropout_p > 0``: the weights that multiply v and a^V
+    dropped by the mask of ``seed`` (int64, a bare seed or ``(seed, b0, i0, j0)``: the mask's ``(b0 + b, h, i0 + i,
+    j0 + j)``), the kept ones scaled by ``1 / (1 - p)``; lse is the undropped one."""
     return _forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position, is_causal=is_causal,
-                    scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos)
+                    scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos, seed=seed, dropout_p=dropout_p)
 
 
-def varlen_forward(q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, *, max_relative_position: int,
-                   is_causal: bool, scale: float, query_offset: int, max_seqlen_q: int, max_seqlen_k: int, rel_q=None,
-                   q_pos=None) -> tuple[Tensor, Tensor]:
+def varlen_forward(q, k, v, rel_k, rel_v, mask, seed, cu_seqlens_q, cu_seqlens_k, *, max_relative_position: int,
+                   is_causal: bool, scale: float, query_offset: int, max_seqlen_q: int, max_seqlen_k: int,
+                   dropout_p: float = 0.0, rel_q=None, q_pos=None) -> tuple[Tensor, Tensor]:
     """A packed batch's (out (1,H,T,Dv), laid out as the packed (T, H, Dv), lse (1,H,T)): q (1,H,T,D), k, v
     (1,Hkv,T_k,D|Dv), sequence ``s`` its rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` and keys likewise, each the
     dense call with ``query_offset + m_s - n_s`` (:class:`~relattn.backends._common.AttentionCall`); one launch of
-    each kernel for the whole batch, its programs over (query tile of the longest sequence, sequence * head)."""
+    each kernel for the whole batch, its programs over (query tile of the longest sequence, sequence * head).
+    Dropout as :func:`forward`'s, sequence ``s`` drawn as batch entry ``s`` (rows and keys counted within it)."""
     if mask is not None:
         raise ValueError("triton varlen_forward: a packed call takes no mask")
     return _forward(q, k, v, rel_k, rel_v, None, max_relative_position=max_relative_position, is_causal=is_causal,
-                    scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos,
+                    scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos, seed=seed, dropout_p=dropout_p,
                     packed=Packed(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k))
 
 
+def _met_tables(tables, q, k, kk: int, is_causal: bool, query_offset: int, packed: Packed | None):
+    """The tables with zeros in the rows no pair the call may attend meets (a sequence's queries at the end of its
+    keys in a packed call): the kernels read a tile's whole window of rows, and a NaN there must reach nothing."""
+    n, m = (q.shape[2], k.shape[2]) if packed is None else (packed.max_k, packed.max_q)
+    return [unmet_rows_zeroed(t, n, m, kk, query_offset=query_offset, is_causal=is_causal) for t in tables]
+
+
 def _forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
-             query_offset: int, rel_q=None, q_pos=None, packed: Packed | None = None) -> tuple[Tensor, Tensor]:
+             query_offset: int, rel_q=None, q_pos=None, packed: Packed | None = None, seed: Tensor | None = None,
+             dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
     b, h, n, _ = q.shape
     m, dv, kk = k.shape[2], v.shape[3], max_relative_position
     sdt = stats_dtype(q.dtype)
     if b * h * n == 0:
         return q.new_zeros(b, h, n, dv), q.new_full((b, h, n), float("-inf"), dtype=sdt)
-    meta = _meta("fwd", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed)
+    rel_k, rel_v, rel_q = _met_tables((rel_k, rel_v, rel_q), q, k, kk, is_causal, query_offset, packed)
+    meta = _meta("fwd", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0)
     # programs: (query tile, batch entry * head, split of the keys); a packed batch's entries are its sequences
     rows_n, rows_m, entries = (n, m, b) if packed is None else (packed.max_q, packed.max_k, packed.count)
     q_tiles = math.ceil(rows_n / meta["BLOCK_M"])
@@ -397,7 +447,8 @@ def _forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_caus
             **_mask_args(q, k, mask), BINS=q if bins is None else bins, OUT=out, LSE=lse,
             **_strides("s", scratch, "bhn"), **_strides("ka", ka, "bhn"), **_table_strides("rv", rel_v),
             **_strides("o", out, "sbhnd"), **_strides("l", lse, "sbhn"),
-            **_common_args(q, k, v, kk, query_offset, scale, packed), H=h, KA_GROUP=ka_group, split_len=split_len,
+            **_common_args(q, k, v, kk, query_offset, scale, packed, seed, dropout_p), H=h, KA_GROUP=ka_group,
+            split_len=split_len,
             **meta)
     if splits == 1:
         return out[0], lse[0]
@@ -415,35 +466,39 @@ def _table_grad(bins: Tensor, x: Tensor, hr: int, dtype: torch.dtype, scale: flo
     return (g.sum(0, keepdim=True) if hr == 1 else g).to(dtype)
 
 
-def backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
-             scale: float, query_offset: int, rel_q=None, q_pos=None) -> tuple[Tensor, ...]:
+def backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, max_relative_position: int, is_causal: bool,
+             scale: float, query_offset: int, dropout_p: float = 0.0, rel_q=None, q_pos=None) -> tuple[Tensor, ...]:
     """(dq, dk, dv, d_rel_k | None, d_rel_v | None), d_rel_q when rel_q is given, and (with q_pos) d_rel_q | None
     and d_q_pos, in their inputs' dtypes; dq, dk, dv contiguous; dk, dv of a key/value head summed over its group of
-    query heads. With q_pos, dq is the content term's share and d_q_pos the key table's, ``scale * SB a^K``."""
+    query heads. With q_pos, dq is the content term's share and d_q_pos the key table's, ``scale * SB a^K``.
+    Dropout: the forward's mask regenerated from ``seed`` (never stored)."""
     return _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position=max_relative_position,
-                     is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos)
+                     is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos, seed=seed,
+                     dropout_p=dropout_p)
 
 
-def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, cu_seqlens_q, cu_seqlens_k, out, lse, *,
+def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, cu_seqlens_q, cu_seqlens_k, out, lse, *,
                     max_relative_position: int, is_causal: bool, scale: float, query_offset: int, max_seqlen_q: int,
-                    max_seqlen_k: int, rel_q=None, q_pos=None) -> tuple[Tensor, ...]:
+                    max_seqlen_k: int, dropout_p: float = 0.0, rel_q=None, q_pos=None) -> tuple[Tensor, ...]:
     """The gradients of :func:`varlen_forward`, as :func:`backward`'s (dq, dk, dv laid out as q, k, v: the packed
     layout); one launch of each kernel for the whole batch."""
     if mask is not None:
         raise ValueError("triton varlen_backward: a packed call takes no mask")
     return _backward(grad_out, q, k, v, rel_k, rel_v, None, out, lse, max_relative_position=max_relative_position,
                      is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos,
+                     seed=seed, dropout_p=dropout_p,
                      packed=Packed(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k))
 
 
 def _rows(t: Tensor) -> Tensor:
-    """``t`` as it is when its rows are contiguous (a packed batch's (1, H, T, D) view), else contiguous."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+    """``t`` as it is when its rows are contiguous and a row apart (a packed batch's (1, H, T, D) view), else
+    contiguous (an ``expand()``ed row, stride 0: its gradient, laid out as it, would overlap)."""
+    return t if t.stride(-1) == 1 and t.stride(-2) >= max(1, t.shape[-1]) else t.contiguous()
 
 
 def _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
-              scale: float, query_offset: int, rel_q=None, q_pos=None,
-              packed: Packed | None = None) -> tuple[Tensor, ...]:
+              scale: float, query_offset: int, rel_q=None, q_pos=None, packed: Packed | None = None,
+              seed: Tensor | None = None, dropout_p: float = 0.0) -> tuple[Tensor, ...]:
     b, h, n, _ = q.shape
     hkv, m, kk = k.shape[1], k.shape[2], max_relative_position
     if packed is None:
@@ -460,6 +515,7 @@ def _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_p
         more = (None if rel_q is None else more[0], torch.zeros_like(q_pos))
     if b * h == 0 or n == 0 or m == 0:
         return dq, dk.to(k.dtype), dv, d_rel_k, d_rel_v, *more
+    rel_k, rel_v, rel_q = _met_tables((rel_k, rel_v, rel_q), q, k, kk, is_causal, query_offset, packed)
     grad_out = grad_out.to(q.dtype)
     grad_out = grad_out.contiguous() if packed is None else _rows(grad_out)
     delta = (grad_out.to(sdt) * out.to(sdt)).sum(-1)
@@ -477,15 +533,15 @@ def _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_p
     args = dict(Q=q, K=k, V=v, QA=q if qa is None else qa, KA=q if ka is None else ka,
                 DOA=q if doa is None else doa, **_mask_args(q, k, mask), DO=grad_out, LSE=lse, DELTA=delta,
                 **_strides("s", scratch, "bhn"), **_strides("ka", ka, "bhn"), **_strides("do", grad_out, "bhnd"),
-                **_strides("l", lse, "bhn"), **_common_args(q, k, v, kk, query_offset, scale, packed),
+                **_strides("l", lse, "bhn"), **_common_args(q, k, v, kk, query_offset, scale, packed, seed, dropout_p),
                 KA_GROUP=ka_group, scale=scale)
     # programs: (key tile, batch entry * key/value head) and (query tile, batch entry * head); a packed batch's
     # entries are its sequences
     rows_n, rows_m, entries = (n, m, b) if packed is None else (packed.max_q, packed.max_k, packed.count)
-    meta = _meta("dkdv", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed)
+    meta = _meta("dkdv", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0)
     _launch(_kernels()._dkdv_kernel, (math.ceil(rows_m / meta["BLOCK_N"]), entries * hkv), DK=dk, DV_=dv,
             KB=q if kb is None else kb, **_strides("kb", kb, "bhn"), H_KV=hkv, **args, **meta)
-    meta = _meta("dq", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed)
+    meta = _meta("dq", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0)
     _launch(_kernels()._dq_kernel, (math.ceil(rows_n / meta["BLOCK_M"]), entries * h), DQ=dq,
             RK=q if rel_k is None else rel_k,
             PB=q if pb is None else pb, SB=q if sb is None else sb, H=h, **_table_strides("rk", rel_k), **args,
@@ -504,10 +560,10 @@ def _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_p
     return dq, (dk + dk_q).to(k.dtype), dv, d_rel_k, d_rel_v, d_rel_q, *d_q_pos
 
 
-# relattn::triton_fwd / relattn::triton_bwd, the eager path and the ring's pair calls, and relattn::triton_varlen_fwd /
-# _bwd for packed calls (Backend.packed): see _common.StatsOps.
-OPS = StatsOps("triton", forward, backward)
-VARLEN_OPS = StatsOps("triton_varlen", varlen_forward, varlen_backward, varlen=True)
+# relattn::triton_fwd_{version} / _bwd_{version}, the eager path and the ring's pair calls, and
+# relattn::triton_varlen_fwd_{version} / _bwd_{version} for packed calls (Backend.packed): see _common.StatsOps.
+OPS = StatsOps("triton", forward, backward, dropout=True)
+VARLEN_OPS = StatsOps("triton_varlen", varlen_forward, varlen_backward, dropout=True, varlen=True)
 
 
 def interpreted() -> bool:
@@ -516,7 +572,7 @@ def interpreted() -> bool:
 
 
 _DECLARATIONS = {interpret: Serves(devices=frozenset({"cuda", "cpu"} if interpret else {"cuda"}),
-                                   cuda_archs=CUDA_ARCHS, max_head_dim=MAX_HEAD_DIM, grouped_kv=True,
+                                   cuda_archs=CUDA_ARCHS, max_head_dim=MAX_HEAD_DIM, dropout=True, grouped_kv=True,
                                    pos_to_content=True, position_query=True,
                                    chunk_pairs=True, varlen=True) for interpret in (False, True)}
 

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from .. import __version__
 from .. import reference as ref
-from ..backends import BACKENDS, Backend, choose, why_not
+from ..backends import BACKENDS, Backend, choose, native, why_not
+from ..backends.cpu import features as cpu_features
 from ..functional import as_served, validate
 from ..positions import relative_position_index
 from .measure import time_interleaved
@@ -287,13 +288,12 @@ def _device_line(device: torch.device) -> str:
         props = torch.cuda.get_device_properties(device)
         return (f"{device} {torch.cuda.get_device_name(device)} (sm_{major}{minor}, {props.multi_processor_count} SMs, "
                 f"{props.total_memory / 2**30:.0f} GiB)")
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"{device} {cpu} ({torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()})"
+    return (f"{device} {cpu_features().describe()}, {torch.get_num_threads()} threads")
+
+
+def native_line() -> str:
+    """What the native kernel chose for this CPU (its class, tiles, 16-bit GEMMs) and the settings in force."""
+    return f"{native.choice().describe()}; in force: {native.SETTINGS.current}"
 
 
 def _timed(backends: Mapping[str, Backend], device: torch.device, dtype: torch.dtype, n: int, repeats: int,
@@ -335,6 +335,8 @@ def run_check(*, device: str | torch.device | None = None, dtypes: list[torch.dt
     emit("relattn check")
     emit(f"device    {_device_line(device)}")
     emit(f"versions  {_versions()}")
+    if device.type == "cpu":
+        emit(f"native    {native_line()}")
     for name, backend in backends.items():
         why = backend.unavailable()
         emit(f"  {name:<8} {'available' if why is None else 'unavailable: ' + why}")

@@ -72,7 +72,11 @@ def format_table(result: dict) -> str:
     notes = {r["implementation"]: r["note"] for r in result["rows"]}
     return "\n".join([f"relattn bench: {_title(result['config'], result['machine'])}", "", fmt(head),
                       fmt(["-" * w for w in widths]), *map(fmt, lines), "", f"time: {result['timing_method']}",
-                      f"peak: {result['memory_method']}", "implementations:",
+                      f"peak: {result['memory_method']}",
+                      *(f"{label}: {result['machine'][key]}" for key, label in (("cpu_features", "cpu"),
+                                                                                ("native_choice", "native kernel"))
+                        if key in result["machine"]),
+                      "implementations:",
                       *(f"  {name}: {note}" for name, note in notes.items())])
 
 

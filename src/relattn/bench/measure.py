@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..backends import BACKENDS, choose, why_not
+from ..backends import BACKENDS, choose, native, why_not
+from ..backends.cpu import features as cpu_features
 from ..functional import relative_attention, validate
 from ..positions import causal_allowed
 
@@ -370,7 +371,8 @@ def machine_info(device: torch.device, threads: int, **extra) -> dict:
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    info = {"cpu": cpu, "logical_cpus": os.cpu_count(), "torch_threads": threads, "torch": torch.__version__,
+    info = {"cpu": cpu, "cpu_features": cpu_features().describe(), "native_choice": native.choice().describe(),
+            "logical_cpus": os.cpu_count(), "torch_threads": threads, "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform(), "relattn": __version__, **extra,
             "device": str(device), "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     if device.type == "cuda":

@@ -44,6 +44,9 @@
 // unscaled: to each tile's QA row (QA[i, t] += b[t] over the window's table rows) before the runs spread it over the
 // keys -- a zero QA row where there is no a^K. Its gradient is the per-row sum of dQA (the sums of dS per table row the
 // key table's gradient is formed from), unscaled: d b[t] += sum_i dQA[i, t], per thread's run of tasks as the tables'.
+// Dropout (dropout_p > 0; the mask of every backend, see Dropout below): the forward drops a row's softmax weights after
+// their sum has joined the normaliser, before they meet v and the value term's PW; the backward draws the same mask
+// per block into Z (0 or 1 / (1 - p)): PZ = P * Z gives dv and PW, and dS = P * (Z * dP - rowsum(dO * O)).
 //
 // GEMMs go to the BLAS that libtorch_cpu exports (Fortran sgemm/dgemm). Float32 uses ATen's vectorized exp;
 // float64 (for tests) plain loops.
@@ -62,6 +65,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -90,6 +94,51 @@ bool has_gemm16(at::ScalarType dtype) {
   if (dtype == at::kBFloat16) return cblas_gemm_bf16bf16f32 != nullptr;
   if (dtype == at::kHalf) return cblas_gemm_f16f16f32 != nullptr;
   return false;
+}
+
+// ----------------------------------------------------------------------------------------------- dropout
+
+// The 32-bit hash of the dropout mask: three xorshifts, two multiplies (uint32 arithmetic wraps mod 2^32).
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x45D9F3Bu;
+  x ^= x >> 16;
+  x *= 0x45D9F3Bu;
+  return x ^ (x >> 16);
+}
+
+// The mask every backend draws (relattn/backends/_common.py, dropout_keep; docs/backends.md): weight (b, h, i, j) --
+// batch entry (a packed call: sequence), query head, query row and key row within the sequence -- is kept where
+// mix32(row(key, i) ^ col(key, j)) >= floor(p 2^32), key = key(seed, b, h), and kept weights are scaled by
+// 1 / (1 - p). Row and column hashes are formed once per tile and block: an element costs one mix32. The call's
+// seed tensor is (seed) or (seed, b0, i0, j0): its weight (b, h, i, j) is the mask's (b0 + b, h, i0 + i, j0 + j).
+struct Dropout {
+  bool on = false;
+  uint32_t seed = 0, thresh = 0;
+  int64_t b0 = 0, i0 = 0, j0 = 0;
+  double inv = 1.0;
+  uint32_t key(int64_t b, int64_t h) const {
+    return mix32(mix32(mix32(seed ^ 0x243F6A88u) ^ static_cast<uint32_t>(b0 + b)) ^ static_cast<uint32_t>(h));
+  }
+  uint32_t row(uint32_t key, int64_t i) const { return mix32(key ^ 0x85A308D3u ^ static_cast<uint32_t>(i0 + i)); }
+  // out[x] = col(key, n0 + x) for x < n: the hashes of a block's keys
+  void cols(uint32_t key, int64_t n0, int64_t n, uint32_t* out) const {
+    const uint32_t k2 = key + 0x9E3779B9u;
+    for (int64_t x = 0; x < n; ++x) out[x] = mix32(k2 ^ static_cast<uint32_t>(j0 + n0 + x));
+  }
+};
+
+// z[x] = inv where the row's weight x is kept, else 0 (x < n): uint32 lanes and a select, which the compiler
+// vectorizes (AVX2: eight lanes of vpmulld).
+template <typename T>
+void keep_row(T* z, int64_t n, uint32_t row, const uint32_t* cols, uint32_t thresh, T inv) {
+  for (int64_t x = 0; x < n; ++x) z[x] = mix32(row ^ cols[x]) >= thresh ? inv : T(0);
+}
+
+// s[x] *= inv where the row's weight x is kept, else 0 (a NaN stays NaN, as in the other backends' product).
+template <typename T>
+void drop_row(T* s, int64_t n, uint32_t row, const uint32_t* cols, uint32_t thresh, T inv) {
+  for (int64_t x = 0; x < n; ++x) s[x] *= mix32(row ^ cols[x]) >= thresh ? inv : T(0);
 }
 
 // Row-major c[0:n] = alpha * a[0:k] @ op(B)[k, n] + beta * c: a GEMM of one row (stride 1), as every GEMM of a
@@ -721,6 +770,7 @@ const I* block_as(const T* S, int64_t rows, int64_t width, int64_t ld, std::vect
 // query_offset); a packed call is one batch entry holding its sequences one after the other (cu_seqlens).
 struct Seq {
   int64_t b, q0, k0, n, m, off;
+  int64_t id;  // its batch index for the dropout mask: the batch entry of a dense call, the sequence of a packed one
 };
 
 // The sequences of a call, and the rows per (batch entry, head) of q, out, lse, dq (rows_q) and of k, v, dk, dv
@@ -794,8 +844,8 @@ void for_parts(const std::vector<int64_t>& bounds, F fn) {
 // The forward's tasks are (sequence, head, tile of queries), sequence by sequence, head by head: consecutive tasks
 // share a head (and its KA rows). g holds the longest lengths (the buffers' sizes), each task its sequence's.
 template <typename I, typename T>
-void forward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, T scale, int64_t tile_q, int64_t tile_k,
-                  I* out, T* lse) {
+void forward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, const Dropout& drop, T scale,
+                  int64_t tile_q, int64_t tile_k, I* out, T* lse) {
   constexpr bool narrow = !std::is_same_v<I, T>;
   const int64_t last = 2 * g.kk, nseq = static_cast<int64_t>(batch.seqs.size());
   const int64_t cap = window_cap(g, w.ldr, tile_q, g.M);  // columns of a tile's table rows
@@ -821,6 +871,8 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, T
     std::vector<T> qbuf(narrow && g.has_k ? tile_q * g.D : 0);
     std::vector<I> P16(narrow ? tile_q * tile_k : 0);
     std::vector<Runs> runs(tile_q);
+    std::vector<uint32_t> colh(drop.on ? tile_k : 0);  // the dropout hashes of a block's keys
+    const T dinv = static_cast<T>(drop.inv);
     // The position-to-content term: KA rows of every key of the sequence for the head of the current task
     // (consecutive tasks share a head: formed once per head and thread), in the windows of table rows each chunk of
     // keys meets.
@@ -845,6 +897,7 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, T
       }
       const I* vp = ws.vh(b, hkv);
       const int64_t end = kv_end(gs, m0, tq);
+      const uint32_t dkey = drop.on ? drop.key(seq.id, h) : 0;
       // the table rows the tile meets: QA and PW rows hold win.cols entries, from table row win.first
       const Window win = window_of(g.kk, w.ldr, g.causal, m0 + gs.off, m0 + tq - 1 + gs.off, 0, end);
       if (g.has_qa()) {
@@ -860,6 +913,7 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, T
         const int64_t width = std::min(tile_k, end - n0);
         block_scores(gs, ws, b, h, hkv, m0, tq, n0, width, scale, g.has_qa() ? QA.data() : nullptr, win,
                      g.has_q ? &pos : nullptr, S.data(), tile_k, runs.data(), rmax.data());
+        if (drop.on) drop.cols(dkey, n0, width, colh.data());
         for (int64_t a = 0; a < tq; ++a) {
           T* s = S.data() + a * tile_k;
           const Runs& r = runs[a];
@@ -874,10 +928,13 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, T
           const T alpha = std::exp(mx[a] - mnew);
           const T lo = exp_sum(s, r.left, mnew), mid = exp_sum(s + r.left, r.right - r.left, mnew);
           const T hi = exp_sum(s + r.right, r.valid - r.right, mnew);
+          // dropout: the weights that meet v and a^V are dropped, the normaliser (sm) is the undropped sum
+          if (drop.on) drop_row(s, r.valid, drop.row(dkey, m0 + a), colh.data(), drop.thresh, dinv);
           if (g.has_v) {
             T* pw = PW.data() + a * win.cols;
             if (alpha != T(1)) scale_row(pw, win.cols, alpha);
-            fold_runs(pw, s, r, win.first, last, lo, hi);
+            fold_runs(pw, s, r, win.first, last, drop.on ? sum(s, r.left) : lo,
+                      drop.on ? sum(s + r.right, r.valid - r.right) : hi);
           }
           sm[a] = sm[a] * alpha + lo + mid + hi;
           mx[a] = mnew;
@@ -914,8 +971,8 @@ void forward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, T
 // not depend on the threads); likewise the key table's share of the position queries' gradient into ``dqp`` (null
 // without q_pos: it goes to dq). A sequence's segments split its own blocks: ``splits`` for every sequence.
 template <typename I, typename T>
-void backward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, T scale, int64_t tile_q,
-                   int64_t tile_k, int64_t splits, const I* dout, const int64_t* dos, const I* out, const T* lse, T* dq,
+void backward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, const Dropout& drop, T scale,
+                   int64_t tile_q, int64_t tile_k, int64_t splits, const I* dout, const int64_t* dos, const I* out, const T* lse, T* dq,
                    T* dqp, T* dk, T* dv, T* drk, T* drv, T* drq, T* drb, const bool* own) {
   constexpr bool narrow = !std::is_same_v<I, T>;
   const int64_t last = 2 * g.kk, R = g.R, nseq = static_cast<int64_t>(batch.seqs.size());
@@ -959,6 +1016,10 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, 
     std::vector<T> DOA(g.has_v ? tile_q * cap : 0), PW(g.has_v ? tile_q * cap : 0);
     std::vector<T> qbuf(narrow && g.has_k ? tile_q * g.D : 0), dobuf(narrow && g.has_v ? tile_q * g.Dv : 0);
     std::vector<I> B16(narrow ? tile_q * tile_k : 0);
+    // dropout: Z = the tile's keep mask times 1 / (1 - p) (0 where dropped), the hashes of a block's keys
+    std::vector<T> Z(drop.on ? tile_q * tile_k : 0);
+    std::vector<uint32_t> colh(drop.on ? tile_k : 0);
+    const T dinv = static_cast<T>(drop.inv);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t skv = task / splits, split = task % splits, hkv = skv % g.Hkv;
       const Seq& seq = batch.seqs[skv / g.Hkv];
@@ -976,6 +1037,7 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, 
         const int64_t bh = b * g.H + h, hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h;
         T* dqh = dq + ((split * g.B * g.H + bh) * batch.rows_q + seq.q0) * g.D;
         T* dqph = dqp == nullptr ? dqh : dqp + ((split * g.B * g.H + bh) * batch.rows_q + seq.q0) * g.D;
+        const uint32_t dkey = drop.on ? drop.key(seq.id, h) : 0;
         if (g.has_q && (g.Hq != 1 || h == hkv * g.group) && keys_hi > keys_lo)
           pos = key_table_rows(gs, ws, b, h, keys_lo, keys_hi, ka_wins, ld, scale, kbuf, KA.data(), klo.data(),
                                khi.data());
@@ -1017,26 +1079,39 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, 
             const int64_t width = std::min(tile_k, end - n0);
             block_scores(gs, ws, b, h, hkv, m0, tq, n0, width, scale, g.has_qa() ? QA.data() : nullptr, win,
                          g.has_q ? &pos : nullptr, P.data(), tile_k, runs.data(), rmax.data());
-            for (int64_t a = 0; a < tq; ++a) {  // P = exp(S - lse)
+            if (drop.on) drop.cols(dkey, n0, width, colh.data());
+            for (int64_t a = 0; a < tq; ++a) {  // P = exp(S - lse); with dropout the dropped weights PZ in dP's rows
               T* s = P.data() + a * tile_k;
               const Runs& r = runs[a];
-              if (r.valid == 0 || rmax[a] == neg_inf<T> || !(lt[a] > neg_inf<T>)) {
-                // no key here, or none at all (lse -inf): zeros. A NaN row (lse NaN): NaN weights, so NaN reaches
-                // every gradient the row feeds.
-                const T p = lt[a] == lt[a] || r.valid == 0 ? T(0) : lt[a];
+              // no key here, or none at all (lse -inf): zeros. A NaN row (lse NaN): NaN weights, so NaN reaches every
+              // gradient the row feeds.
+              const bool flat = r.valid == 0 || rmax[a] == neg_inf<T> || !(lt[a] > neg_inf<T>);
+              const T p = !flat || lt[a] == lt[a] || r.valid == 0 ? T(0) : lt[a];
+              if (flat) {
                 std::fill(s, s + r.valid, p);
                 std::fill(s + r.valid, s + width, T(0));
-                if (g.has_v && p != T(0)) fold_runs(PW.data() + a * wc, s, r, win.first, last, p, p);
-                continue;
+              } else {
+                exp_shift(s, r.valid, -lt[a]);
               }
-              exp_shift(s, r.valid, -lt[a]);
-              if (g.has_v)
-                fold_runs(PW.data() + a * wc, s, r, win.first, last, sum(s, r.left),
-                          sum(s + r.right, r.valid - r.right));
+              T* pz = s;
+              if (drop.on) {
+                T* z = Z.data() + a * tile_k;
+                T* d = dP.data() + a * tile_k;
+                keep_row(z, r.valid, drop.row(dkey, m0 + a), colh.data(), drop.thresh, dinv);
+                for (int64_t x = 0; x < r.valid; ++x) d[x] = s[x] * z[x];
+                std::fill(d + r.valid, d + width, T(0));
+                pz = d;
+              }
+              if (g.has_v && !flat)
+                fold_runs(PW.data() + a * wc, pz, r, win.first, last, sum(pz, r.left),
+                          sum(pz + r.right, r.valid - r.right));
+              else if (g.has_v && p != T(0))
+                fold_runs(PW.data() + a * wc, pz, r, win.first, last, p, p);
             }
-            // dv += P.T @ dO;  dP = dO @ v.T (+ the value term)
-            gemm_io<I, T>(true, false, width, g.Dv, tq, T(1), block_as<I>(P.data(), tq, width, tile_k, B16), tile_k,
-                          dot, dos[2], T(1), dvh + n0 * g.Dv, g.Dv);
+            // dv += PZ.T @ dO (PZ: the weights as dropped, P without dropout);  dP = dO @ v.T (+ the value term)
+            gemm_io<I, T>(true, false, width, g.Dv, tq, T(1),
+                          block_as<I>(drop.on ? dP.data() : P.data(), tq, width, tile_k, B16), tile_k, dot, dos[2],
+                          T(1), dvh + n0 * g.Dv, g.Dv);
             gemm_io<I, T>(false, true, tq, width, g.Dv, T(1), dot, dos[2], vp + n0 * w.vs[2], w.vs[2], T(0),
                           dP.data(), tile_k);
             for (int64_t a = 0; a < tq; ++a) {
@@ -1044,6 +1119,10 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, 
               const T* p = P.data() + a * tile_k;
               const Runs& r = runs[a];
               if (g.has_v) add_key_term(ds, r, DOA.data() + a * wc, win.first, last);
+              if (drop.on) {  // dS = P (Z dP~ - D): dP~, the gradient of the dropped weights, through the mask
+                const T* z = Z.data() + a * tile_k;
+                for (int64_t x = 0; x < r.valid; ++x) ds[x] *= z[x];
+              }
               const T d = dsum[a];
               const T lo = softmax_grad_sum(ds, p, r.left, d);
               softmax_grad_sum(ds + r.left, p + r.left, r.right - r.left, d);
@@ -1100,7 +1179,11 @@ void backward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, 
 
 // ------------------------------------------------------------------------------------------ entry points
 
-at::Tensor rows_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+// t with unit-stride rows at least a row apart, as the GEMMs' leading dimensions must be: a copy only where the
+// caller's are not (an expand()ed row, stride 0, read as a broadcast key or a memory token).
+at::Tensor rows_contiguous(const at::Tensor& t) {
+  return t.stride(-1) == 1 && t.stride(-2) >= std::max<int64_t>(1, t.size(-1)) ? t : t.contiguous();
+}
 
 bool is_16_bit_type(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
@@ -1188,6 +1271,24 @@ at::Tensor checked_mask(at::Tensor mask, const at::Tensor& q, const at::Tensor& 
   return mask.size(3) > 1 && mask.stride(3) != 1 ? mask.contiguous() : mask;
 }
 
+// The dropout of a call: off for dropout_p 0, else from its seed, an int64 CPU tensor (seed) or (seed, b0, i0, j0).
+Dropout dropout_of(const std::optional<at::Tensor>& seed, double p) {
+  Dropout d;
+  if (p == 0.0) return d;
+  TORCH_CHECK(p > 0.0 && p < 1.0, "relattn native: dropout_p must be in [0, 1); got ", p);
+  TORCH_CHECK(seed.has_value() && seed->scalar_type() == at::kLong && seed->device().is_cpu() &&
+                  (seed->numel() == 1 || seed->numel() == 4),
+              "relattn native: dropout needs an int64 CPU seed of 1 or 4 entries (seed, b0, i0, j0)");
+  const at::Tensor v = seed->reshape(-1).contiguous();
+  const int64_t* e = v.data_ptr<int64_t>();
+  d.on = true;
+  d.seed = static_cast<uint32_t>(e[0]);
+  if (v.numel() == 4) d.b0 = e[1], d.i0 = e[2], d.j0 = e[3];
+  d.thresh = static_cast<uint32_t>(std::floor(p * 4294967296.0));
+  d.inv = 1.0 / (1.0 - p);
+  return d;
+}
+
 // fn.template operator()<I, T>() for q's storage type I and compute type T.
 template <typename F>
 void dispatch_types(at::ScalarType dt, F&& fn) {
@@ -1203,7 +1304,7 @@ void dispatch_types(at::ScalarType dt, F&& fn) {
 // A dense call's sequences: one per batch entry.
 Batch dense_batch(const Geometry& g) {
   Batch batch{{}, g.N, g.M};
-  for (int64_t b = 0; b < g.B; ++b) batch.seqs.push_back({b, 0, 0, g.N, g.M, g.off});
+  for (int64_t b = 0; b < g.B; ++b) batch.seqs.push_back({b, 0, 0, g.N, g.M, g.off, b});
   return batch;
 }
 
@@ -1238,7 +1339,7 @@ Batch packed_batch(Geometry& g, const at::Tensor& cu_q, const at::Tensor& cu_k) 
   int64_t longest_q = 0, longest_k = 0;
   for (size_t s = 0; s + 1 < cq.size(); ++s) {
     const int64_t n = cq[s + 1] - cq[s], m = ck[s + 1] - ck[s];
-    batch.seqs.push_back({0, cq[s], ck[s], n, m, m - n + g.off});
+    batch.seqs.push_back({0, cq[s], ck[s], n, m, m - n + g.off, static_cast<int64_t>(s)});
     longest_q = std::max(longest_q, n);
     longest_k = std::max(longest_k, m);
   }
@@ -1255,7 +1356,7 @@ std::tuple<at::Tensor, at::Tensor> forward_call(const at::Tensor& q_, const at::
                                                 const std::optional<at::Tensor>& q_pos,
                                                 const std::optional<at::Tensor>& rel_bias, int64_t kk, bool is_causal,
                                                 double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k,
-                                                const at::Tensor* cu_q, const at::Tensor* cu_k) {
+                                                const at::Tensor* cu_q, const at::Tensor* cu_k, const Dropout& drop) {
   at::Tensor q = rows_contiguous(q_), k = rows_contiguous(k_), v = rows_contiguous(v_);
   at::Tensor tk = table(rel_k), tv = table(rel_v), tq = table(rel_q), mask = checked_mask(opt(mask_), q, k);
   at::Tensor tb = table(rel_bias);
@@ -1268,8 +1369,8 @@ std::tuple<at::Tensor, at::Tensor> forward_call(const at::Tensor& q_, const at::
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   const Padded pad = padded_tables(tk, tv, tq, g, tile_q);
   dispatch_types(q.scalar_type(), [&]<typename I, typename T>() {
-    forward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, qp, pad, tb), batch, static_cast<T>(scale), tile_q,
-                       tile_k, out.data_ptr<I>(), lse.data_ptr<T>());
+    forward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, qp, pad, tb), batch, drop, static_cast<T>(scale),
+                       tile_q, tile_k, out.data_ptr<I>(), lse.data_ptr<T>());
   });
   return {out, lse};
 }
@@ -1281,9 +1382,10 @@ std::tuple<at::Tensor, at::Tensor> shaw_fwd(const at::Tensor& q, const at::Tenso
                                             const std::optional<at::Tensor>& rel_q,
                                             const std::optional<at::Tensor>& q_pos,
                                             const std::optional<at::Tensor>& rel_bias, int64_t kk, bool is_causal,
-                                            double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k) {
-  return forward_call(q, k, v, rel_k, rel_v, mask, rel_q, q_pos, rel_bias, kk, is_causal, scale, query_offset, tile_q, tile_k,
-                      nullptr, nullptr);
+                                            double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k,
+                                            const std::optional<at::Tensor>& seed, double dropout_p) {
+  return forward_call(q, k, v, rel_k, rel_v, mask, rel_q, q_pos, rel_bias, kk, is_causal, scale, query_offset, tile_q,
+                      tile_k, nullptr, nullptr, dropout_of(seed, dropout_p));
 }
 
 std::tuple<at::Tensor, at::Tensor> shaw_varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -1293,9 +1395,10 @@ std::tuple<at::Tensor, at::Tensor> shaw_varlen_fwd(const at::Tensor& q, const at
                                                    const std::optional<at::Tensor>& q_pos,
                                                    const std::optional<at::Tensor>& rel_bias, const at::Tensor& cu_q,
                                                    const at::Tensor& cu_k, int64_t kk, bool is_causal, double scale,
-                                                   int64_t query_offset, int64_t tile_q, int64_t tile_k) {
-  return forward_call(q, k, v, rel_k, rel_v, std::nullopt, rel_q, q_pos, rel_bias, kk, is_causal, scale, query_offset, tile_q,
-                      tile_k, &cu_q, &cu_k);
+                                                   int64_t query_offset, int64_t tile_q, int64_t tile_k,
+                                                   const std::optional<at::Tensor>& seed, double dropout_p) {
+  return forward_call(q, k, v, rel_k, rel_v, std::nullopt, rel_q, q_pos, rel_bias, kk, is_causal, scale, query_offset,
+                      tile_q, tile_k, &cu_q, &cu_k, dropout_of(seed, dropout_p));
 }
 
 using Grads =
@@ -1310,7 +1413,7 @@ Grads backward_call(const at::Tensor& grad_out_, const at::Tensor& q_, const at:
                     const std::optional<at::Tensor>& q_pos, const std::optional<at::Tensor>& rel_bias,
                     const at::Tensor& out_, const at::Tensor& lse_, int64_t kk, bool is_causal, double scale,
                     int64_t query_offset, int64_t tile_q, int64_t tile_k, int64_t kv_splits, const at::Tensor* cu_q,
-                    const at::Tensor* cu_k) {
+                    const at::Tensor* cu_k, const Dropout& drop) {
   at::Tensor q = rows_contiguous(q_), k = rows_contiguous(k_), v = rows_contiguous(v_);
   at::Tensor grad_out = rows_contiguous(grad_out_), out = out_.contiguous(), lse = lse_.contiguous();
   at::Tensor tk = opt(rel_k), tv = opt(rel_v), tq = opt(rel_q), mask = checked_mask(opt(mask_), q, k);
@@ -1352,8 +1455,8 @@ Grads backward_call(const at::Tensor& grad_out_, const at::Tensor& q_, const at:
     const int64_t dos[3] = {grad_out.stride(0), grad_out.stride(1), grad_out.stride(2)};
     const Padded pad = padded_tables(tk, tv, tq, g, tile_q);
     dispatch_types(q.scalar_type(), [&]<typename I, typename T>() {
-      backward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, qp, pad, tb), batch, static_cast<T>(scale), tile_q,
-                          tile_k, splits, grad_out.data_ptr<I>(), dos, out.data_ptr<I>(), lse.data_ptr<T>(),
+      backward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, qp, pad, tb), batch, drop, static_cast<T>(scale),
+                          tile_q, tile_k, splits, grad_out.data_ptr<I>(), dos, out.data_ptr<I>(), lse.data_ptr<T>(),
                           dq.data_ptr<T>(), qp.defined() ? dqp.data_ptr<T>() : nullptr, dk.data_ptr<T>(),
                           dv.data_ptr<T>(), g.has_k ? drk.data_ptr<T>() : nullptr,
                           g.has_v ? drv.data_ptr<T>() : nullptr, g.has_q ? drq.data_ptr<T>() : nullptr,
@@ -1371,9 +1474,9 @@ Grads shaw_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor
                const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& rel_q,
                const std::optional<at::Tensor>& q_pos, const std::optional<at::Tensor>& rel_bias, const at::Tensor& out,
                const at::Tensor& lse, int64_t kk, bool is_causal, double scale, int64_t query_offset, int64_t tile_q,
-               int64_t tile_k, int64_t kv_splits) {
+               int64_t tile_k, int64_t kv_splits, const std::optional<at::Tensor>& seed, double dropout_p) {
   return backward_call(grad_out, q, k, v, rel_k, rel_v, mask, rel_q, q_pos, rel_bias, out, lse, kk, is_causal, scale,
-                       query_offset, tile_q, tile_k, kv_splits, nullptr, nullptr);
+                       query_offset, tile_q, tile_k, kv_splits, nullptr, nullptr, dropout_of(seed, dropout_p));
 }
 
 Grads shaw_varlen_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -1381,28 +1484,29 @@ Grads shaw_varlen_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at:
                       const std::optional<at::Tensor>& rel_q, const std::optional<at::Tensor>& q_pos,
                       const std::optional<at::Tensor>& rel_bias, const at::Tensor& out, const at::Tensor& lse,
                       const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t kk, bool is_causal, double scale,
-                      int64_t query_offset, int64_t tile_q, int64_t tile_k, int64_t kv_splits) {
-  return backward_call(grad_out, q, k, v, rel_k, rel_v, std::nullopt, rel_q, q_pos, rel_bias, out, lse, kk, is_causal, scale,
-                       query_offset, tile_q, tile_k, kv_splits, &cu_q, &cu_k);
+                      int64_t query_offset, int64_t tile_q, int64_t tile_k, int64_t kv_splits,
+                      const std::optional<at::Tensor>& seed, double dropout_p) {
+  return backward_call(grad_out, q, k, v, rel_k, rel_v, std::nullopt, rel_q, q_pos, rel_bias, out, lse, kk, is_causal,
+                       scale, query_offset, tile_q, tile_k, kv_splits, &cu_q, &cu_k, dropout_of(seed, dropout_p));
 }
 
 }  // namespace
 
 TORCH_LIBRARY(relattn_native, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, Tensor? rel_q, "
-        "Tensor? q_pos, Tensor? rel_bias, int K, bool is_causal, float scale, int query_offset, int tile_q, int tile_k) -> "
-        "(Tensor, Tensor)");
+        "Tensor? q_pos, Tensor? rel_bias, int K, bool is_causal, float scale, int query_offset, int tile_q, int tile_k, "
+        "Tensor? seed=None, float dropout_p=0.0) -> (Tensor, Tensor)");
   m.def("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, "
         "Tensor? rel_q, Tensor? q_pos, Tensor? rel_bias, Tensor out, Tensor lse, int K, bool is_causal, float scale, "
-        "int query_offset, int tile_q, int tile_k, int kv_splits) -> "
+        "int query_offset, int tile_q, int tile_k, int kv_splits, Tensor? seed=None, float dropout_p=0.0) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? rel_q, Tensor? q_pos, "
-        "Tensor? rel_bias, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int K, bool is_causal, float scale, int query_offset, int tile_q, "
-        "int tile_k) -> (Tensor, Tensor)");
+        "Tensor? rel_bias, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int K, bool is_causal, float scale, "
+        "int query_offset, int tile_q, int tile_k, Tensor? seed=None, float dropout_p=0.0) -> (Tensor, Tensor)");
   m.def("varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? rel_q, "
         "Tensor? q_pos, Tensor? rel_bias, Tensor out, Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int K, "
-        "bool is_causal, float scale, int query_offset, int tile_q, int tile_k, int kv_splits) -> "
-        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "bool is_causal, float scale, int query_offset, int tile_q, int tile_k, int kv_splits, Tensor? seed=None, "
+        "float dropout_p=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("has_gemm16(ScalarType dtype) -> bool", [](at::ScalarType dtype) { return has_gemm16(dtype); });
 }
 

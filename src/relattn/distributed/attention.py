@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..arguments import AttentionArgs
-from ..backends import resolve
+from ..backends import call_seed, resolve
 from ..functional import check_call, check_mask, relative_attention, validate
 from .layouts import check_layout, positions, segments, shard
 from .ring import Ring, RingAttention
@@ -64,7 +64,6 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | 
 
             * ``attn_mask``: bool (True = may attend) or float, broadcastable to (B, H, n, N): the local queries'
               rows, every key's column in global position order; needs no gradient.
-            * ``dropout_p``: must be 0 (the ring serves no dropout: a ValueError otherwise).
             * ``rel_bias``: must be None (the ring takes no scalar bias table yet: a ValueError otherwise).
             * ``backend``: ``"auto"`` or a backend that serves context-parallel chunk pairs
               (``Serves(chunk_pairs=True)``: ``native``, ``triton``, ``blocked``); refused by its declaration
@@ -92,7 +91,7 @@ def _ring_attention(args: AttentionArgs | None, group, layout: str, refused: Exc
         raise RuntimeError("context_parallel_attention needs an initialised torch.distributed process group "
                            "(torch.distributed.init_process_group)")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    error, mine = refused, [-1] * 6
+    error, mine, seed = refused, [-1] * 6, None
     try:
         if refused is not None:
             raise refused
@@ -109,9 +108,6 @@ def _ring_attention(args: AttentionArgs | None, group, layout: str, refused: Exc
         if args.rel_bias is not None:
             raise ValueError("rel_bias (a scalar bias table) is not served under context parallelism: the ring's "
                              "chunk pairs take no bias table yet; call relative_attention on the whole sequence")
-        if isinstance(args.dropout_p, (int, float)) and args.dropout_p > 0:
-            raise ValueError(f"dropout_p must be 0 under context parallelism (the ring serves no dropout); got "
-                             f"{args.dropout_p}")
         total = world * n
         offset = args.query_offset
         call = check_call(args.replace(attn_mask=None),
@@ -122,6 +118,7 @@ def _ring_attention(args: AttentionArgs | None, group, layout: str, refused: Exc
             raise ValueError("attn_mask must not require grad under context parallelism")
         call = dataclasses.replace(call, mask=mask)
         chosen = resolve(args.backend, call, chunk_pairs=True)
+        seed = call_seed(call)  # drawn on every rank (the generators advance alike); rank 0's is broadcast below
         segs = tuple(segments(n, r, world, layout) for r in range(world))
     except Exception as exc:  # every rank reaches the collective below, so that every rank raises, none hangs
         error = exc
@@ -130,10 +127,13 @@ def _ring_attention(args: AttentionArgs | None, group, layout: str, refused: Exc
     def peer(r: int) -> int:  # P2P operations name global ranks
         return r % world if group is None else dist.get_global_rank(group, r % world)
 
+    if seed is not None:  # one mask for the whole call: every rank drops with the seed of the group's first rank
+        dist.broadcast(seed, src=peer(0), group=group)
     groups = call.q.shape[1] // call.k.shape[1]
     ring = Ring(group, rank, world, peer(rank + 1), peer(rank - 1), segs, chosen.stats,
                 groups=1 if chosen.serves.grouped_kv else groups, max_relative_position=call.max_relative_position,
-                is_causal=call.is_causal, scale=call.scale, query_offset=call.query_offset)
+                is_causal=call.is_causal, scale=call.scale, query_offset=call.query_offset,
+                dropout_p=call.dropout_p, seed=seed)
     out = RingAttention.apply(call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, ring, call.rel_q, call.q_pos)
     return out if q.dim() == 4 else out.reshape(*q.shape[:-2], *out.shape[-2:])
 

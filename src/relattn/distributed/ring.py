@@ -12,7 +12,9 @@ segment) pair is one call of the backend's pair ops (:meth:`relattn.backends.Sta
 ``a[2K]``, which every rank holds, so no table rows travel, only k and v (with their ``Hkv`` heads). Under
 ``is_causal`` a pair wholly in the future is skipped. The backward runs the ring again with the k/v chunk, and the
 chunk's dK/dV accumulator follows it home; each pair's gradients come from the backend's backward called with the
-merged output and log-sum-exp, which makes them the exact contributions of that pair.
+merged output and log-sum-exp, which makes them the exact contributions of that pair. With dropout every pair
+draws the whole call's mask at its global query rows and keys (its seed's offsets are the segments' global starts;
+the seed is the same on every rank), so the ring drops what the single-process op drops.
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ class Ring:
     is_causal: bool
     scale: float
     query_offset: int
+    dropout_p: float = 0.0
+    seed: Tensor | None = None  # the call's dropout seed (_common.dropout_seed), the same on every rank
 
     def exchange(self, sends: list[tuple[Tensor, int]], recvs: list[tuple[Tensor, int]]):
         """Post the sends (to the next rank) and receives (from the previous), receives first; returns the works."""
@@ -134,8 +138,13 @@ class Ring:
                 yield Pair(qs, ks, self.is_causal and k1 - 1 > q0 + qo, q0 + qo - k0, rows)
 
     def scalars(self, pair: Pair) -> dict:
-        return dict(max_relative_position=self.max_relative_position if pair.rows is None else 0,
-                    is_causal=pair.is_causal, scale=self.scale, query_offset=pair.query_offset)
+        """The pair call's scalars, and with dropout its seed: the mask of the whole call at the pair's global query
+        rows and keys (offsets ``i0``, ``j0``: the segments' global starts)."""
+        kw = dict(max_relative_position=self.max_relative_position if pair.rows is None else 0,
+                  is_causal=pair.is_causal, scale=self.scale, query_offset=pair.query_offset)
+        if self.dropout_p > 0.0:
+            kw.update(dropout_p=self.dropout_p, seed=self.seed + self.seed.new_tensor([0, 0, pair.qs[0], pair.ks[0]]))
+        return kw
 
 
 def _table_rows(pair: Pair, table: Tensor | None) -> Tensor | None:

@@ -1,0 +1,126 @@
+"""The CPU the native kernel runs on, and what the kernel chooses from it.
+
+:func:`features` reads the CPU once: its model and vendor (``/proc/cpuinfo``), the instruction sets and cache sizes
+``torch.cpu.get_capabilities()`` reports, and the vector width torch dispatches to
+(``torch.backends.cpu.get_cpu_capability()``). :func:`choose` turns features into the kernel's choices, a pure
+function of them (the tests hand it made-up CPUs): the CPU falls in one of four classes, by what it has for
+16-bit GEMMs and how wide its vectors are:
+
+========================  =======================  ====================================================================
+class                     example                  choices
+========================  =======================  ====================================================================
+``amx``                   Intel Xeon (Sapphire     256-query tiles, 512-key blocks; bfloat16 (and float16 with
+                          Rapids and later)        AMX-FP16 or ``avx512_fp16``) through 16-bit GEMMs (measured)
+``avx512_bf16``           AMD EPYC Zen 4, Intel    the same tiles; bfloat16 through 16-bit GEMMs (reasoned, not
+                          Cooper Lake              measured: SDPA's own bfloat16 path is fast there, and float32
+                                                   copies run float32 GEMMs at half a 16-bit GEMM's rate at best)
+``avx512``                Intel Skylake-SP         the same tiles; 16-bit inputs as float32 copies
+``avx2`` (and older)      AMD EPYC Zen 2/3         the same tiles; 16-bit inputs as float32 copies (measured: MKL's
+                                                   16-bit GEMMs convert inside there, slower than its float32 GEMM)
+========================  =======================  ====================================================================
+
+Every choice can be overridden: for a block of code with ``native.SETTINGS.override(...)``, for the process with
+``RELATTN_NATIVE_SETTINGS`` (``"tile_q=128,tile_k=256,gemm16=0"``, read at import; see ``native.SETTINGS``).
+``relattn check`` and ``relattn bench`` print the CPU and the choices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+
+# torch.cpu.get_capabilities()'s names of what the choices read, in the order they are printed
+ISA = ("avx2", "fma3", "avx512_f", "avx512_bw", "avx512_vl", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+       "amx_fp16")
+# the features that make each 16-bit dtype's GEMMs faster than float32 ones
+GEMM16_FEATURES = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """What the choices read of a CPU (and what names it): ``isa`` holds the names of :data:`ISA` it has; cache
+    sizes in bytes per core (0: unknown); ``capability`` is torch's dispatch level (``"AVX2"``, ``"AVX512"``,
+    ``"DEFAULT"``, ...)."""
+
+    model: str
+    vendor: str
+    isa: frozenset[str]
+    family: str = ""  # /proc/cpuinfo's "cpu family" and "model": "25/1" is AMD Zen 3, "25/17" Zen 4
+    l1d_bytes: int = 0
+    l2_bytes: int = 0
+    capability: str = "DEFAULT"
+
+    def describe(self) -> str:
+        """One line: model, vendor, instruction sets, caches, torch's capability."""
+        caches = ", ".join(f"{name} {size // 1024} KiB" for name, size in (("L1d", self.l1d_bytes),
+                                                                           ("L2", self.l2_bytes)) if size)
+        isa = " ".join(name for name in ISA if name in self.isa) or "none of " + "/".join(ISA)
+        which = f" family/model {self.family}" if self.family else ""
+        return (f"{self.model} ({self.vendor or 'vendor unknown'}{which}; {isa}; "
+                f"{caches or 'caches unknown'} per core; torch dispatches {self.capability})")
+
+
+@dataclass(frozen=True)
+class NativeChoice:
+    """The kernel's choices for one CPU (:func:`choose`): ``tile_q`` queries per tile (the not-causal tile:
+    ``native.tile_q`` narrows it for causal calls and long tables), ``tile_k`` keys per block, ``gemm16`` the
+    16-bit dtypes (names) that run 16-bit GEMMs rather than float32 copies; ``cpu_class`` and ``why`` say why."""
+
+    cpu_class: str
+    tile_q: int
+    tile_k: int
+    gemm16: frozenset[str]
+    why: str
+
+    def describe(self) -> str:
+        g16 = ", ".join(sorted(self.gemm16)) or "none"
+        return (f"class {self.cpu_class}: {self.tile_q}-query tiles, {self.tile_k}-key blocks, 16-bit GEMMs for "
+                f"{g16} (other 16-bit inputs as float32 copies); {self.why}")
+
+
+def _proc_cpuinfo() -> dict[str, str]:
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if not line.strip():
+                break  # the first processor's block is enough
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def read_features() -> CpuFeatures:
+    """The features of the CPU this process runs on, read now."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    info = _proc_cpuinfo()
+    model = info.get("model name") or str(caps.get("cpu_name") or "") or "unknown CPU"
+    family = f"{info['cpu family']}/{info['model']}" if "cpu family" in info and "model" in info else ""
+    return CpuFeatures(model=model, vendor=info.get("vendor_id", ""), family=family,
+                       isa=frozenset(name for name in ISA if caps.get(name, False)),
+                       l1d_bytes=int(caps.get("l1d_cache_size", 0) or 0),
+                       l2_bytes=int(caps.get("l2_cache_size", 0) or 0),
+                       capability=torch.backends.cpu.get_cpu_capability())
+
+
+@functools.cache
+def features() -> CpuFeatures:
+    """:func:`read_features`, read once per process (``features.cache_clear()`` reads again)."""
+    return read_features()
+
+
+def choose(cpu: CpuFeatures) -> NativeChoice:
+    """The kernel's choices for ``cpu``, from its features alone (module docstring: the four classes)."""
+    gemm16 = frozenset(dtype for dtype, needs in GEMM16_FEATURES.items() if any(f in cpu.isa for f in needs))
+    if "amx_bf16" in cpu.isa:
+        return NativeChoice("amx", 256, 512, gemm16, "measured on an Intel Xeon with AMX (benchmarks/README.md)")
+    if "avx512_bf16" in cpu.isa:
+        return NativeChoice("avx512_bf16", 256, 512, gemm16,
+                            "reasoned, not measured (no such CPU measured yet): SDPA's own bfloat16 GEMMs use "
+                            "avx512_bf16 here, which float32 copies cannot keep up with")
+    if "avx512_f" in cpu.isa:
+        return NativeChoice("avx512", 256, 512, gemm16, "as on AVX2 CPUs (no 16-bit GEMM instructions)")
+    return NativeChoice("avx2" if "avx2" in cpu.isa else "older", 256, 512, gemm16,
+                        "measured on an AMD EPYC Zen 3 (benchmarks/README.md)")
