@@ -108,11 +108,17 @@ class LogBuckets:
         return _saturation(self.span, self.buckets, self.max_position, lowest, highest)
 
     def expand(self, table: torch.Tensor, max_relative_position: int) -> torch.Tensor:
-        """``(..., 2 * span, D)`` -> the equivalent ``(..., 2K + 1, D)`` table of clipped offsets: row ``r + K`` is
-        the compact table's :meth:`row` of ``r``. An index (gradients flow back, summed over rows sharing one)."""
-        kk = max_relative_position
-        index = self.row(torch.arange(-kk, kk + 1)).to(table.device)
-        return table.index_select(-2, index)
+        """``(..., 2 * span, D)`` -> the equivalent ``(..., 2K + 1, D)`` table of clipped offsets
+        (:func:`clipped_rows`)."""
+        return clipped_rows(self.row, table, max_relative_position)
+
+
+def clipped_rows(row, table: torch.Tensor, max_relative_position: int) -> torch.Tensor:
+    """A compact table ``(..., R, D)`` -> the equivalent ``(..., 2K + 1, D)`` table of clipped offsets: row ``r + K``
+    is the compact table's ``row(r)``. An index (gradients flow back, summed over rows sharing one)."""
+    kk = max_relative_position
+    index = row(torch.arange(-kk, kk + 1)).to(table.device)
+    return table.index_select(-2, index)
 
 
 @torch.compiler.assume_constant_result
@@ -174,11 +180,9 @@ class T5Buckets:
         return _t5_saturation(self.num_buckets, self.max_distance, self.bidirectional, lowest, highest)
 
     def expand(self, table: torch.Tensor, max_relative_position: int) -> torch.Tensor:
-        """``(..., num_buckets, D)`` -> the equivalent ``(..., 2K + 1, D)`` table of clipped offsets: row ``r + K`` is
-        the compact table's :meth:`row` of ``r``. An index (gradients flow back, summed over rows sharing one)."""
-        kk = max_relative_position
-        index = self.row(torch.arange(-kk, kk + 1)).to(table.device)
-        return table.index_select(-2, index)
+        """``(..., num_buckets, D)`` -> the equivalent ``(..., 2K + 1, D)`` table of clipped offsets
+        (:func:`clipped_rows`)."""
+        return clipped_rows(self.row, table, max_relative_position)
 
 
 def t5_bucket(offsets: torch.Tensor, num_buckets: int, max_distance: int, bidirectional: bool) -> torch.Tensor:
