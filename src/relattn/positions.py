@@ -16,6 +16,7 @@ sign or causal), brought to the clipped form the same way.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -110,21 +111,31 @@ class LogBuckets:
     def expand(self, table: torch.Tensor, max_relative_position: int) -> torch.Tensor:
         """``(..., 2 * span, D)`` -> the equivalent ``(..., 2K + 1, D)`` table of clipped offsets
         (:func:`clipped_rows`)."""
-        return clipped_rows(self.row, table, max_relative_position)
+        return clipped_rows(self, table, max_relative_position)
 
 
-def clipped_rows(row, table: torch.Tensor, max_relative_position: int) -> torch.Tensor:
+def clipped_rows(positions, table: torch.Tensor, max_relative_position: int) -> torch.Tensor:
     """A compact table ``(..., R, D)`` -> the equivalent ``(..., 2K + 1, D)`` table of clipped offsets: row ``r + K``
-    is the compact table's ``row(r)``. An index (gradients flow back, summed over rows sharing one)."""
+    is the compact table's ``positions.row(r)``. An index (gradients flow back, summed over rows sharing one; the
+    index is made once per map and window)."""
     kk = max_relative_position
-    index = row(torch.arange(-kk, kk + 1)).to(table.device)
-    return table.index_select(-2, index)
+    if torch.compiler.is_compiling():
+        index = positions.row(torch.arange(-kk, kk + 1))
+    else:
+        index = _clipped_index(positions, kk)
+    return table.index_select(-2, index.to(table.device))
+
+
+@functools.lru_cache(maxsize=64)
+def _clipped_index(positions, max_relative_position: int) -> torch.Tensor:
+    """:func:`clipped_rows`' index, once per map and window (a decoding step asks for the same one every call)."""
+    return positions.row(torch.arange(-max_relative_position, max_relative_position + 1))
 
 
 @torch.compiler.assume_constant_result
 def _saturation(span: int, buckets: int, max_position: int, lowest: int, highest: int) -> int:
     """:meth:`LogBuckets.max_relative_position` (plain ints in: what the compiler takes as a constant's key)."""
-    return _saturating(LogBuckets(span, buckets, max_position).row, lowest, highest)
+    return _saturating(LogBuckets(span, buckets, max_position), lowest, highest)
 
 
 @dataclass(frozen=True)
@@ -182,7 +193,7 @@ class T5Buckets:
     def expand(self, table: torch.Tensor, max_relative_position: int) -> torch.Tensor:
         """``(..., num_buckets, D)`` -> the equivalent ``(..., 2K + 1, D)`` table of clipped offsets
         (:func:`clipped_rows`)."""
-        return clipped_rows(self.row, table, max_relative_position)
+        return clipped_rows(self, table, max_relative_position)
 
 
 def t5_bucket(offsets: torch.Tensor, num_buckets: int, max_distance: int, bidirectional: bool) -> torch.Tensor:
@@ -205,13 +216,15 @@ def t5_bucket(offsets: torch.Tensor, num_buckets: int, max_distance: int, bidire
 @torch.compiler.assume_constant_result
 def _t5_saturation(num_buckets: int, max_distance: int, bidirectional: bool, lowest: int, highest: int) -> int:
     """:meth:`T5Buckets.max_relative_position` (plain ints in: what the compiler takes as a constant's key)."""
-    return _saturating(T5Buckets(num_buckets, max_distance, bidirectional).row, lowest, highest)
+    return _saturating(T5Buckets(num_buckets, max_distance, bidirectional), lowest, highest)
 
 
-def _saturating(row, lowest: int, highest: int) -> int:
-    """The smallest ``K`` past which ``row`` (offsets -> rows) no longer changes within ``[lowest, highest]``."""
+@functools.lru_cache(maxsize=256)
+def _saturating(positions, lowest: int, highest: int) -> int:
+    """The smallest ``K`` past which ``positions.row`` (offsets -> rows) no longer changes within ``[lowest,
+    highest]`` (once per map and range: a decoding step asks for the same one every call)."""
     reach = max(-lowest, highest, 0)
-    rows = row(torch.arange(-reach, reach + 1))
+    rows = positions.row(torch.arange(-reach, reach + 1))
     changes_right = torch.nonzero(rows[reach:] != rows[-1])
     changes_left = torch.nonzero(rows[: reach + 1].flip(0) != rows[0])
     right = int(changes_right[-1]) + 1 if len(changes_right) else 0
