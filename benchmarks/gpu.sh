@@ -68,7 +68,7 @@ log "relattn check exit code $rc"
 log "CUDA tests of the triton backend (compiled), at most 120 s"
 par=()
 "$PY" -c "import xdist" 2>/dev/null && par=(-n 8)
-timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rs "${par[@]}" tests/test_backend_triton.py 2>&1 \
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rs "${par[@]}" tests/backends/test_triton.py 2>&1 \
     | tee "$OUT/pytest.txt" | tail -25
 rc=${PIPESTATUS[0]}
 log "pytest exit code $rc"

@@ -11,7 +11,7 @@ instructions from the compiled SASS (``cuobjdump -sass``, also in the wheel): HM
 wgmma), UTCHMMA (Blackwell's tcgen05.mma).
 
     python benchmarks/triton_compile.py            # every user shape on every served arch (long: ~300 compiles)
-    python benchmarks/triton_compile.py --ci       # the subset tests/test_triton_compile.py runs
+    python benchmarks/triton_compile.py --ci       # the subset tests/backends/test_triton_compile.py runs
     python benchmarks/triton_compile.py --arch 90  # one architecture (gpu.sh: the GPU's own)
 
 Under another Triton, run it with that Triton's python, relattn from src/:
