@@ -18,6 +18,7 @@ import datetime
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,8 @@ from relattn import relative_attention
 from relattn._io import atomic_write_text
 from relattn.backends import native
 from relattn.bench.measure import time_interleaved
+
+RESULTS = Path(__file__).resolve().parent / "results"  # where results go unless --out says otherwise
 
 
 def case(m: int, kk: int, calls: int) -> dict:
@@ -60,7 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=21, help="timed rounds (median reported)")
     p.add_argument("--calls", type=int, default=200, help="calls per timed sample")
     p.add_argument("--quick", action="store_true", help="few rounds and calls, for tests")
-    p.add_argument("--out", default="decode_overhead.json", help="JSON file to write (default: %(default)s)")
+    p.add_argument("--out", default=RESULTS / "decode_overhead.json", help="JSON file to write (default: %(default)s)")
     args = p.parse_args(argv)
     if (reason := native.unavailable()) is not None:
         p.error(f"the native kernel is needed: {reason}")

@@ -15,7 +15,7 @@ greedy decoding against CTranslate2 (where eole models are served), CPU, float32
   and ``ctranslate2.Generator.generate_batch``. Before timing, the CTranslate2 logits of the prompt are checked
   against the patched model's (``max_abs_logit_diff``) and the greedy tokens against each other.
 
-    PYTHONPATH=src python benchmarks/eole_models.py --out eole_models.json
+    PYTHONPATH=src python benchmarks/eole_models.py --out benchmarks/results/eole_models.json
     PYTHONPATH=src python benchmarks/eole_models.py --quick --out /tmp/eole_quick.json
 """
 

@@ -38,7 +38,7 @@ allocator during one call, from torch.profiler). Ratios are unpatched / relattn 
 ``max_abs_diff`` is each unpatched variant's forward output against relattn's.
 A variant predicted to need more than ``--max-gb`` is skipped and says so.
 
-    PYTHONPATH=src python benchmarks/hf_models.py --out hf_models.json
+    PYTHONPATH=src python benchmarks/hf_models.py --out benchmarks/results/hf_models.json
     PYTHONPATH=src python benchmarks/hf_models.py --quick --out /tmp/hf_quick.json
     PYTHONPATH=src python benchmarks/hf_models.py --only w2v-bert --lengths 1500 --layers 1 --reps 3
     PYTHONPATH=src python benchmarks/hf_models.py --only deberta --ragged 64-512 --threads 2 --out /tmp/ragged.json
@@ -58,6 +58,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -65,6 +66,8 @@ from relattn._io import atomic_write_text
 from relattn.backends import cpu as cpu_choice
 from relattn.backends import native
 from relattn.bench.measure import peak_extra_bytes
+
+RESULTS = Path(__file__).resolve().parent / "results"  # where results go unless --out says otherwise
 
 MODES = ("forward", "forward+backward")
 
@@ -516,7 +519,7 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="what to time")
     p.add_argument("--scopes", nargs="+", default=None, help="only the cases whose scope starts with one of these "
                    "(e.g. attention, model)")
-    p.add_argument("--out", default="hf_models.json", help="JSON results")
+    p.add_argument("--out", default=RESULTS / "hf_models.json", help="JSON results (default: %(default)s)")
     args = p.parse_args(argv)
     import transformers
 

@@ -40,6 +40,7 @@ import math
 import platform
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,8 @@ from relattn.backends import cpu, native
 from relattn.bench.measure import time_interleaved
 from relattn.positions import causal_allowed
 from relattn.training.model import TransformerConfig, TransformerLM
+
+RESULTS = Path(__file__).resolve().parent / "results"  # where results go unless --out says otherwise
 
 # name -> sizes; "quick" keeps every case's structure at sizes a test runs in seconds
 SIZES = {
@@ -235,7 +238,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=7, help="timed rounds per case (median reported)")
     p.add_argument("--decode-calls", type=int, default=100, help="calls per timed decode sample")
     p.add_argument("--only", nargs="+", help="run only these cases")
-    p.add_argument("--out", default="shapes.json", help="JSON file to write (default: %(default)s)")
+    p.add_argument("--out", default=RESULTS / "shapes.json", help="JSON file to write (default: %(default)s)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     size = "quick" if args.quick else "full"
