@@ -31,17 +31,13 @@ def lengths_for(fraction: float, batch: int, n: int) -> list[int]:
 
 
 def _step(module, x, padding, packed: bool):
-    """One forward + backward, packed whatever PACK_FROM says, or masked (the module told the batch is not
-    packable)."""
-    original, worth = RelativeMultiheadAttention.__dict__["_packing"], Packing.__dict__["worth_packing"]
-    if packed:
-        Packing.worth_packing = property(lambda self: True)
-    else:
-        RelativeMultiheadAttention._packing = staticmethod(lambda *args: None)
+    """One forward + backward, packed or masked (then zeroed at the padding) whatever PACK_FROM says."""
+    worth = Packing.__dict__["worth_packing"]
+    Packing.worth_packing = property(lambda self: packed)
     try:
         module(x, key_padding_mask=padding)[0].sum().backward()
     finally:
-        RelativeMultiheadAttention._packing, Packing.worth_packing = original, worth
+        Packing.worth_packing = worth
 
 
 def measure(fraction: float, *, embed: int, heads: int, batch: int, n: int, reps: int, backend: str) -> dict:

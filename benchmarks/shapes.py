@@ -50,7 +50,9 @@ from relattn import RelativeMultiheadAttention, relative_attention, relative_att
 from relattn._io import atomic_write_text
 from relattn.backends import cpu, native
 from relattn.bench.measure import time_interleaved
+from relattn.padding import split_heads
 from relattn.positions import causal_allowed
+from relattn.schemes import Shaw
 from relattn.training.model import TransformerConfig, TransformerLM
 
 RESULTS = Path(__file__).resolve().parent / "results"  # where results go unless --out says otherwise
@@ -180,7 +182,7 @@ class SDPAAttention(RelativeMultiheadAttention):
                 average_attn_weights=True, is_causal=False, *, kv_cache=None, context_parallel=None):
         if context_parallel is not None:
             raise ValueError("SDPAAttention (the benchmark's baseline) runs in one process: context_parallel=None")
-        q, k, v = (self._heads(p(query)) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (split_heads(p(query), heads=self.num_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
         offset = 0
         if kv_cache is not None:
             offset = len(kv_cache)
@@ -202,7 +204,7 @@ def generate_case(config: dict, prompt: int, new: int):
     torch.manual_seed(0)
     base = TransformerLM(cfg).eval()
     for block in base.encoder.blocks:
-        block.attn = SDPAAttention(cfg.d_model, cfg.n_heads, relative_keys=False, relative_values=False)
+        block.attn = SDPAAttention(cfg.d_model, cfg.n_heads, Shaw(keys=False, values=False))
     ids = torch.randint(0, cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
     return (lambda: rel.generate(ids, new, temperature=0), lambda: base.generate(ids, new, temperature=0),
             f"TransformerLM d_model={cfg.d_model} heads={cfg.n_heads} layers={cfg.n_layers} "

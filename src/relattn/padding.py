@@ -1,5 +1,7 @@
-"""Right-aligned padding as packed rows: what the module and the patched models use to run a padded batch as one
-packed call of :func:`relattn.relative_attention_varlen`, so that padded positions cost nothing.
+"""The padded-batch path of the module and of every patched model: a padding mask read by its convention's rule,
+right-aligned padding as packed rows, one packed call of :func:`relattn.relative_attention_varlen` on the real
+tokens only (pack -> project -> run -> unpack, :func:`packed_self_attention`), and the one head split
+(:func:`split_heads`).
 
 A padded batch ``(B, N, ...)`` (or ``(N, B, ...)``) is *right-aligned* when each sequence ``b`` holds its ``n_b``
 tokens at positions ``0 .. n_b - 1`` and padding after them, as tokenizers and feature extractors pad by default.
@@ -11,6 +13,16 @@ padded layout with **zeros at the padded positions** (and so no gradient reaches
 Reading the lengths is a host synchronisation (the longest length is a Python int); the answers are
 :func:`remembered` per mask tensor and its values, so the layers of one model, which are handed the same mask, read
 its lengths once.
+
+Mask rules (:data:`MASK_RULES`): each convention's padding mask as ``(B, N)`` bool, True = padding, or None when the
+mask says more than padding (then no packing: the caller keeps its masked call):
+
+* ``"key_padding_mask"`` (:func:`mha_padding`): ``nn.MultiheadAttention``'s ``key_padding_mask``: bool (True =
+  padding), or float adding ``-inf`` at padding and ``0`` elsewhere.
+* ``"transformers"`` (:func:`transformers_padding`): a transformers attention mask: 2-D (B, N) keep mask (nonzero =
+  token), or 4-D (B, 1, N | 1, N) whose query rows are all the same, bool (True = may attend), additive float (0 at
+  tokens; ``finfo.min`` or ``-inf`` at padding, anything at most ``finfo.min / 2``) or integer keep mask.
+* ``"keep"`` (:func:`keep_padding`): DeBERTa's (B, N) keep mask, nonzero = token, whatever its dtype.
 """
 
 from __future__ import annotations
@@ -19,6 +31,8 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+
+from .functional import relative_attention_varlen
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,4 +158,119 @@ def _packing(padding: torch.Tensor, batch_first: bool) -> Packing | None:
     return Packing(index, lengths, cu_seqlens, longest, b, n, batch_first)
 
 
-__all__ = ["PACK_FROM", "Packing", "remembered", "right_padding"]
+# ------------------------------------------------------------------------------------------ mask rules
+
+
+def mha_padding(mask: torch.Tensor) -> torch.Tensor | None:
+    """``nn.MultiheadAttention``'s (B, N) ``key_padding_mask`` as padding: bool as it is; float when it adds ``-inf``
+    at padding and ``0`` elsewhere; else None."""
+    if mask.dim() != 2:
+        return None
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        return None
+    padding = mask == float("-inf")
+    return padding if torch.equal(padding, mask != 0) else None
+
+
+def transformers_padding(mask: torch.Tensor) -> torch.Tensor | None:
+    """A transformers attention mask as padding (see the module docstring); None for a mask that is not padding
+    alone (query rows that differ, values other than keep / mask)."""
+    if mask.dim() == 2:
+        return mask == 0
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] not in (1, mask.shape[3]):
+        return None
+    rows = mask[:, 0]
+    row = rows[:, :1]
+    if rows.shape[1] > 1 and not torch.equal(rows, row.expand_as(rows)):
+        return None
+    row = row[:, 0]
+    if mask.dtype == torch.bool:
+        return ~row
+    if not mask.is_floating_point():
+        return row == 0
+    padding = row <= torch.finfo(mask.dtype).min / 2
+    return padding if torch.equal(padding, row != 0) else None
+
+
+def keep_padding(mask: torch.Tensor) -> torch.Tensor | None:
+    """DeBERTa's (B, N) keep mask (nonzero = token, any dtype) as padding; None for another shape."""
+    return mask == 0 if mask.dim() == 2 else None
+
+
+MASK_RULES = {"key_padding_mask": mha_padding, "transformers": transformers_padding, "keep": keep_padding}
+
+
+def packing_of(mask, rule: str, *, batch_first: bool = True) -> Packing | None:
+    """The :class:`Packing` of ``mask`` read by the mask rule ``rule`` (:data:`MASK_RULES`), when it is right-aligned
+    padding with at least one padded position; None otherwise (no tensor, a mask that is not padding alone, left
+    padding or holes, no padding, while tracing: the lengths are data there). ``batch_first``: the layout of the
+    tensors the packing will pack (the mask is (B, N) in both). Remembered per mask tensor and rule."""
+    if not isinstance(mask, torch.Tensor) or torch.compiler.is_compiling():
+        return None
+    if rule not in MASK_RULES:
+        raise ValueError(f"rule must be one of {sorted(MASK_RULES)}; got {rule!r}")
+    return remembered(mask, (rule, batch_first), lambda m: _padded_packing(MASK_RULES[rule](m), batch_first))
+
+
+def _padded_packing(padding: torch.Tensor | None, batch_first: bool) -> Packing | None:
+    packing = None if padding is None else right_padding(padding, batch_first=batch_first)
+    return packing if packing is not None and packing.padded else None
+
+
+def traced_mha_padding(key_padding_mask: torch.Tensor) -> torch.Tensor:
+    """(B, N) bool: True at the padded positions of a ``key_padding_mask`` that :func:`packing_of` packs under the
+    ``"key_padding_mask"`` rule (right-aligned, bool True or ``-inf`` only), all False for any other mask; from
+    tensors alone (no host read), so that a traced call zeroes what an eager one does."""
+    if key_padding_mask.dtype == torch.bool:
+        padding, exact = key_padding_mask, True
+    else:
+        padding = key_padding_mask == float("-inf")
+        exact = (padding == (key_padding_mask != 0)).all()
+    return padding & (exact & (padding[:, 1:] >= padding[:, :-1]).all())
+
+
+# ------------------------------------------------------------------------------------------ heads and the packed call
+
+
+def split_heads(x: torch.Tensor, *, heads: int = -1, head_dim: int = -1, batch_first: bool = True) -> torch.Tensor:
+    """A projection ``(..., L, heads * head_dim)`` as ``(..., heads, L, head_dim)``, a view; with
+    ``batch_first=False`` ``(L, B, heads * head_dim)`` as ``(B, heads, L, head_dim)``. Give ``heads`` or
+    ``head_dim``; the other is read from the width."""
+    x = x.unflatten(-1, (heads, head_dim))
+    return x.transpose(-3, -2) if batch_first else x.permute(1, 2, 0, 3)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, N, D) -> (B, N, H*D): :func:`split_heads` undone."""
+    return x.transpose(1, 2).flatten(2)
+
+
+def attend_packed(packing: Packing, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **op_args) -> torch.Tensor:
+    """One packed self-attention call on the real tokens' rows ``q`` (T, H, D), ``k``, ``v`` (T, Hkv, D|Dv):
+    :func:`relattn.relative_attention_varlen` with ``packing``'s lengths and ``op_args`` (tables, window, scale,
+    dropout, backend); (T, H*Dv)."""
+    return relative_attention_varlen(q, k, v, cu_seqlens_q=packing.cu_seqlens, max_seqlen_q=packing.max_seqlen,
+                                     **op_args).flatten(1)
+
+
+def packed_self_attention(packing: Packing, x: torch.Tensor, projections, num_heads: int, output=None, *,
+                          terms=None, **op_args) -> torch.Tensor:
+    """Self-attention of the real tokens of the padded ``x`` (B, N, E) ((N, B, E) with a sequence-first
+    ``packing``) as one packed call: the query, key and value ``projections`` (and ``output``, if given) applied to
+    those rows only (key/value heads read from their width: grouped heads need ``enable_gqa=True`` in ``op_args``);
+    the result in the padded layout with **zeros at the padded positions**. ``terms``: a function of the projected
+    queries' dtype giving more of the op's keywords (a module's tables, cast to it)."""
+    rows = packing.pack(x)
+    q = projections[0](rows).unflatten(-1, (num_heads, -1))
+    k, v = (proj(rows).unflatten(-1, (-1, q.shape[-1])) for proj in projections[1:])
+    if terms is not None:
+        op_args = {**terms(q.dtype), **op_args}
+    out = attend_packed(packing, q, k, v, **op_args)
+    return packing.unpack(out if output is None else output(out))
+
+
+__all__ = ["MASK_RULES", "PACK_FROM", "Packing", "attend_packed", "keep_padding", "merge_heads", "mha_padding",
+           "packed_self_attention", "packing_of", "remembered", "right_padding", "split_heads", "traced_mha_padding",
+           "transformers_padding"]

@@ -315,6 +315,19 @@ class RelativeSelfAttention:
         return relative_attention_output(weights, V, self.rel_embed), weights
 
 
+def _mask_scores(attn_mask, is_causal, shape, query_offset):
+    """(B, H, N, M) scores to add: ``attn_mask`` (bool True = may attend, or float added) and the causal pattern."""
+    n, m = shape[-2:]
+    bias = np.zeros(shape)
+    if attn_mask is not None:
+        mask = np.asarray(attn_mask)
+        bias = bias + (np.where(mask, 0.0, -np.inf) if mask.dtype == bool else mask)
+    if is_causal:
+        future = np.arange(m)[None, :] > np.arange(n)[:, None] + query_offset
+        bias = np.where(future, -np.inf, bias)
+    return bias
+
+
 def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position, rel_q=None, content_bias=None,
                        position_bias=None, rel_bias=None, beyond="clip", attn_mask=None, is_causal=False, scale=None,
                        query_offset=0, return_weights=False):
@@ -326,10 +339,8 @@ def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position
     ``v``, one row per head (:func:`relative_attention_scores`); rel_bias (R,) or (H, R) or None, the scalar bias
     added unscaled at the same row; ``max_relative_position`` may also be T5's buckets (anything with
     ``num_buckets``, ``max_distance``, ``bidirectional``, as :class:`relattn.positions.T5Buckets`): R = num_buckets
-    rows, each offset's row its bucket (:func:`t5_bucket`);
-    attn_mask bool (True = may attend) or float (added), broadcastable to (B, H, N, M). Fully masked
-    rows give zero output. Returns (B, H, N, Dv) float64 [and the (B, H, N, M) weights].
-    """
+    rows, each offset's row its bucket (:func:`t5_bucket`); attn_mask bool (True = may attend) or float (added),
+    broadcastable to (B, H, N, M). Fully masked rows give zero output. Returns (B, H, N, Dv) float64 [and weights]."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     b, h, n, d = q.shape
     m, dv = k.shape[2], v.shape[-1]
@@ -361,13 +372,7 @@ def relative_attention(q, k, v, rel_k=None, rel_v=None, *, max_relative_position
     rel_bias = None if rel_bias is None else np.where(met[None, :rows], rel_bias, 0.0)
     biases = [None if t is None else np.broadcast_to(np.asarray(t, dtype=np.float64), (h, d))
               for t in (content_bias, position_bias)]
-    bias = np.zeros((b, h, n, m))
-    if attn_mask is not None:
-        mask = np.asarray(attn_mask)
-        bias = bias + (np.where(mask, 0.0, -np.inf) if mask.dtype == bool else mask)
-    if is_causal:
-        future = np.arange(m)[None, :] > np.arange(n)[:, None] + query_offset
-        bias = np.where(future, -np.inf, bias)
+    bias = _mask_scores(attn_mask, is_causal, (b, h, n, m), query_offset)
     out = np.zeros((b, h, n, dv))
     weights = np.zeros((b, h, n, m))
     for bi in range(b):

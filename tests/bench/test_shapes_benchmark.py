@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from relattn.backends import cpu, native
+from relattn.schemes import Shaw
 from relattn.training.model import TransformerConfig, TransformerLM
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +55,7 @@ def test_sdpa_baseline_model_is_the_positions_none_model():
     base = TransformerLM(cfg).double().eval()
     base.load_state_dict(model.state_dict())
     for block in base.encoder.blocks:
-        block.attn = shapes.SDPAAttention(24, 3, relative_keys=False, relative_values=False, dtype=torch.float64)
+        block.attn = shapes.SDPAAttention(24, 3, Shaw(keys=False, values=False), dtype=torch.float64)
     for mine, theirs in zip(model.encoder.blocks, base.encoder.blocks, strict=True):
         theirs.attn.load_state_dict(mine.attn.state_dict())
     tokens = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))

@@ -241,16 +241,17 @@ def _module_cases(rank: int, world: int) -> dict:
     from relattn import RelativeMultiheadAttention
     from relattn.distributed import ContextParallel
     from relattn.positions import LogBuckets
+    from relattn.schemes import Shaw, TransformerXL
 
     cp = ContextParallel(layout="zigzag")
     n = N_LOCAL * world
     results = {}
     configs = {
-        "rel_q gqa": dict(max_relative_position=3, position_to_content=True, num_kv_heads=2),
-        "log buckets per-head": dict(max_relative_position=LogBuckets(3, 4, 12), share_heads=False,
-                                     position_to_content=True),
-        "window tied": dict(max_relative_position=(2, 5), tie_tables=True),
-        "transformer-xl gqa": dict(transformer_xl=True, num_kv_heads=2),
+        "rel_q gqa": dict(positions=Shaw(3, position_to_content=True), num_kv_heads=2),
+        "log buckets per-head": dict(positions=Shaw(LogBuckets(3, 4, 12), share_heads=False,
+                                                    position_to_content=True)),
+        "window tied": dict(positions=Shaw((2, 5), tie=True)),
+        "transformer-xl gqa": dict(positions=TransformerXL(), num_kv_heads=2),
     }
     for name, config in configs.items():
         torch.manual_seed(len(name))

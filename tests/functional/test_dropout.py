@@ -350,7 +350,7 @@ def test_the_module_in_train_mode_runs_native_and_its_packed_and_masked_paths_ag
     import relattn.padding
 
     torch.manual_seed(0)
-    mod = RelativeMultiheadAttention(16, 4, max_relative_position=3, dropout=0.2, batch_first=True,
+    mod = RelativeMultiheadAttention(16, 4, 3, dropout=0.2, batch_first=True,
                                      dtype=torch.float64).train()
     x = torch.randn(3, 10, 16, dtype=torch.float64)
     pad = torch.zeros(3, 10, dtype=torch.bool)

@@ -10,6 +10,7 @@ import torch
 
 from helpers import assert_close, backend_params, reference_output
 from relattn import BACKENDS, KVCache, RelativeMultiheadAttention, relative_attention, relative_attention_weights
+from relattn.schemes import Shaw
 
 ALL = backend_params(list(BACKENDS))
 
@@ -69,7 +70,7 @@ def test_module_num_kv_heads_is_grouped_attention_and_caches_hkv_heads():
     repeating them), its cache holds Hkv heads, and cached decoding equals the full causal pass."""
     e, h, hkv = 12, 6, 2
     torch.manual_seed(0)
-    mod = RelativeMultiheadAttention(e, h, 3, num_kv_heads=hkv, share_heads=False).double()
+    mod = RelativeMultiheadAttention(e, h, Shaw(3, share_heads=False), num_kv_heads=hkv).double()
     assert mod.k_proj.out_features == mod.v_proj.out_features == hkv * (e // h)
     x = torch.randn(2, 7, e, dtype=torch.float64)
     got, _ = mod(x, is_causal=True)

@@ -17,6 +17,7 @@ import torch
 from helpers import assert_close, attention_ref, reference_output, unavailable_here
 from relattn import BACKENDS, KVCache, RelativeMultiheadAttention, relative_attention
 from relattn.positions import LogBuckets
+from relattn.schemes import Shaw
 
 RUNNABLE = [name for name in ["auto", *BACKENDS] if unavailable_here(name) is None]
 
@@ -127,8 +128,8 @@ def test_the_op_on_every_backend(name, backend):
 def _module(name):
     hkv, rel_q, tables, _, _, positions, beyond, *_ = CASES[name]
     torch.manual_seed(sum(map(ord, name)))
-    mod = RelativeMultiheadAttention(E, H, positions, num_kv_heads=hkv, beyond=beyond, position_to_content=rel_q,
-                                     share_heads=tables == "shared", dtype=torch.float64)
+    scheme = Shaw(positions, beyond=beyond, position_to_content=rel_q, share_heads=tables == "shared")
+    mod = RelativeMultiheadAttention(E, H, scheme, num_kv_heads=hkv, dtype=torch.float64)
     with torch.no_grad():
         for proj in (mod.q_proj, mod.k_proj, mod.v_proj, mod.out_proj):
             proj.bias.normal_()  # (zero at init: a dropped bias would pass)
@@ -159,8 +160,9 @@ def _module_oracle(mod, x, op_mask, causal, start, stop):
     k, v = (_heads(p(x[:, :stop]), mod.num_kv_heads) for p in (mod.k_proj, mod.v_proj))
     mask = None if op_mask is None else op_mask[..., :stop] if op_mask.shape[-2] == 1 else \
         op_mask[..., start:stop, :stop]
-    out = attention_ref(q, k, v, mod.rel_k, mod.rel_v, rel_q=mod.rel_q, max_relative_position=mod.max_relative_position,
-                        beyond=mod.beyond, attn_mask=mask, is_causal=causal, query_offset=start)
+    out = attention_ref(q, k, v, mod.rel_k, mod.rel_v, rel_q=mod.rel_q,
+                        max_relative_position=mod.positions.max_relative_position, beyond=mod.positions.beyond,
+                        attn_mask=mask, is_causal=causal, query_offset=start)
     return mod.out_proj(out.transpose(1, 2).flatten(2))
 
 

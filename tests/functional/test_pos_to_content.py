@@ -17,6 +17,7 @@ from relattn import reference as ref
 from relattn.backends import Backend, Serves, blocked, choose, not_supported_reasons
 from relattn.backends.blocked import blocked_backward, blocked_forward
 from relattn.positions import LogBuckets, log_bucket_position
+from relattn.schemes import Disentangled
 
 SERVING = [name for name, b in BACKENDS.items() if b.serves.pos_to_content]
 REFUSING = [name for name, b in BACKENDS.items() if not b.serves.pos_to_content]
@@ -461,8 +462,8 @@ def test_module_with_position_to_content_is_the_formula(backend, positions):
 
     torch.manual_seed(5)
     n, e, h = 19, 12, 3
-    mod = RelativeMultiheadAttention(e, h, positions, relative_values=False, position_to_content=True,
-                                     share_heads=False, backend=backend, dtype=torch.float64)
+    mod = RelativeMultiheadAttention(e, h, Disentangled(positions, share_heads=False), backend=backend,
+                                     dtype=torch.float64)
     assert mod.rel_q.shape == mod.rel_k.shape == (h, table_rows_of(positions), e // h)
     x = torch.randn(2, n, e, dtype=torch.float64)
     pad = torch.zeros(2, n, dtype=torch.bool)
@@ -493,19 +494,20 @@ def table_rows_of(positions):
 
 def test_module_position_to_content_options(monkeypatch):
     from relattn import RelativeMultiheadAttention, backends
+    from relattn.schemes import Shaw
 
-    mod = RelativeMultiheadAttention(8, 2, 3, position_to_content=True)
+    mod = RelativeMultiheadAttention(8, 2, Shaw(3, position_to_content=True))
     assert mod.rel_q.shape == (7, 4) and "position_to_content=True" in repr(mod)
     assert RelativeMultiheadAttention(8, 2, 3).rel_q is None
     mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
-    up = RelativeMultiheadAttention.from_mha(mha, 3, position_to_content=True)
+    up = RelativeMultiheadAttention.from_mha(mha, Shaw(3, position_to_content=True))
     x = torch.randn(2, 5, 8)
     torch.testing.assert_close(up(x)[0], mha(x, x, x)[0])  # zero tables: mha's own output
     assert up.rel_q.abs().sum() == 0
     with pytest.raises(ValueError, match="beyond"):
-        RelativeMultiheadAttention(8, 2, LogBuckets(4), beyond="zero")
+        Shaw(LogBuckets(4), beyond="zero")
     # a backend declaring no position-to-content term is refused at construction, naming rel_q
     monkeypatch.setitem(backends.BACKENDS, "without",
                         backends.Backend("without", lambda c: c.q, Serves(), "declares no rel_q"))
     with pytest.raises(ValueError, match="rel_q"):
-        RelativeMultiheadAttention(8, 2, 3, position_to_content=True, backend="without")
+        RelativeMultiheadAttention(8, 2, Disentangled(3), backend="without")

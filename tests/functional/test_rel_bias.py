@@ -33,6 +33,7 @@ from relattn import reference as ref
 from relattn.backends import not_supported_reasons, resolve, why_not
 from relattn.functional import validate
 from relattn.positions import T5Buckets, t5_bucket
+from relattn.schemes import Shaw, T5Bias
 
 SERVING = [name for name, b in BACKENDS.items() if b.serves.rel_bias]
 REFUSING = [name for name, b in BACKENDS.items() if not b.serves.rel_bias]
@@ -364,9 +365,7 @@ def test_t5_style_module_is_t5_attention(decoder):
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     theirs = t5.T5Attention(config, has_relative_attention_bias=True, layer_idx=0, is_causal=decoder).double()
-    mine = RelativeMultiheadAttention(12, 3, T5Buckets(8, 12, not decoder), relative_keys=False,
-                                      relative_values=False, relative_bias=True, share_heads=False, scale=1.0,
-                                      bias=False, dtype=torch.float64)
+    mine = RelativeMultiheadAttention(12, 3, T5Bias(T5Buckets(8, 12, not decoder)), bias=False, dtype=torch.float64)
     with torch.no_grad():
         for a, b in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("out_proj", "o")):
             getattr(mine, a).weight.copy_(getattr(theirs, b).weight)
@@ -392,12 +391,12 @@ def test_t5_style_module_is_t5_attention(decoder):
 def test_module_bias_options_checked():
     from relattn import RelativeMultiheadAttention
 
-    with pytest.raises(TypeError, match="relative_bias must be a bool"):
-        RelativeMultiheadAttention(8, 2, 3, relative_bias=1)
-    with pytest.raises(ValueError, match="transformer_xl=True has none"):
-        RelativeMultiheadAttention(8, 2, relative_bias=True, transformer_xl=True)
+    with pytest.raises(TypeError, match="Shaw.bias must be a bool"):
+        Shaw(3, bias=1)
+    with pytest.raises(TypeError, match="T5Bias.scale must be a float or None, got str"):
+        T5Bias(scale="1")
     with pytest.raises(ValueError, match="rel_bias"):
-        RelativeMultiheadAttention(8, 2, 3, relative_bias=True, backend=REFUSING[0]) if REFUSING else \
+        RelativeMultiheadAttention(8, 2, T5Bias(), backend=REFUSING[0]) if REFUSING else \
             pytest.skip("every backend serves rel_bias")
-    shared = RelativeMultiheadAttention(8, 2, T5Buckets(), relative_bias=True)
+    shared = RelativeMultiheadAttention(8, 2, Shaw(T5Buckets(), bias=True))
     assert shared.rel_bias.shape == (32,) and shared.rel_k.shape == (32, 4)

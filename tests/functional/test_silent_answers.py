@@ -12,6 +12,7 @@ import torch
 from helpers import assert_close, attention_ref, backend_params, oracle_grads, reference_output
 from relattn import BACKENDS, RelativeMultiheadAttention, relative_attention, relative_attention_varlen
 from relattn.positions import LogBuckets
+from relattn.schemes import TransformerXL
 
 B, H, N, D, K = 2, 4, 7, 8, 3
 
@@ -110,7 +111,7 @@ def test_the_module_reads_a_padding_mask_changed_without_a_version_bump(how):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [dict(max_relative_position=3), dict(transformer_xl=True, num_kv_heads=2)],
+@pytest.mark.parametrize("config", [dict(positions=3), dict(positions=TransformerXL(), num_kv_heads=2)],
                          ids=["shaw", "transformer-xl"])
 def test_the_compiled_module_gives_eager_zeros_and_gradients_at_padding(config):
     """torch.compile(fullgraph=True) of the module with a key_padding_mask (right-aligned bool and -inf, enough
@@ -308,10 +309,10 @@ def test_the_module_packs_a_float_padding_mask_only_when_it_is_padding_alone():
 
 
 def test_transformers_masks_pack_only_when_they_are_right_padding_alone():
-    """hf_common's reading of a transformers mask: 2-D keep masks, 4-D bool, and 4-D float masks of 0 and
+    """The "transformers" mask rule: 2-D keep masks, 4-D bool, and 4-D float masks of 0 and
     ``finfo.min`` or ``-inf`` pack; a 4-D float mask with any other value (a finite bias on a real key, a
     large-but-not-min pad), rows that differ, or left padding does not (the masked call runs it)."""
-    from relattn.integrations import hf_common
+    from relattn.padding import packing_of
 
     lengths = torch.tensor([6, 3, 1])
     keep = torch.arange(6)[None, :] < lengths[:, None]
@@ -320,7 +321,7 @@ def test_transformers_masks_pack_only_when_they_are_right_padding_alone():
     packs = {"2-D": keep.long(), "4-D bool": keep[:, None, None].expand(3, 1, 6, 6),
              "4-D min": additive, "4-D -inf": torch.zeros(3, 1, 1, 6).masked_fill(~keep[:, None, None], -torch.inf)}
     for name, mask in packs.items():
-        packing = hf_common._mask_packing(mask)
+        packing = packing_of(mask, "transformers")
         assert packing is not None and packing.lengths.tolist() == [6, 3, 1], name
     biased = additive.clone()
     biased[1, 0, 0, 0] = -2.0
@@ -329,4 +330,4 @@ def test_transformers_masks_pack_only_when_they_are_right_padding_alone():
     refused = {"finite bias": biased, "large pad": torch.zeros(3, 1, 1, 6).masked_fill(~keep[:, None, None], -1e4),
                "rows differ": rows, "left": additive.flip(-1)}
     for name, mask in refused.items():
-        assert hf_common._mask_packing(mask) is None, name
+        assert packing_of(mask, "transformers") is None, name

@@ -196,8 +196,8 @@ def plain_module_forward(mod, x, *, is_causal=False):
     b, n, _ = x.shape
     q, k, v = (proj(x).unflatten(-1, (mod.num_heads, mod.head_dim)).transpose(1, 2)
                for proj in (mod.q_proj, mod.k_proj, mod.v_proj))
-    out = attention_ref(q, k, v, mod.rel_k, mod.rel_v, max_relative_position=mod.max_relative_position,
-                        beyond=mod.beyond, is_causal=is_causal, upcast=False)
+    out = attention_ref(q, k, v, mod.rel_k, mod.rel_v, max_relative_position=mod.positions.max_relative_position,
+                        beyond=mod.positions.beyond, is_causal=is_causal, upcast=False)
     return mod.out_proj(out.transpose(1, 2).reshape(b, n, mod.embed_dim))
 
 

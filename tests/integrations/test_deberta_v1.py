@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
 
 import relattn.integrations.deberta as deberta  # noqa: E402
+import relattn.padding as padding  # noqa: E402
 from helpers import grads_close  # noqa: E402
 from helpers.deberta import TOL, N, assert_head_outputs_match, inputs  # noqa: E402
 from helpers.hf import relative_error  # noqa: E402
@@ -103,7 +104,7 @@ def test_no_pairwise_mask_or_positions_reach_the_layers(monkeypatch):
     _, patched = _pair("base", torch.float64)
     ids, mask = inputs()
     seen = []
-    real, real_varlen = deberta.relative_attention, deberta.relative_attention_varlen
+    real, real_varlen = deberta.relative_attention, padding.relative_attention_varlen
 
     def spy(q, k, v, *args, **kwargs):
         seen.append((kwargs["attn_mask"].shape, kwargs["max_relative_position"]))
@@ -114,7 +115,7 @@ def test_no_pairwise_mask_or_positions_reach_the_layers(monkeypatch):
         return real_varlen(q, k, v, *args, **kwargs)
 
     monkeypatch.setattr(deberta, "relative_attention", spy)
-    monkeypatch.setattr(deberta, "relative_attention_varlen", spy_varlen)
+    monkeypatch.setattr(padding, "relative_attention_varlen", spy_varlen)
     patched(input_ids=ids, attention_mask=torch.ones_like(mask))
     assert seen == [((2, 1, 1, N), deberta.LogBuckets(N))] * 2
     seen.clear()

@@ -12,8 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
 
-import relattn.integrations.deberta as deberta  # noqa: E402
-import relattn.integrations.hf_common as hf_common  # noqa: E402
+import relattn.padding as padding  # noqa: E402
 from helpers import assert_close  # noqa: E402
 from relattn.integrations.transformers import patch  # noqa: E402
 
@@ -113,12 +112,12 @@ def _vits_text(model, mask, b, n):
 
 # name: (builder, output of the batch (b None) or of sequence b alone, the packed op's module, packed calls)
 MODELS = {
-    "deberta-v3": (_deberta_v3, _ids, deberta, 2),
-    "deberta-v1": (_deberta_v1, _ids, deberta, 2),
-    "w2v-bert": (_w2v_bert, _features, hf_common, 2),
-    "seamless-m4t-v1": (_seamless_v1, _seamless_features, hf_common, 2),
-    "speecht5-encoder": (_speecht5, _hidden, hf_common, 2),
-    "vits-text-encoder": (_vits, _vits_text, hf_common, 2),
+    "deberta-v3": (_deberta_v3, _ids, padding, 2),
+    "deberta-v1": (_deberta_v1, _ids, padding, 2),
+    "w2v-bert": (_w2v_bert, _features, padding, 2),
+    "seamless-m4t-v1": (_seamless_v1, _seamless_features, padding, 2),
+    "speecht5-encoder": (_speecht5, _hidden, padding, 2),
+    "vits-text-encoder": (_vits, _vits_text, padding, 2),
 }
 
 
@@ -182,8 +181,8 @@ def test_a_padded_bert_relative_key_batch_runs_packed_and_each_sequence_is_itsel
     mask = _mask()
     ids = torch.randint(1, 23, (len(LENGTHS), N), generator=torch.Generator().manual_seed(7)) * mask
     seen = []
-    op = hf_common.relative_attention_varlen
-    monkeypatch.setattr(hf_common, "relative_attention_varlen",
+    op = padding.relative_attention_varlen
+    monkeypatch.setattr(padding, "relative_attention_varlen",
                         lambda *a, **k: seen.append(k["cu_seqlens_q"].tolist()) or op(*a, **k))
     got = model(input_ids=ids, attention_mask=mask).last_hidden_state
     assert seen == [[0, 9, 13, 14, 21]] * 2

@@ -5,6 +5,7 @@ import torch
 
 from helpers import assert_close
 from relattn import KVCache, RelativeMultiheadAttention
+from relattn.schemes import Shaw
 from relattn.training.model import TransformerConfig, TransformerLM
 
 E, H = 12, 3
@@ -160,7 +161,7 @@ def test_unbatched_decoding_with_a_cache_equals_the_full_pass(static):
     """(N, E) inputs, one step at a time, self- and cross-attention: the cache sees the same call as the batched
     one (the query handed as key is self-attention, before the batch dimension is added)."""
     torch.manual_seed(0)
-    mod = RelativeMultiheadAttention(E, H, 2, num_kv_heads=1, position_to_content=True, share_heads=False,
+    mod = RelativeMultiheadAttention(E, H, Shaw(2, position_to_content=True, share_heads=False), num_kv_heads=1,
                                      dtype=torch.float64).eval()
     x, mem = torch.randn(5, E, dtype=torch.float64), torch.randn(4, E, dtype=torch.float64)
     for memory in (None, mem):

@@ -9,6 +9,7 @@ from torch import nn
 
 import relattn
 from relattn import RelativeMultiheadAttention
+from relattn.schemes import Shaw
 
 
 @pytest.mark.parametrize(("kw", "exc", "match"), [
@@ -49,8 +50,8 @@ def test_masks_of_both_kinds_still_combine():
 def test_from_mha_takes_the_position_options(window, beyond, tie):
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(8, 2, batch_first=True).double()
-    mod = RelativeMultiheadAttention.from_mha(mha, window, beyond=beyond, tie_tables=tie)
-    assert (mod.max_relative_position, mod.beyond, mod.tie_tables) == (window, beyond, tie)
+    mod = RelativeMultiheadAttention.from_mha(mha, Shaw(window, beyond=beyond, tie=tie))
+    assert mod.positions == Shaw(window, beyond=beyond, tie=tie)
     assert (mod.rel_v is mod.rel_k) == tie
     x = torch.randn(2, 6, 8, dtype=torch.float64)
     torch.testing.assert_close(mod(x)[0], mha(x, x, x, need_weights=False)[0], rtol=1e-12, atol=1e-12)

@@ -1,6 +1,7 @@
 """RelativeMultiheadAttention: against nn.MultiheadAttention (tables off), against the op, and its KV cache."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from torch import nn
 
 from helpers import assert_close
 from relattn import KVCache, RelativeMultiheadAttention, relative_attention
+from relattn.schemes import Shaw, TransformerXL
 
 E, H = 12, 3
 
@@ -22,9 +24,14 @@ def twin_mha(mod: RelativeMultiheadAttention) -> nn.MultiheadAttention:
     return mha.eval()
 
 
+SHAW_FIELDS = ("keys", "values", "position_to_content", "bias", "tie", "share_heads", "beyond", "scale")
+
+
 def module(**kw):
+    """A float64 module of ``Shaw(k, ...)`` (``kw``: Shaw's fields and the constructor's), projection biases set."""
     torch.manual_seed(0)
-    mod = RelativeMultiheadAttention(E, H, kw.pop("k", 3), dtype=torch.float64, **kw).eval()
+    shaw = {name: kw.pop(name) for name in SHAW_FIELDS if name in kw}
+    mod = RelativeMultiheadAttention(E, H, Shaw(kw.pop("k", 3), **shaw), dtype=torch.float64, **kw).eval()
     with torch.no_grad():
         for p in (mod.q_proj.bias, mod.k_proj.bias, mod.v_proj.bias, mod.out_proj.bias):
             p.normal_()
@@ -34,7 +41,7 @@ def module(**kw):
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "padding", "both", "3d"])
 def test_without_tables_equals_nn_multihead_attention(mask_kind):
     """A drop-in: with relative terms off, masks in nn.MultiheadAttention's convention give its exact result."""
-    mod = module(relative_keys=False, relative_values=False)
+    mod = module(keys=False, values=False)
     mha = twin_mha(mod)
     g = torch.Generator().manual_seed(1)
     x, mem = torch.randn(2, 5, E, generator=g, dtype=torch.float64), torch.randn(2, 7, E, generator=g,
@@ -127,7 +134,7 @@ def test_initialisation():
     bound = math.sqrt(6.0 / (256 + 256))  # Xavier-uniform
     assert mod.q_proj.weight.abs().max() <= bound and mod.q_proj.weight.abs().max() > 0.9 * bound
     assert mod.q_proj.bias.abs().max() == 0 and mod.out_proj.bias.abs().max() == 0
-    assert RelativeMultiheadAttention(8, 2, 4, relative_values=False).rel_v is None
+    assert RelativeMultiheadAttention(8, 2, Shaw(4, values=False)).rel_v is None
 
 
 def test_gradients_reach_every_parameter():
@@ -139,7 +146,7 @@ def test_gradients_reach_every_parameter():
 
 @pytest.mark.parametrize(("ctor", "match"), [
     (dict(embed_dim=10, num_heads=3), r"embed_dim \(10\) must be a positive multiple of num_heads \(3\)"),
-    (dict(embed_dim=8, num_heads=2, max_relative_position=-2), r"max_relative_position must be >= 0"),
+    (dict(embed_dim=8, num_heads=2, positions=-2), r"max_relative_position must be >= 0"),
     (dict(embed_dim=8, num_heads=2, backend="cuda"), r"backend must be one of .*got 'cuda'"),
     (dict(embed_dim=8, num_heads=2, dropout=1.5), r"dropout must be in \[0, 1\)"),
 ])
@@ -208,7 +215,7 @@ def test_module_variants_equal_the_reference(window, beyond, share_heads):
 
 
 def test_tied_tables_are_one_parameter_used_on_both_sides():
-    tied = module(tie_tables=True)
+    tied = module(tie=True)
     assert tied.rel_v is tied.rel_k
     assert sum(p is tied.rel_k for p in tied.parameters()) == 1
     assert {"rel_k", "rel_v"} <= set(tied.state_dict())
@@ -220,13 +227,13 @@ def test_tied_tables_are_one_parameter_used_on_both_sides():
     tied(x, is_causal=True)[0].square().sum().backward()
     untied(x, is_causal=True)[0].square().sum().backward()
     assert_close(tied.rel_k.grad, untied.rel_k.grad + untied.rel_v.grad, torch.float64)
-    reloaded = module(tie_tables=True)
+    reloaded = module(tie=True)
     reloaded.load_state_dict(tied.state_dict())
     assert reloaded.rel_v is reloaded.rel_k and torch.equal(reloaded.rel_k, tied.rel_k)
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(tie_tables=True, relative_values=False), "tie_tables=True needs relative_keys=True and relative_values"),
+    (dict(tie=True, values=False), r"Shaw\(tie=True\) needs keys=True and values=True"),
     (dict(k=(3,)), r"max_relative_position as a pair must be \(left, right\)"),
     (dict(k=(2, -1)), "max_relative_position's right must be an int >= 0"),
     (dict(beyond="edge"), "beyond must be one of"),
@@ -252,7 +259,7 @@ def xl_formula(mod, x, *, pad=None, causal=False):
         return t.view(b, n, h, d).transpose(1, 2)
 
     q, k, v = heads(mod.q_proj(x)), heads(mod.k_proj(x)), heads(mod.v_proj(x))
-    kk = mod.max_relative_position
+    kk = mod.positions.max_relative_position
     pe = torch.zeros(n, n, e, dtype=torch.float64)
     for i in range(n):
         for j in range(n):
@@ -275,7 +282,7 @@ def xl_formula(mod, x, *, pad=None, causal=False):
 
 def xl_module(**kw):
     torch.manual_seed(0)
-    return RelativeMultiheadAttention(E, H, kw.pop("k", None), transformer_xl=True, dtype=torch.float64, **kw).eval()
+    return RelativeMultiheadAttention(E, H, TransformerXL(kw.pop("k", None)), dtype=torch.float64, **kw).eval()
 
 
 @pytest.mark.parametrize("backend", ["auto", "dense", "blocked"])
@@ -324,16 +331,81 @@ def test_transformer_xl_weights_and_errors():
     x = torch.randn(2, 5, E, dtype=torch.float64)
     out, w = mod(x, need_weights=True, average_attn_weights=False)
     assert_close(out, mod(x)[0], torch.float64) and w.shape == (2, H, 5, 5)
-    assert "transformer_xl=True" in repr(mod) and mod.state_dict().keys() >= {"pos_proj.weight", "content_bias"}
-    for kw, match in [(dict(relative_values=True), r"transformer_xl=True has no learned tables.*relative_values=True"),
-                      (dict(position_to_content=True), r"position_to_content=True"),
-                      (dict(max_relative_position=(3, 1)), r"max_relative_position None \(no clipping\) or an int"),
-                      (dict(beyond="zero"), r"beyond='zero'")]:
-        with pytest.raises(ValueError, match=match):
-            RelativeMultiheadAttention(E, H, transformer_xl=True, **kw)
+    assert "positions=TransformerXL()" in repr(mod) and \
+        mod.state_dict().keys() >= {"pos_proj.weight", "content_bias"}
+    for k in ((3, 1), -1, 2.0):
+        with pytest.raises(ValueError, match=r"TransformerXL takes max_relative_position None \(no clipping\) or an "
+                                             rf"int >= 0; got {re.escape(repr(k))}"):
+            TransformerXL(k)
     for name in ("native", "triton"):
         from relattn.backends import BACKENDS
 
         if not BACKENDS[name].serves.position_query:
             with pytest.raises(ValueError, match=rf"backend '{name}' cannot serve this module: .*q_pos"):
-                RelativeMultiheadAttention(E, H, transformer_xl=True, backend=name)
+                RelativeMultiheadAttention(E, H, TransformerXL(), backend=name)
+
+
+# ------------------------------------------------------------------------------------ a T5 module from the schemes
+
+
+def t5_oracle(mod, x, *, decoder: bool):
+    """T5's self-attention written out in float64 from ``mod``'s parameters (Raffel et al., 2020; transformers'
+    ``T5Attention``): scores ``q_i . k_j + b[h, bucket(j - i)]``, unscaled, the bucket the numpy reference's literal
+    ``t5_bucket`` (causal in a decoder, which also forbids later keys), no relative terms in the values."""
+    from relattn import reference as ref
+
+    b, n, e = x.shape
+    h, d = mod.num_heads, mod.head_dim
+
+    def heads(t):
+        return t.view(b, n, h, d).transpose(1, 2)
+
+    buckets = mod.positions.max_relative_position
+    bucket = torch.tensor([[ref.t5_bucket(j - i, buckets.num_buckets, buckets.max_distance, not decoder)
+                            for j in range(n)] for i in range(n)])
+    q, k, v = heads(mod.q_proj(x)), heads(mod.k_proj(x)), heads(mod.v_proj(x))
+    scores = q @ k.transpose(-1, -2) + mod.rel_bias[:, bucket]
+    if decoder:
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+    return mod.out_proj((torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "decoder"])
+def test_t5_module_from_the_public_api_is_t5_attention_and_decodes_with_a_cache(decoder):
+    """``RelativeMultiheadAttention(E, H, T5Bias(T5Buckets(...)), bias=False)``: the bias table (H, num_buckets), no
+    a^K / a^V, scale 1, against the hand-written oracle (outputs and every gradient, lengths past max_distance so the
+    log buckets and their saturation are met); a decoder decodes with a growing and a static KVCache to the oracle's
+    rows, one token and a few at a time."""
+    from relattn.positions import T5Buckets
+    from relattn.schemes import T5Bias
+
+    torch.manual_seed(3)
+    mod = RelativeMultiheadAttention(E, H, T5Bias(T5Buckets(8, 10, not decoder)), bias=False, dtype=torch.float64)
+    assert (mod.rel_k, mod.rel_v, mod.rel_q, mod.q_proj.bias) == (None, None, None, None)
+    assert mod.rel_bias.shape == (H, 8) and sorted(mod.state_dict()) == [
+        "k_proj.weight", "out_proj.weight", "q_proj.weight", "rel_bias", "v_proj.weight"]
+    with torch.no_grad():
+        mod.rel_bias.normal_(0, 2.0)  # large enough that a wrong bucket or scale is seen
+    x = torch.randn(2, 23, E, dtype=torch.float64)
+    got, want = mod(x, is_causal=decoder)[0], t5_oracle(mod, x, decoder=decoder)
+    assert_close(got, want, torch.float64, "T5 attention")
+    params = [p for _, p in sorted(mod.named_parameters())]
+    go = torch.randn_like(got)
+    for name, a, w in zip(sorted(dict(mod.named_parameters())), torch.autograd.grad(got, params, go),
+                          torch.autograd.grad(want, params, go), strict=True):
+        assert_close(a, w, torch.float64, f"d {name}")
+    scaled = RelativeMultiheadAttention(E, H, T5Bias(T5Buckets(8, 10, not decoder), scale=None), bias=False,
+                                        dtype=torch.float64)
+    scaled.load_state_dict(mod.state_dict())
+    assert (scaled(x, is_causal=decoder)[0] - want).abs().max() > 1e-3  # the scale of 1 matters
+    if not decoder:
+        return
+    with torch.no_grad():
+        for cache in (KVCache(), KVCache(max_len=23)):
+            for chunks in ([1] * 23, [5, 1, 7, 10]):
+                cache.reset()
+                steps, start = [], 0
+                for c in chunks:
+                    steps.append(mod(x[:, start:start + c], is_causal=True, kv_cache=cache)[0])
+                    start += c
+                assert_close(torch.cat(steps, 1), want, torch.float64, f"decoded {chunks}")

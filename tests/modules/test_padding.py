@@ -8,6 +8,7 @@ from helpers import assert_close
 from relattn import RelativeMultiheadAttention
 from relattn.padding import right_padding
 from relattn.positions import LogBuckets
+from relattn.schemes import Shaw, TransformerXL
 
 LENGTHS = (9, 0, 1, 5)  # one sequence of the full length, an empty one, a single token, a window-crossing one
 E, H = 16, 4
@@ -56,11 +57,10 @@ def test_right_padding_refuses_other_padding_and_remembers_its_last_mask():
 
 
 CONFIGS = {
-    "shared": dict(max_relative_position=3),
-    "buckets per-head rel_q": dict(max_relative_position=LogBuckets(3, 4, 12), position_to_content=True,
-                                   share_heads=False),
-    "transformer-xl gqa": dict(transformer_xl=True, num_kv_heads=2),
-    "window tied mqa zero": dict(max_relative_position=(2, 5), tie_tables=True, num_kv_heads=1, beyond="zero"),
+    "shared": dict(positions=3),
+    "buckets per-head rel_q": dict(positions=Shaw(LogBuckets(3, 4, 12), position_to_content=True, share_heads=False)),
+    "transformer-xl gqa": dict(positions=TransformerXL(), num_kv_heads=2),
+    "window tied mqa zero": dict(positions=Shaw((2, 5), tie=True, beyond="zero"), num_kv_heads=1),
 }
 
 
@@ -121,16 +121,16 @@ def test_the_module_keeps_the_masked_call_for_other_padding_and_masks():
 def test_little_padding_runs_masked_and_gives_the_same_zeros(monkeypatch):
     """Below PACK_FROM padded positions the masked call runs (no packed op), and its output is zeroed at the padding:
     the same answer as the packed call's."""
-    import relattn.modules as modules
+    import relattn.padding as padding
     from relattn.padding import PACK_FROM
 
     torch.manual_seed(0)
-    mod = RelativeMultiheadAttention(E, H, 3, position_to_content=True, dtype=torch.float64)
+    mod = RelativeMultiheadAttention(E, H, Shaw(3, position_to_content=True), dtype=torch.float64)
     x = torch.randn(2, 20, E, dtype=torch.float64, requires_grad=True)
     pad = _padding((20, 19), 20)
     assert pad.float().mean() < PACK_FROM
     calls = []
-    monkeypatch.setattr(modules, "attend_varlen", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(padding, "relative_attention_varlen", lambda *a, **k: calls.append(1))
     out = mod(x, key_padding_mask=pad)[0]
     assert not calls and torch.equal(out[1, 19], torch.zeros(E, dtype=torch.float64))
     assert_close(out[1, :19], mod(x[1:, :19])[0][0], torch.float64)

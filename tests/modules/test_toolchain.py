@@ -27,6 +27,7 @@ from helpers import assert_close, max_error, plain_module_forward, unavailable_h
 from relattn import RelativeMultiheadAttention, relative_attention
 from relattn.backends import not_supported_reasons
 from relattn.functional import validate
+from relattn.schemes import Shaw
 
 NAMES = ["auto", *relattn.BACKENDS]
 # The backends as test parameters: "auto" (what a model gets) in the fast part, each named backend among the slow
@@ -54,7 +55,8 @@ def _attention_refusal(name: str, attn: RelativeMultiheadAttention, batch: int, 
     """Why backend ``name`` cannot serve ``attn``'s self-attention on (batch, n) inputs of ``dtype``."""
     q = torch.zeros(batch, attn.num_heads, n, attn.head_dim, dtype=dtype)
     tables = [None if t is None else t.detach().to(dtype) for t in (attn.rel_k, attn.rel_v)]
-    return _refusal(name, q, q, q, *tables, max_relative_position=attn.max_relative_position, is_causal=is_causal)
+    return _refusal(name, q, q, q, *tables, max_relative_position=attn.positions.max_relative_position,
+                    is_causal=is_causal)
 
 
 def _module_refusal(name: str, mod: RelativeMultiheadAttention, x: torch.Tensor, *, is_causal: bool) -> str | None:
@@ -84,7 +86,7 @@ class _EveryBackend(nn.Module):
     def __init__(self, names: list[str], *, is_causal: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
-        base = RelativeMultiheadAttention(E, HEADS, K, share_heads=False)
+        base = RelativeMultiheadAttention(E, HEADS, Shaw(K, share_heads=False))
         self.names, self.is_causal = names, is_causal
         self.mods = nn.ModuleList()
         for name in names:
@@ -120,7 +122,7 @@ def compiled_vs_eager():
     If a graph fails to compile, each backend is compiled on its own, so the failure is reported against
     the backend that causes it and the others are still checked.
     """
-    probe_mod = RelativeMultiheadAttention(E, HEADS, K, share_heads=False)
+    probe_mod = RelativeMultiheadAttention(E, HEADS, Shaw(K, share_heads=False))
     probe_x = torch.zeros(BATCH, N, E)
     refused = {}
     for name in NAMES:
@@ -199,7 +201,7 @@ def test_export_dynamic_length_matches_eager(name, is_causal):
 
 def test_export_save_load_round_trip(tmp_path):
     torch.manual_seed(3)
-    mod = RelativeMultiheadAttention(E, HEADS, K, share_heads=False).eval()
+    mod = RelativeMultiheadAttention(E, HEADS, Shaw(K, share_heads=False)).eval()
     ep = _export(mod, is_causal=True)
     path = tmp_path / "attention.pt2"
     torch.export.save(ep, path)
@@ -249,7 +251,7 @@ def _autocast_results(fn, mod, x, g, causal):
 @pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_autocast_bf16_error_within_twice_plain_pytorch(name, is_causal):
     torch.manual_seed(4)
-    mod = RelativeMultiheadAttention(64, 4, 4, share_heads=False, backend=name)
+    mod = RelativeMultiheadAttention(64, 4, Shaw(4, share_heads=False), backend=name)
     x, g = torch.randn(2, 97, 64), torch.randn(2, 97, 64)
     _skip_if_refused(name, mod, x.bfloat16(), is_causal=is_causal)
     ours, want = _autocast_results(_ours, mod, x, g, is_causal)
@@ -325,7 +327,7 @@ def deterministic_algorithms():
 @pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_backward_is_bitwise_deterministic(deterministic_algorithms, name):
     torch.manual_seed(6)
-    mod = RelativeMultiheadAttention(32, 4, 5, share_heads=False, backend=name)
+    mod = RelativeMultiheadAttention(32, 4, Shaw(5, share_heads=False), backend=name)
     x, g = torch.randn(2, 100, 32), torch.randn(2, 100, 32)
     for causal in (False, True):
         _skip_if_refused(name, mod, x, is_causal=causal)
@@ -526,7 +528,7 @@ import torch
 import relattn
 
 torch.manual_seed(0)
-mod = relattn.RelativeMultiheadAttention(16, 4, 3, num_kv_heads=2, position_to_content=True).double()
+mod = relattn.RelativeMultiheadAttention(16, 4, relattn.Shaw(3, position_to_content=True), num_kv_heads=2).double()
 x = torch.randn(2, 9, 16, dtype=torch.float64)
 got = torch.compile(mod, fullgraph=True, backend="eager")(x, is_causal=True)[0]  # the first relattn call
 print(float((got - mod(x, is_causal=True)[0]).abs().max()))

@@ -32,7 +32,7 @@ for backend in ("dense", "blocked"):
     out = relative_attention(q, q, q, table, table, max_relative_position=2, is_causal=True, backend=backend)
     out.sum().backward()
 relative_attention_weights(q, q, table, max_relative_position=2)
-mod = RelativeMultiheadAttention(8, 2, max_relative_position=2, batch_first=True, backend="dense")
+mod = RelativeMultiheadAttention(8, 2, 2, batch_first=True, backend="dense")
 cache = KVCache()
 x = torch.randn(1, 3, 8)
 mod(x, is_causal=True, kv_cache=cache)[0].sum().backward()

@@ -146,6 +146,25 @@ def blocked_forward(q, k, v, rel_k, rel_v, mask, seed, *, max_relative_position:
     return out.to(dtype), lse
 
 
+def _table_grads(dq, d_rel_scores, reader, rel_k, rel_v, q_pos, p_buckets, grad_out):
+    """``(d_rel_k, d_rel_v, d_q_pos)`` from the gradients gathered per table row (the scores' ``d_rel_scores``, the
+    weights' ``p_buckets``); the key table's share of the queries' gradient goes into ``dq`` (in place) when the
+    table reads the queries themselves, else into ``d_q_pos``."""
+    d_rel_k = d_rel_v = d_q_pos = None
+    if rel_k is not None:
+        d_reader = d_rel_scores @ rel_k
+        if q_pos is None:
+            dq += d_reader
+        else:
+            d_q_pos = d_reader
+        d_rel_k = _sum_table_grad(d_rel_scores.transpose(-1, -2) @ reader, rel_k.shape[0])
+    elif q_pos is not None:
+        d_q_pos = torch.zeros_like(q_pos)
+    if rel_v is not None:
+        d_rel_v = _sum_table_grad(p_buckets.transpose(-1, -2) @ grad_out, rel_v.shape[0])
+    return d_rel_k, d_rel_v, d_q_pos
+
+
 def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, max_relative_position: int,
                      is_causal: bool, dropout_p: float, scale: float, query_offset: int,
                      block: int = DEFAULT_BLOCK, rel_q=None, q_pos=None, rel_bias=None):
@@ -196,18 +215,7 @@ def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, m
             bins = tile.key_bins(ds, kk)  # (B, H, Bk, 2K+1): this block's key rows only, no other block writes them
             dk[:, :, j0:j1] += bins @ rel_q
             d_rel_q += bins.transpose(-1, -2) @ k[:, :, j0:j1]
-    d_rel_k = d_rel_v = d_q_pos = None
-    if rel_k is not None:
-        d_reader = d_rel_scores @ rel_k
-        if q_pos is None:
-            dq += d_reader
-        else:
-            d_q_pos = d_reader
-        d_rel_k = _sum_table_grad(d_rel_scores.transpose(-1, -2) @ reader, rel_k.shape[0])
-    elif q_pos is not None:
-        d_q_pos = torch.zeros_like(q_pos)
-    if rel_v is not None:
-        d_rel_v = _sum_table_grad(p_buckets.transpose(-1, -2) @ grad_out, rel_v.shape[0])
+    d_rel_k, d_rel_v, d_q_pos = _table_grads(dq, d_rel_scores, reader, rel_k, rel_v, q_pos, p_buckets, grad_out)
     grads = [dq, dk, dv, d_rel_k, d_rel_v, None if rel_q is None else _sum_table_grad(d_rel_q, rel_q.shape[0]),
              d_q_pos, None if rel_bias is None else _sum_table_grad(d_bias.sum(2), rel_bias.shape[0])]
     while len(grads) > 5 and grads[-1] is None:  # the optional tables' gradients up to the last one given

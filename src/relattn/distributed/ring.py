@@ -163,7 +163,7 @@ def _rows(t: Tensor, seg) -> Tensor:
     return t.narrow(2, seg[2], seg[1])
 
 
-def _heads(t: Tensor, groups: int) -> Tensor:
+def _repeat_kv(t: Tensor, groups: int) -> Tensor:
     """k or v with its key/value heads repeated for the pair ops (each query head's own copy)."""
     return t if groups == 1 else t.repeat_interleave(groups, 1)
 
@@ -199,8 +199,8 @@ def ring_forward(q, k, v, rel_k, rel_v, mask, ring: Ring, rel_q, q_pos):
             qs, ks = pair.qs, pair.ks
             pair_kv = _rows(kv, ks)
             pk, pv, pq, pqp = _pair_tables(pair, rel_k, rel_v, rel_q, q_pos)
-            o, lo = ring.ops.pair_forward(_rows(q, qs), _heads(pair_kv[..., :d], ring.groups),
-                                          _heads(pair_kv[..., d:], ring.groups), pk, pv, _mask_for(mask, qs, ks),
+            o, lo = ring.ops.pair_forward(_rows(q, qs), _repeat_kv(pair_kv[..., :d], ring.groups),
+                                          _repeat_kv(pair_kv[..., d:], ring.groups), pk, pv, _mask_for(mask, qs, ks),
                                           (pq, pqp), **ring.scalars(pair))
             acc[qs] = _merge(*acc[qs], o.to(stats), lo)
         _mark("forward", step, "compute_end")
@@ -236,8 +236,8 @@ def ring_backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, ring: Ring, r
             pair_kv = _rows(kv, ks)
             pk, pv, pq, pqp = _pair_tables(pair, rel_k, rel_v, rel_q, q_pos)
             gq, gk, gv, grk, grv, grq, gqp = ring.ops.pair_backward(
-                _rows(grad_out, qs), _rows(q, qs), _heads(pair_kv[..., :d], ring.groups),
-                _heads(pair_kv[..., d:], ring.groups), pk, pv, _mask_for(mask, qs, ks), (pq, pqp),
+                _rows(grad_out, qs), _rows(q, qs), _repeat_kv(pair_kv[..., :d], ring.groups),
+                _repeat_kv(pair_kv[..., d:], ring.groups), pk, pv, _mask_for(mask, qs, ks), (pq, pqp),
                 _rows(out, qs), _rows(lse, qs), **ring.scalars(pair))
             g_tables = (grk, grv, grq)
             _rows(dq, qs).add_(gq)

@@ -24,7 +24,8 @@ from torch import nn
 
 from ..backends import check_name
 from ..functional import relative_attention
-from .hf_common import as_attn_mask, dropout_p, merge, packed_attention, qkv, right_packing
+from ..padding import merge_heads, packed_self_attention
+from .hf_common import as_attn_mask, dropout_p, qkv, right_packing
 
 POSITION_TYPES = ("relative_key", "relative_key_query")
 _TABLE = "distance_embedding.weight"
@@ -45,16 +46,16 @@ def _bert_forward(self, hidden_states, attention_mask=None, cache=None, **kwargs
     rel_q = table if self.position_embedding_type == "relative_key_query" else None
     packing = right_packing(attention_mask, hidden_states, self)
     if packing is not None:
-        return packed_attention(packing, hidden_states, (self.query, self.key, self.value), self.num_attention_heads,
-                                rel_k=table, max_relative_position=kk, rel_q=rel_q,
-                                dropout_p=dropout_p(self, self.dropout.p), scale=self.scaling,
-                                backend=self._relattn_backend), None
+        return packed_self_attention(packing, hidden_states, (self.query, self.key, self.value),
+                                     self.num_attention_heads, rel_k=table, max_relative_position=kk, rel_q=rel_q,
+                                     dropout_p=dropout_p(self, self.dropout.p), scale=self.scaling,
+                                     backend=self._relattn_backend), None
     q, k, v = qkv(hidden_states, (self.query, self.key, self.value), self.num_attention_heads)
     out = relative_attention(q, k, v, table, None, max_relative_position=kk, rel_q=rel_q,
                              attn_mask=as_attn_mask(attention_mask),
                              dropout_p=dropout_p(self, self.dropout.p), scale=self.scaling,
                              backend=self._relattn_backend)
-    return merge(out), None
+    return merge_heads(out), None
 
 
 def _no_positions(self, position_ids):

@@ -38,26 +38,13 @@ import torch
 from torch import nn
 
 from ..functional import relative_attention, relative_attention_weights
-from .hf_common import (
-    as_attn_mask,
-    attentions_recorded,
-    compact_mask,
-    dropout_p,
-    merge,
-    packed_attention,
-    right_packing,
-)
+from ..padding import merge_heads, packed_self_attention, split_heads
+from .hf_common import as_attn_mask, attentions_recorded, compact_mask, dropout_p, right_packing
 
 _W2V_CONFORMER = "transformers.models.wav2vec2_conformer.modeling_wav2vec2_conformer.Wav2Vec2ConformerSelfAttention"
 _SEAMLESS = "transformers.models.seamless_m4t.modeling_seamless_m4t.SeamlessM4TConformerSelfAttention"
 _FASTSPEECH2 = "transformers.models.fastspeech2_conformer.modeling_fastspeech2_conformer.FastSpeech2ConformerAttention"
 _PARAKEET = "transformers.models.parakeet.modeling_parakeet.ParakeetEncoderAttention"
-
-
-def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """(B, N, Hx*D) -> (B, Hx, N, D), the head count read from the width."""
-    b, n, _ = x.shape
-    return x.view(b, n, -1, head_dim).transpose(1, 2)
 
 
 def position_table(projection: nn.Linear, positions: torch.Tensor, heads: int, dtype) -> torch.Tensor:
@@ -86,20 +73,21 @@ def wav2vec2_forward(self, hidden_states, attention_mask=None, relative_position
     if packing is not None:
         dtype = hidden_states.dtype
         longest = packing.max_seqlen  # the table's middle 2 L - 1 rows serve sequences up to L long
-        return packed_attention(
+        return packed_self_attention(
             packing, hidden_states, (self.linear_q, self.linear_k, self.linear_v), self.num_heads, self.linear_out,
             rel_k=position_table(self.linear_pos, pe[0, n - longest: n + longest - 1], self.num_heads, dtype),
             max_relative_position=longest - 1, scale=self.scaling, content_bias=self.pos_bias_u.to(dtype),
             position_bias=self.pos_bias_v.to(dtype), dropout_p=dropout_p(self, self.dropout.p),
             backend=self._relattn_backend), None
-    q, k, v = (_heads(proj(hidden_states), self.head_size) for proj in (self.linear_q, self.linear_k, self.linear_v))
+    projections = (self.linear_q, self.linear_k, self.linear_v)
+    q, k, v = (split_heads(proj(hidden_states), head_dim=self.head_size) for proj in projections)
     table = position_table(self.linear_pos, pe[0], self.num_heads, q.dtype)
     args = dict(max_relative_position=n - 1, attn_mask=compact_mask(as_attn_mask(attention_mask)), scale=self.scaling,
                 content_bias=self.pos_bias_u.to(q.dtype), position_bias=self.pos_bias_v.to(q.dtype))
     out = relative_attention(q, k, v, table, None, dropout_p=dropout_p(self, self.dropout.p),
                              backend=self._relattn_backend, **args)
     weights = relative_attention_weights(q, k, table, **args) if recorded else None
-    return self.linear_out(merge(out)), weights
+    return self.linear_out(merge_heads(out)), weights
 
 
 # Whose layers mask padded frames before their convolution (Wav2Vec2-Conformer's does not: the frames after a
@@ -130,14 +118,15 @@ def fastspeech2_forward(self, hidden_states, attention_mask=None, pos_emb=None, 
         if attention_mask.size() != (b, 1, n):
             raise ValueError(f"Attention mask should be of size {(b, 1, n)}, but is {attention_mask.size()}")
         mask = attention_mask.ne(0)[:, :, None, :]  # (B, 1, 1, N), True = may attend
-    q, k, v = (_heads(proj(hidden_states), self.head_dim) for proj in (self.linear_q, self.linear_k, self.linear_v))
+    projections = (self.linear_q, self.linear_k, self.linear_v)
+    q, k, v = (split_heads(proj(hidden_states), head_dim=self.head_dim) for proj in projections)
     table = position_table(self.linear_pos, pos_emb[0], self.num_heads, q.dtype)
     args = dict(max_relative_position=n - 1, attn_mask=mask, scale=self.dim_key ** -0.5,
                 content_bias=self.pos_bias_u.to(q.dtype), position_bias=self.pos_bias_v.to(q.dtype))
     out = relative_attention(q, k, v, table, None, dropout_p=dropout_p(self, self.dropout.p),
                              backend=self._relattn_backend, **args)
     weights = relative_attention_weights(q, k, table, **args) if output_attentions else None
-    return self.linear_out(merge(out)), weights
+    return self.linear_out(merge_heads(out)), weights
 
 
 # ------------------------------------------------------------------------------ Parakeet
@@ -174,7 +163,8 @@ def _uniform_rows(out, weights, empty, q, k, v, scale):
 def _parakeet_attention(self, hidden_states, mask, table_positions, record):
     """One call: the (B, H, N, D) output and the weights (or None) of a batch sharing one (2N - 1, E) table."""
     n = hidden_states.shape[1]
-    q, k, v = (_heads(proj(hidden_states), self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
+    projections = (self.q_proj, self.k_proj, self.v_proj)
+    q, k, v = (split_heads(proj(hidden_states), head_dim=self.head_dim) for proj in projections)
     heads = self.config.num_attention_heads
     q_u = q + self.bias_u.to(q.dtype)[:, None]  # the content queries, for the rows masked whole
     table = position_table(self.relative_k_proj, table_positions, heads, q.dtype)
@@ -208,7 +198,7 @@ def parakeet_forward(self, hidden_states, position_embeddings=None, attention_ma
                  for i in range(b)]
         out = torch.cat([p[0] for p in parts])
         weights = torch.cat([p[1] for p in parts]) if record else None
-    return self.o_proj(merge(out)), weights
+    return self.o_proj(merge_heads(out)), weights
 
 
 # ------------------------------------------------------------------------------ what is supported

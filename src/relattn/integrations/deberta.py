@@ -30,13 +30,14 @@ q, k, v from one ``in_proj`` (per head ``[q | k | v]``) plus ``q_bias`` and ``v_
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
 from torch import nn
 
-from ..functional import relative_attention, relative_attention_varlen, relative_attention_weights
-from ..padding import Packing, right_padding
+from ..functional import relative_attention, relative_attention_weights
+from ..padding import Packing, attend_packed, packing_of, split_heads
 from ..positions import LogBuckets
 
 _MODULE = "transformers.models.deberta_v2.modeling_deberta_v2."
@@ -47,11 +48,6 @@ def positions(module: nn.Module) -> LogBuckets:
     """The :class:`LogBuckets` of a ``DisentangledSelfAttention`` (its ``pos_ebd_size`` rows each side)."""
     buckets = module.position_buckets if module.position_buckets > 0 else 0
     return LogBuckets(module.pos_ebd_size, buckets, module.max_relative_positions if buckets else 0)
-
-
-def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """(..., L, H*D) -> (..., H, L, D)."""
-    return x.view(*x.shape[:-1], heads, -1).transpose(-2, -3)
 
 
 def _is_standard(relative_pos: torch.Tensor, module: nn.Module, n: int) -> bool:
@@ -87,10 +83,8 @@ def _keep_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 def _packed(self, q, k, v, rel_k, packing: Packing, args: dict) -> torch.Tensor:
     """A packed encoder's attention: q, k, v (1, H, T, D) of the real tokens, one packed call; (1, T, H*D)."""
     q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
-    out = relative_attention_varlen(q, k, v, rel_k, None, cu_seqlens_q=packing.cu_seqlens,
-                                    max_seqlen_q=packing.max_seqlen, dropout_p=self.dropout.p if self.training else 0.0,
-                                    backend=self._relattn_backend, **args)
-    return out.flatten(1)[None]
+    return attend_packed(packing, q, k, v, rel_k=rel_k, dropout_p=self.dropout.p if self.training else 0.0,
+                         backend=self._relattn_backend, **args)[None]
 
 
 def _deberta_forward(self, hidden_states, attention_mask, output_attentions=False, query_states=None,
@@ -103,16 +97,16 @@ def _deberta_forward(self, hidden_states, attention_mask, output_attentions=Fals
         return type(self).forward(self, hidden_states, attention_mask, output_attentions=output_attentions,
                                   query_states=query_states, relative_pos=relative_pos, rel_embeddings=rel_embeddings)
     heads = self.num_attention_heads
-    q = _heads(self.query_proj(hidden_states if query_states is None else query_states), heads)
-    k, v = _heads(self.key_proj(hidden_states), heads), _heads(self.value_proj(hidden_states), heads)
+    q = split_heads(self.query_proj(hidden_states if query_states is None else query_states), heads=heads)
+    k, v = (split_heads(proj(hidden_states), heads=heads) for proj in (self.key_proj, self.value_proj))
     rel_k = rel_q = None
     c2p, p2c = "c2p" in self.pos_att_type, "p2c" in self.pos_att_type
     if self.relative_attention:
         table = self.pos_dropout(rel_embeddings)[: 2 * self.pos_ebd_size]
         if c2p:
-            rel_k = _heads(self.key_proj(table) if self.share_att_key else self.pos_key_proj(table), heads)
+            rel_k = split_heads((self.key_proj if self.share_att_key else self.pos_key_proj)(table), heads=heads)
         if p2c:
-            rel_q = _heads(self.query_proj(table) if self.share_att_key else self.pos_query_proj(table), heads)
+            rel_q = split_heads((self.query_proj if self.share_att_key else self.pos_query_proj)(table), heads=heads)
     terms = 1 + c2p + p2c  # as transformers counts them: with relative_attention=False too
     args = dict(max_relative_position=positions(self) if self.relative_attention else 0, rel_q=rel_q,
                 scale=1.0 / _scale(q.shape[-1], terms))
@@ -133,21 +127,36 @@ def _padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return attention_mask.unsqueeze(1) if attention_mask.dim() == 3 else attention_mask
 
 
+@functools.cache
+def _encoder_parameters(cls) -> tuple[tuple[str, object], ...]:
+    """(name, default) of an encoder class's ``forward`` parameters after ``hidden_states`` and ``attention_mask``,
+    read once per class."""
+    return tuple((p.name, p.default) for p in list(inspect.signature(cls.forward).parameters.values())[3:])
+
+
+def _encoder_argument(self, name: str, args: tuple, kwargs: dict):
+    """The value an encoder call's ``args`` and ``kwargs`` (after the mask) give the parameter ``name``."""
+    if name in kwargs:
+        return kwargs[name]
+    for at, (parameter, default) in enumerate(_encoder_parameters(type(self))):
+        if parameter == name:
+            return args[at] if at < len(args) else default
+    raise TypeError(f"{type(self).__name__}.forward has no parameter {name!r}")
+
+
 def _encoder_packing(self, hidden_states, attention_mask, args, kwargs) -> Packing | None:
-    """The :class:`Packing` of an encoder call that can run packed: a (B, N) padding mask, right-aligned with some
-    padding, self-attention (no ``query_states``, no ``relative_pos``), no weights asked for, no convolution
-    (DeBERTa-v2's ``conv_kernel_size`` layer reads neighbouring positions); else None."""
+    """The :class:`Packing` of an encoder call that can run packed: a (B, N) padding mask (the ``"keep"`` mask rule,
+    :func:`relattn.padding.keep_padding`), right-aligned with some padding and some tokens, self-attention (no
+    ``query_states``, no ``relative_pos``), no weights asked for, no convolution (DeBERTa-v2's ``conv_kernel_size``
+    layer reads neighbouring positions); else None."""
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 or \
-            not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or \
-            getattr(self, "conv", None) is not None or torch.compiler.is_compiling():
+            getattr(self, "conv", None) is not None:
         return None
-    bound = inspect.signature(type(self).forward).bind(self, hidden_states, attention_mask, *args, **kwargs)
-    bound.apply_defaults()
-    call = bound.arguments
-    if call["output_attentions"] or call["query_states"] is not None or call["relative_pos"] is not None:
+    if any(_encoder_argument(self, name, args, kwargs) is not None for name in ("query_states", "relative_pos")) or \
+            _encoder_argument(self, "output_attentions", args, kwargs):
         return None
-    packing = right_padding(attention_mask == 0)
-    return packing if packing is not None and packing.padded and packing.total > 0 else None
+    packing = packing_of(attention_mask, "keep")
+    return packing if packing is not None and packing.total > 0 else None
 
 
 def _packed_encoder(self, hidden_states, attention_mask, packing: Packing, positions_marker, args, kwargs):
@@ -229,7 +238,7 @@ def _v1_forward(self, hidden_states, attention_mask, output_attentions=False, qu
         return type(self).forward(self, hidden_states, attention_mask, output_attentions=output_attentions,
                                   query_states=query_states, relative_pos=relative_pos, rel_embeddings=rel_embeddings)
     heads = self.num_attention_heads
-    q, k, v = _heads(self.in_proj(hidden_states), heads).chunk(3, dim=-1)
+    q, k, v = split_heads(self.in_proj(hidden_states), heads=heads).chunk(3, dim=-1)
     q = q + self.q_bias.view(heads, 1, -1)
     v = v + self.v_bias.view(heads, 1, -1)
     rel_k = rel_q = None
@@ -240,9 +249,9 @@ def _v1_forward(self, hidden_states, attention_mask, output_attentions=False, qu
         window = LogBuckets(span)
         table = self.pos_dropout(rel_embeddings)[self.max_relative_positions - span: self.max_relative_positions + span]
         if "c2p" in self.pos_att_type:
-            rel_k = _heads(self.pos_proj(table), heads)
+            rel_k = split_heads(self.pos_proj(table), heads=heads)
         if "p2c" in self.pos_att_type:
-            rel_q = _heads(self.pos_q_proj(table), heads)
+            rel_q = split_heads(self.pos_q_proj(table), heads=heads)
     args = dict(max_relative_position=window, rel_q=rel_q, scale=1.0 / _scale(q.shape[-1], 1 + len(self.pos_att_type)))
     if packing is not None:
         return _packed(self, q, k, v, rel_k, packing, args), None

@@ -35,11 +35,6 @@ POSITIONS = ("step", "eole")
 _EOLE_MHA = "eole.modules.multi_headed_attn."
 
 
-def _heads(x: torch.Tensor) -> torch.Tensor:
-    """eole's (B, L, H, D) as (B, H, L, D)."""
-    return x.transpose(1, 2)
-
-
 def _eole_positions_call(q, k, v, mask):
     """The tensors of a cached call with eole's positions: every query at the buffer's last slot ``M - 1``. The
     S queries become S batch entries of one query each, (B, S, H, 1, D), reading the same keys (expanded, no
@@ -78,7 +73,7 @@ def _self_mha_forward(self, query, attn_mask=None, return_attn=False, position_e
     if cached:
         key, value, query = self._update_cache_w_inputs(query, key, value, cache_seqlens=cache_seqlens,
                                                         cache_slice=cache_slice)
-    q, k, v = _heads(query), _heads(key), _heads(value)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # eole's (B, L, H, D) as (B, H, L, D)
     m = k.shape[-2]
     mask = attn_mask
     if mask is not None:

@@ -33,8 +33,9 @@ import torch
 from torch import nn
 
 from ..functional import relative_attention, relative_attention_with_weights
+from ..padding import merge_heads, packed_self_attention, split_heads
 from ..positions import T5Buckets
-from .hf_common import as_attn_mask, attentions_recorded, dropout_p, heads, merge, packed_attention, right_packing
+from .hf_common import as_attn_mask, attentions_recorded, dropout_p, right_packing
 
 SUPPORTED = ("T5", "mT5", "umT5", "Switch Transformers", "Pop2Piano", "Pix2Struct text decoder", "UDOP decoder",
              "LongT5 decoder", "MPNet")
@@ -61,12 +62,11 @@ def _attend(self, hidden_states, mask, cache, kwargs, *, past: int):
     if cache is None and not recorded:
         packing = right_packing(mask, hidden_states, self)
         if packing is not None:
-            out = packed_attention(packing, hidden_states, (q_proj, k_proj, v_proj), self.n_heads, o_proj,
-                                   rel_bias=table, max_relative_position=buckets, scale=self.scaling, dropout_p=drop,
-                                   backend=self._relattn_backend)
+            out = packed_self_attention(packing, hidden_states, (q_proj, k_proj, v_proj), self.n_heads, o_proj,
+                                        rel_bias=table, max_relative_position=buckets, scale=self.scaling,
+                                        dropout_p=drop, backend=self._relattn_backend)
             return out, None
-    q = heads(q_proj(hidden_states), self.n_heads)
-    k, v = heads(k_proj(hidden_states), self.n_heads), heads(v_proj(hidden_states), self.n_heads)
+    q, k, v = (split_heads(proj(hidden_states), heads=self.n_heads) for proj in (q_proj, k_proj, v_proj))
     if cache is not None:
         layers = getattr(cache, "self_attention_cache", cache)  # an EncoderDecoderCache's, or the cache itself
         k, v = layers.update(k, v, self.layer_idx, kwargs=kwargs)
@@ -80,7 +80,7 @@ def _attend(self, hidden_states, mask, cache, kwargs, *, past: int):
         out, weights = relative_attention_with_weights(q, k, v, dropout_p=drop, **args)
     else:
         out, weights = relative_attention(q, k, v, dropout_p=drop, backend=self._relattn_backend, **args), None
-    return o_proj(merge(out)), weights
+    return o_proj(merge_heads(out)), weights
 
 
 def _past(self, cache) -> int:
@@ -144,15 +144,15 @@ def mpnet_forward(self, hidden_states, attention_mask=None, position_bias=None, 
     if not output_attentions:
         packing = right_packing(attention_mask, hidden_states, self)
         if packing is not None:
-            return (packed_attention(packing, hidden_states, projections, self.num_attention_heads, self.o,
-                                     dropout_p=drop, backend=self._relattn_backend, **args),)
-    q, k, v = (heads(p(hidden_states), self.num_attention_heads) for p in projections)
+            return (packed_self_attention(packing, hidden_states, projections, self.num_attention_heads, self.o,
+                                          dropout_p=drop, backend=self._relattn_backend, **args),)
+    q, k, v = (split_heads(p(hidden_states), heads=self.num_attention_heads) for p in projections)
     attn_mask = as_attn_mask(attention_mask)
     if output_attentions:
         out, weights = relative_attention_with_weights(q, k, v, attn_mask=attn_mask, dropout_p=drop, **args)
-        return self.o(merge(out)), weights
+        return self.o(merge_heads(out)), weights
     out = relative_attention(q, k, v, attn_mask=attn_mask, dropout_p=drop, backend=self._relattn_backend, **args)
-    return (self.o(merge(out)),)
+    return (self.o(merge_heads(out)),)
 
 
 # ------------------------------------------------------------------------------------------ what is patched

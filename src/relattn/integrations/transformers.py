@@ -32,6 +32,7 @@ from torch import nn
 
 from ..backends import check_name
 from ..functional import relative_attention, relative_attention_weights
+from ..padding import merge_heads, packed_self_attention
 from . import t5 as _t5
 from ._patching import PatchReport, is_patched, patched_here, swap, unpatch
 from .conformer import HANDLERS as _CONFORMER
@@ -39,7 +40,7 @@ from .conformer import SUPPORTED as _CONFORMER_SUPPORTED
 from .conformer import wav2vec2_forward, wav2vec2_reason
 from .deberta import HANDLERS as _DEBERTA
 from .deberta import SUPPORTED as _DEBERTA_SUPPORTED
-from .hf_common import as_attn_mask, attentions_recorded, dropout_p, merge, packed_attention, qkv, right_packing
+from .hf_common import as_attn_mask, attentions_recorded, dropout_p, qkv, right_packing
 
 SUPPORTED = ("Wav2Vec2-BERT (relative_key)", "SeamlessM4T-v2 speech encoder (relative_key)", "SpeechT5 encoder",
              "VITS", *_DEBERTA_SUPPORTED, *_CONFORMER_SUPPORTED, *_t5.SUPPORTED)
@@ -56,17 +57,17 @@ def _conformer_forward(self, hidden_states, attention_mask=None, relative_positi
     packing = None if recorded else right_packing(attention_mask, hidden_states, self)
     if packing is not None:
         projections = (self.linear_q, self.linear_k, self.linear_v)
-        return packed_attention(packing, hidden_states, projections, self.num_heads, self.linear_out,
-                                rel_k=self.distance_embedding.weight.to(hidden_states.dtype),
-                                max_relative_position=window, scale=self.scaling,
-                                dropout_p=dropout_p(self, self.dropout.p), backend=self._relattn_backend), None
+        return packed_self_attention(packing, hidden_states, projections, self.num_heads, self.linear_out,
+                                     rel_k=self.distance_embedding.weight.to(hidden_states.dtype),
+                                     max_relative_position=window, scale=self.scaling,
+                                     dropout_p=dropout_p(self, self.dropout.p), backend=self._relattn_backend), None
     q, k, v = qkv(hidden_states, (self.linear_q, self.linear_k, self.linear_v), self.num_heads)
     args = dict(max_relative_position=window, attn_mask=as_attn_mask(attention_mask), scale=self.scaling)
     table = self.distance_embedding.weight.to(q.dtype)
     out = relative_attention(q, k, v, table, None, dropout_p=dropout_p(self, self.dropout.p),
                              backend=self._relattn_backend, **args)
     weights = relative_attention_weights(q, k, table, **args) if recorded else None
-    return self.linear_out(merge(out)), weights
+    return self.linear_out(merge_heads(out)), weights
 
 
 def _w2v_bert_forward(self, hidden_states, attention_mask=None, relative_position_embeddings=None, **kwargs):
@@ -91,15 +92,16 @@ def _speecht5_forward(self, hidden_states, key_value_states=None, cache=None, at
     rel_k = position_bias.flip(0).to(hidden_states.dtype)
     packing = None if output_attentions else right_packing(attention_mask, hidden_states, self)
     if packing is not None:
-        return packed_attention(packing, hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.num_heads,
-                                self.out_proj, rel_k=rel_k, max_relative_position=(half - 1, half), scale=self.scaling,
-                                dropout_p=dropout_p(self, self.dropout), backend=self._relattn_backend), None
+        return packed_self_attention(packing, hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.num_heads,
+                                     self.out_proj, rel_k=rel_k, max_relative_position=(half - 1, half),
+                                     scale=self.scaling, dropout_p=dropout_p(self, self.dropout),
+                                     backend=self._relattn_backend), None
     q, k, v = qkv(hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.num_heads)
     args = dict(max_relative_position=(half - 1, half), attn_mask=as_attn_mask(attention_mask), scale=self.scaling)
     out = relative_attention(q, k, v, rel_k, None, dropout_p=dropout_p(self, self.dropout),
                              backend=self._relattn_backend, **args)
     weights = relative_attention_weights(q, k, rel_k, **args) if output_attentions else None
-    return self.out_proj(merge(out)), weights
+    return self.out_proj(merge_heads(out)), weights
 
 
 def _vits_forward(self, hidden_states, key_value_states=None, attention_mask=None, output_attentions=False):
@@ -108,17 +110,17 @@ def _vits_forward(self, hidden_states, key_value_states=None, attention_mask=Non
     packing = None if output_attentions or key_value_states is not None else \
         right_packing(attention_mask, hidden_states, self)
     if packing is not None:
-        return packed_attention(packing, hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.num_heads,
-                                self.out_proj, rel_k=rel_k, rel_v=rel_v, max_relative_position=self.window_size,
-                                beyond="zero", scale=self.scaling, dropout_p=dropout_p(self, self.dropout),
-                                backend=self._relattn_backend), None
+        return packed_self_attention(packing, hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.num_heads,
+                                     self.out_proj, rel_k=rel_k, rel_v=rel_v, max_relative_position=self.window_size,
+                                     beyond="zero", scale=self.scaling, dropout_p=dropout_p(self, self.dropout),
+                                     backend=self._relattn_backend), None
     q, k, v = qkv(hidden_states, (self.q_proj, self.k_proj, self.v_proj), self.num_heads)
     args = dict(max_relative_position=self.window_size, beyond="zero", attn_mask=as_attn_mask(attention_mask),
                 scale=self.scaling)
     out = relative_attention(q, k, v, rel_k, rel_v, dropout_p=dropout_p(self, self.dropout),
                              backend=self._relattn_backend, **args)
     weights = relative_attention_weights(q, k, rel_k, **args) if output_attentions else None
-    return self.out_proj(merge(out)), weights
+    return self.out_proj(merge_heads(out)), weights
 
 
 # ------------------------------------------------------------------------------------------ what is supported
@@ -176,6 +178,17 @@ def _qualname(module: nn.Module) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _patch_speecht5_positions(model: nn.Module, report: PatchReport, backend: str) -> set[int]:
+    """Patch the relative positions of every SpeechT5 encoder of ``model``; the ids of their layers' attention."""
+    encoder_attention = set()
+    for name, module in model.named_modules():
+        if _qualname(module) == _SPEECHT5 + "SpeechT5Encoder":
+            swap(module.embed_positions, _speecht5_positions_forward, backend)
+            report.patched.append(f"{name}.embed_positions" if name else "embed_positions")
+            encoder_attention.update(id(layer.attention) for layer in module.layers)
+    return encoder_attention
+
+
 def patch(model: nn.Module, *, backend: str = "auto") -> PatchReport:
     """Replace, in place, the forward of every supported attention module of ``model`` with one that calls
     :func:`relative_attention` on the module's own parameters (``state_dict`` unchanged).
@@ -201,14 +214,8 @@ def patch(model: nn.Module, *, backend: str = "auto") -> PatchReport:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     backend = check_name(backend)
     report = PatchReport()
-    speecht5_encoder_attention = set()
     _t5.patch_into(model, report, lambda module, forward, **attributes: swap(module, forward, backend, **attributes))
-    for name, module in model.named_modules():
-        qualname = _qualname(module)
-        if qualname == _SPEECHT5 + "SpeechT5Encoder":
-            swap(module.embed_positions, _speecht5_positions_forward, backend)
-            report.patched.append(f"{name}.embed_positions" if name else "embed_positions")
-            speecht5_encoder_attention.update(id(layer.attention) for layer in module.layers)
+    speecht5_encoder_attention = _patch_speecht5_positions(model, report, backend)
     for name, module in model.named_modules():
         qualname = _qualname(module)
         if qualname == _SPEECHT5 + "SpeechT5Attention":

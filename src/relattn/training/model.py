@@ -10,7 +10,7 @@ Position information comes from the config's ``positions``:
 - ``"absolute"``: sinusoidal encodings (Vaswani et al., 2017) added to the input, no tables;
 - ``"none"``: neither (a causal LM can still infer positions from the mask).
 
-The same attention module serves all three (``relative_keys=relative_values=False`` for the last two),
+The same attention module serves all three (``Shaw(keys=False, values=False)`` for the last two),
 so comparisons between them differ only in where positions come from.
 """
 
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import ContextParallel
-from ..modules import KVCache, RelativeMultiheadAttention
+from ..modules import KVCache, RelativeMultiheadAttention, Shaw
 
 POSITIONS = ("relative", "absolute", "none")
 
@@ -115,9 +115,9 @@ class Block(nn.Module):
         relative = config.positions == "relative"
         self.ln1 = nn.LayerNorm(config.d_model)
         self.attn = RelativeMultiheadAttention(
-            config.d_model, config.n_heads, config.max_relative_position, dropout=config.dropout,
-            relative_keys=relative, relative_values=relative and config.relative_values,
-            share_heads=config.share_heads, backend=config.backend,
+            config.d_model, config.n_heads,
+            Shaw(config.max_relative_position, keys=relative, values=relative and config.relative_values,
+                 share_heads=config.share_heads), dropout=config.dropout, backend=config.backend,
         )
         self.ln2 = nn.LayerNorm(config.d_model)
         self.ff = nn.Sequential(nn.Linear(config.d_model, config.d_ff), nn.GELU(),
