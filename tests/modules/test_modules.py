@@ -409,3 +409,40 @@ def test_t5_module_from_the_public_api_is_t5_attention_and_decodes_with_a_cache(
                     steps.append(mod(x[:, start:start + c], is_causal=True, kv_cache=cache)[0])
                     start += c
                 assert_close(torch.cat(steps, 1), want, torch.float64, f"decoded {chunks}")
+
+
+def _schemes():
+    from relattn.schemes import Disentangled, T5Bias
+
+    return {"Shaw(3)": (Shaw(3), {"rel_k", "rel_v"}),
+            "Shaw(3, values=False, position_to_content=True)": (Shaw(3, values=False, position_to_content=True),
+                                                                {"rel_k", "rel_q"}),
+            "Shaw(3, tie=True)": (Shaw(3, tie=True), {"rel_k", "rel_v"}),
+            "Disentangled(3)": (Disentangled(3), {"rel_k", "rel_q"}),
+            "Shaw(3, keys=False, values=False)": (Shaw(3, keys=False, values=False), set()),
+            "T5Bias()": (T5Bias(), {"rel_bias"}),
+            "TransformerXL()": (TransformerXL(), {"pos_proj.weight", "content_bias", "position_bias"})}
+
+
+@pytest.mark.parametrize("name", list(_schemes()))
+def test_each_scheme_keeps_the_state_dict_keys_the_flags_had(name):
+    """Checkpoints of the flag-built module load into the scheme-built one: the parameters keep their names (written
+    out here as the flags named them: relative_keys/values, position_to_content, tie_tables, relative_bias,
+    transformer_xl), the scheme shows in the repr as written, and a state dict round-trips."""
+    scheme, keys = _schemes()[name]
+    projections = {f"{p}.{w}" for p in ("q_proj", "k_proj", "v_proj", "out_proj") for w in ("weight", "bias")}
+    torch.manual_seed(0)
+    mod = RelativeMultiheadAttention(E, H, scheme)
+    assert set(mod.state_dict()) == projections | keys and f"positions={name}," in repr(mod)
+    other = RelativeMultiheadAttention(E, H, scheme)
+    other.load_state_dict(mod.state_dict())
+    x = torch.randn(2, 5, E)
+    torch.testing.assert_close(other(x)[0], mod(x)[0], rtol=0, atol=0)
+
+
+def test_positions_must_be_a_scheme_or_a_window():
+    for bad in ("16", True, 2.5, {"K": 3}):
+        with pytest.raises(TypeError, match=rf"positions must be a position scheme .* got {type(bad).__name__}"):
+            RelativeMultiheadAttention(E, H, bad)
+    assert RelativeMultiheadAttention(E, H, [2, 1]).positions == Shaw((2, 1))
+    assert RelativeMultiheadAttention(E, H).positions == Shaw(16)

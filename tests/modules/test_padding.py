@@ -136,3 +136,42 @@ def test_little_padding_runs_masked_and_gives_the_same_zeros(monkeypatch):
     assert_close(out[1, :19], mod(x[1:, :19])[0][0], torch.float64)
     (grad,) = torch.autograd.grad(out.square().sum(), x)
     assert torch.equal(grad[1, 19], torch.zeros(E, dtype=torch.float64))
+
+
+def test_each_mask_convention_has_one_rule_and_packs_only_padding_alone():
+    """The named rules of relattn.padding: nn.MultiheadAttention's key_padding_mask (bool True = padding, or -inf
+    added at padding only), DeBERTa's keep mask (nonzero = token, any dtype); each gives the same lengths for the
+    same padding, and refuses what is more than padding (a finite score, left padding: no packing)."""
+    from relattn.padding import MASK_RULES, packing_of
+
+    lengths = torch.tensor([6, 3, 1])
+    keep = torch.arange(6)[None, :] < lengths[:, None]
+    packs = {"key_padding_mask": [~keep, torch.zeros(3, 6).masked_fill(~keep, -torch.inf)],
+             "keep": [keep, keep.long(), keep.double()],
+             "transformers": [keep.long(), keep[:, None, None]]}
+    assert set(packs) == set(MASK_RULES)
+    for rule, masks in packs.items():
+        for mask in masks:
+            packing = packing_of(mask, rule)
+            assert packing is not None and packing.lengths.tolist() == [6, 3, 1], (rule, mask.dtype)
+    biased = torch.zeros(3, 6).masked_fill(~keep, -torch.inf)
+    biased[0, 0] = -1.0
+    for rule, mask in (("key_padding_mask", biased), ("key_padding_mask", (~keep).flip(-1)), ("keep", keep.flip(-1)),
+                       ("key_padding_mask", torch.zeros(3, 6, dtype=torch.bool))):  # the last: no padding at all
+        assert packing_of(mask, rule) is None, rule
+    with pytest.raises(ValueError, match="rule must be one of"):
+        packing_of(keep, "hf")
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_split_heads_is_the_one_head_split(batch_first):
+    """(B, L, H*D) (or (L, B, H*D)) -> (B, H, L, D) by heads or by head dim, a view; merge_heads undoes it."""
+    from relattn.padding import merge_heads, split_heads
+
+    x = torch.arange(2 * 5 * 12.0).view(2, 5, 12)
+    seen = x if batch_first else x.transpose(0, 1)
+    by_heads = split_heads(seen, heads=3, batch_first=batch_first)
+    assert torch.equal(by_heads, split_heads(seen, head_dim=4, batch_first=batch_first))
+    assert by_heads.shape == (2, 3, 5, 4) and by_heads._base is not None
+    assert torch.equal(by_heads[1, 2, 3], x[1, 3, 8:12])
+    assert torch.equal(merge_heads(by_heads), x)
