@@ -17,10 +17,8 @@ from .schemes import Disentangled, Scheme, Shaw, T5Bias, TransformerXL, as_schem
 # Every parameter name a scheme may register on the module (None where the scheme has none): the state-dict keys.
 SCHEME_PARAMETERS = ("rel_k", "rel_v", "rel_q", "rel_bias", "pos_proj", "content_bias", "position_bias")
 
-_MASKS = {  # argument -> what its bool and float forms mean, as nn.MultiheadAttention takes them
-    "key_padding_mask": "bool (True = padding: the key is not attended) or floating (added to the scores)",
-    "attn_mask": "bool (True = not allowed to attend) or floating (added to the scores)",
-}
+_MASKS = {"key_padding_mask": "bool (True = padding: the key is not attended) or floating (added to the scores)",
+          "attn_mask": "bool (True = not allowed to attend) or floating (added to the scores)"}  # as nn.MHA reads them
 
 
 def _check_mask_dtype(name: str, mask) -> None:
@@ -279,9 +277,10 @@ class RelativeMultiheadAttention(nn.Module):
     def _options(self, dtype: torch.dtype, n: int, m: int, offset: int, is_causal: bool) -> dict:
         """The op's keywords for one call of this module but the tensors and the call's own: the scheme's relative
         terms (made for ``n`` queries at ``offset`` and ``m`` keys, in ``dtype``) and the module's options."""
-        return dict(self.positions.terms(self, dtype, n, m, offset), is_causal=is_causal,
-                    dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.num_kv_heads != self.num_heads,
-                    backend=self.backend)
+        (terms := self.positions.terms(self, dtype, n, m, offset)).update(
+            is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.num_kv_heads != self.num_heads, backend=self.backend)
+        return terms
 
     def _padding_alone(self, query, key_padding_mask, batched: bool, is_causal: bool):
         """Self-attention masked by a ``key_padding_mask`` alone: ``(output, None)`` when it runs packed, else

@@ -158,11 +158,12 @@ class Shaw(Scheme):
                     t.zero_()
 
     def terms(self, module, dtype, n, m, offset):
-        out = {name: None if (t := getattr(module, name)) is None else t.to(dtype) for name in self.create_names}
-        out.update(max_relative_position=self.max_relative_position, beyond=self.beyond)
-        if self.scale is not None:
-            out["scale"] = float(self.scale)
-        return out
+        rel_k, rel_v, rel_q, rel_bias = module.rel_k, module.rel_v, module.rel_q, module.rel_bias
+        return dict(rel_k=None if rel_k is None else rel_k.to(dtype), rel_v=None if rel_v is None else rel_v.to(dtype),
+                    rel_q=None if rel_q is None else rel_q.to(dtype),
+                    rel_bias=None if rel_bias is None else rel_bias.to(dtype),
+                    max_relative_position=self.max_relative_position, beyond=self.beyond,
+                    scale=None if self.scale is None else float(self.scale))
 
 
 @dataclass(frozen=True, repr=False)
