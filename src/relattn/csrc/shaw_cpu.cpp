@@ -491,6 +491,11 @@ struct Geometry {
   bool has_qa() const { return has_k || has_b; }
   // What KA depends on besides the batch entry: the key/value head for a shared a^Q, else the query head.
   int64_t ka_head(int64_t h) const { return Hq == 1 ? h / group : h; }
+  // The head of each table that query head h reads (0: the table is shared).
+  int64_t rel_k_head(int64_t h) const { return Hk == 1 ? 0 : h; }
+  int64_t rel_v_head(int64_t h) const { return Hv == 1 ? 0 : h; }
+  int64_t rel_q_head(int64_t h) const { return Hq == 1 ? 0 : h; }
+  int64_t rel_bias_head(int64_t h) const { return Hb == 1 ? 0 : h; }
 };
 
 // The most columns a window of `queries` rows against `keys` keys can have (window_of; at least 1).
@@ -506,20 +511,20 @@ struct Views {
   const T *tk, *tv, *mask;
   int64_t qs[3], ks[3], vs[3];  // strides of dims 0, 1, 2 (the last is 1)
   int64_t ms[4];                // the mask's strides, 0 where it broadcasts
-  // The tables with zero rows out to ldr (padded_tables): the table GEMMs read a window (Window) of their rows.
-  const T *tk_pad = nullptr, *tv_pad = nullptr, *rq_pad = nullptr;
-  int64_t ldr = 0;
-  const T* rq = nullptr;  // the position-to-content table a^Q (Hq, R, D), or null
-  const T* rb = nullptr;  // the scalar bias (Hb, R), or null
+  // The tables with zero rows out to padded_rows (padded_tables): the table GEMMs read a window (Window) of their rows.
+  const T *rel_k_padded = nullptr, *rel_v_padded = nullptr, *rel_q_padded = nullptr;
+  int64_t padded_rows = 0;
+  const T* rel_q = nullptr;     // the position-to-content table a^Q (Hq, R, D), or null
+  const T* rel_bias = nullptr;  // the scalar bias (Hb, R), or null
   // The queries the key table reads (q_pos; q itself when none is given) and their strides.
-  const I* qp = nullptr;
-  int64_t qps[3] = {};
+  const I* q_pos = nullptr;
+  int64_t q_pos_strides[3] = {};
   // The additive mask of query row i, keys from n0 (its entry for key n0 + x is row[x * ms[3]]), or null.
   const T* mask_row(int64_t b, int64_t h, int64_t i, int64_t n0) const {
     return mask == nullptr ? nullptr : mask + b * ms[0] + h * ms[1] + i * ms[2] + n0 * ms[3];
   }
   const I* qh(int64_t b, int64_t h) const { return q + b * qs[0] + h * qs[1]; }
-  const I* qph(int64_t b, int64_t h) const { return qp + b * qps[0] + h * qps[1]; }
+  const I* q_pos_head(int64_t b, int64_t h) const { return q_pos + b * q_pos_strides[0] + h * q_pos_strides[1]; }
   const I* kh(int64_t b, int64_t hkv) const { return k + b * ks[0] + hkv * ks[1]; }
   const I* vh(int64_t b, int64_t hkv) const { return v + b * vs[0] + hkv * vs[1]; }
 };
@@ -564,17 +569,17 @@ Views<I, T> views(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& tv, const at::Tensor& mask, const at::Tensor& tq, const at::Tensor& qp,
                   const Padded& pad, const at::Tensor& tb) {
   Views<I, T> w = views<I, T>(q, k, v, tk, tv, mask);
-  if (tb.defined()) w.rb = tb.data_ptr<T>();
-  w.ldr = pad.cols;
-  if (tk.defined()) w.tk_pad = pad.k.data_ptr<T>();
-  if (tv.defined()) w.tv_pad = pad.v.data_ptr<T>();
+  if (tb.defined()) w.rel_bias = tb.data_ptr<T>();
+  w.padded_rows = pad.cols;
+  if (tk.defined()) w.rel_k_padded = pad.k.data_ptr<T>();
+  if (tv.defined()) w.rel_v_padded = pad.v.data_ptr<T>();
   if (tq.defined()) {
-    w.rq = tq.data_ptr<T>();
-    w.rq_pad = pad.q.data_ptr<T>();
+    w.rel_q = tq.data_ptr<T>();
+    w.rel_q_padded = pad.q.data_ptr<T>();
   }
   const at::Tensor& pq = qp.defined() ? qp : q;
-  w.qp = pq.data_ptr<I>();
-  for (int d = 0; d < 3; ++d) w.qps[d] = pq.stride(d);
+  w.q_pos = pq.data_ptr<I>();
+  for (int d = 0; d < 3; ++d) w.q_pos_strides[d] = pq.stride(d);
   return w;
 }
 
@@ -697,13 +702,13 @@ template <typename I, typename T>
 PosRows<T> key_table_rows(const Geometry& g, const Views<I, T>& w, int64_t b, int64_t h, int64_t j0, int64_t j1,
                           const std::vector<Window>& wins, int64_t ld, T scale, std::vector<T>& kbuf, T* ka, T* lo,
                           T* hi) {
-  const int64_t nk = j1 - j0, hq = g.Hq == 1 ? 0 : h;
+  const int64_t nk = j1 - j0, hq = g.rel_q_head(h);
   int64_t ldk;
   const T* kf = rows_as<T>(w.kh(b, h / g.group) + j0 * w.ks[2], nk, g.D, w.ks[2], kbuf, ldk);
   for (int64_t c = 0, x0 = 0; x0 < nk; ++c, x0 += kPosChunk) {
     const Window& win = wins[c];
     const int64_t x1 = std::min(nk, x0 + kPosChunk), top = 2 * g.kk - win.first;
-    gemm<T>(false, true, x1 - x0, win.cols, g.D, scale, kf + x0 * ldk, ldk, w.rq_pad + (hq * w.ldr + win.first) * g.D,
+    gemm<T>(false, true, x1 - x0, win.cols, g.D, scale, kf + x0 * ldk, ldk, w.rel_q_padded + (hq * w.padded_rows + win.first) * g.D,
             g.D, T(0), ka + x0 * ld, ld);
     for (int64_t x = x0; x < x1; ++x) {
       lo[x] = win.first == 0 ? ka[x * ld] : T(0);
@@ -719,14 +724,13 @@ template <typename I, typename T>
 void tile_key_rows(const Geometry& g, const Views<I, T>& w, int64_t h, const T* qf, int64_t ldq, int64_t tq,
                    const Window& win, T scale, T* QA) {
   if (g.has_k) {
-    const int64_t hk = g.Hk == 1 ? 0 : h;
-    gemm<T>(false, true, tq, win.cols, g.D, scale, qf, ldq, w.tk_pad + (hk * w.ldr + win.first) * g.D, g.D, T(0), QA,
+    gemm<T>(false, true, tq, win.cols, g.D, scale, qf, ldq, w.rel_k_padded + (g.rel_k_head(h) * w.padded_rows + win.first) * g.D, g.D, T(0), QA,
             win.cols);
   } else {
     std::fill(QA, QA + tq * win.cols, T(0));
   }
   if (g.has_b) {
-    const T* b = w.rb + (g.Hb == 1 ? 0 : h) * g.R + win.first;
+    const T* b = w.rel_bias + g.rel_bias_head(h) * g.R + win.first;
     for (int64_t a = 0; a < tq; ++a) add_into(QA + a * win.cols, b, win.rows);
   }
 }
@@ -764,6 +768,15 @@ const I* block_as(const T* S, int64_t rows, int64_t width, int64_t ld, std::vect
 }
 
 // ------------------------------------------------------------------------------------------- the tasks
+//
+// forward_impl and backward_impl are each four phases, in this order in the file:
+//   scheduling      which tasks there are and which run of them each thread takes (ForwardSchedule, KeySegments and
+//                   backward_schedule; balanced_parts over the cost model tile_cost);
+//   sequence lookup which sequence a task reads (SeqCall: the call as one sequence sees it, dense or packed);
+//   workspace       each thread's buffers, sized for the longest sequence (ForwardWorkspace, BackwardWorkspace);
+//   the math        one tile of queries: forward_tile, and backward_tile within backward_segment.
+
+// ------------------------------------------------------------------ sequence lookup
 
 // One sequence of a call: batch entry b, its n query rows from row q0 and its m key rows from row k0 of that entry,
 // its first query at position off. A dense call is one sequence per batch entry (q0 = k0 = 0, n = N, m = M, off =
@@ -780,26 +793,37 @@ struct Batch {
   int64_t rows_q, rows_k;
 };
 
-// g as one sequence sees it: its lengths and offset (g itself holds the longest lengths, which size the buffers).
-inline Geometry seq_geometry(const Geometry& g, const Seq& s) {
-  Geometry r = g;
-  r.N = s.n;
-  r.M = s.m;
-  r.off = s.off;
-  return r;
+// The call as one sequence sees it: the sequence; the geometry with its lengths and offset (the call's own holds the
+// longest lengths, which size the buffers); the inputs (q, q_pos, k, v, the mask) moved to its first rows, so that
+// row i of the sequence is row i of these.
+template <typename I, typename T>
+struct SeqCall {
+  const Seq& seq;
+  Geometry geom;
+  Views<I, T> in;
+};
+
+// The call's geometry as one sequence sees it: its lengths and offset.
+inline Geometry seq_geometry(const Geometry& geom, const Seq& s) {
+  Geometry sg = geom;
+  sg.N = s.n;
+  sg.M = s.m;
+  sg.off = s.off;
+  return sg;
 }
 
-// w with q, q_pos, k, v (and the mask) moved to the sequence's first rows: row i of the sequence is row i of these.
 template <typename I, typename T>
-Views<I, T> seq_views(const Views<I, T>& w, const Seq& s) {
-  Views<I, T> r = w;
-  r.q += s.q0 * w.qs[2];
-  r.qp += s.q0 * w.qps[2];
-  r.k += s.k0 * w.ks[2];
-  r.v += s.k0 * w.vs[2];
-  if (r.mask != nullptr) r.mask += s.q0 * w.ms[2] + s.k0 * w.ms[3];
-  return r;
+SeqCall<I, T> seq_call(const Geometry& geom, const Views<I, T>& in, const Seq& s) {
+  Views<I, T> sv = in;
+  sv.q += s.q0 * in.qs[2];
+  sv.q_pos += s.q0 * in.q_pos_strides[2];
+  sv.k += s.k0 * in.ks[2];
+  sv.v += s.k0 * in.vs[2];
+  if (sv.mask != nullptr) sv.mask += s.q0 * in.ms[2] + s.k0 * in.ms[3];
+  return {s, seq_geometry(geom, s), sv};
 }
+
+// ------------------------------------------------------------------ scheduling
 
 // How many parts to split tasks of ``work`` in all (the cost model's units, kRowCost included) into: one (all on the
 // calling thread) under 2^18 (about 2^17 multiply-adds: a few microseconds on one thread, less than waking the others
@@ -833,6 +857,12 @@ std::vector<int64_t> balanced_parts(const std::vector<int64_t>& cum, int64_t par
 // (forward) to 8% (backward) after the other.
 constexpr int64_t kRowCost = 128;
 
+// The cost model: `rows` query rows against `keys` keys, with the table rows of their window (at most `table_cols`)
+// where there are relative tables (`tables`).
+inline int64_t tile_cost(int64_t rows, int64_t keys, bool tables, int64_t table_cols) {
+  return rows * (kRowCost + keys + (tables ? std::min(table_cols, rows + keys) : 0));
+}
+
 // fn(part, first task, end task) for the runs of tasks ``bounds`` makes (balanced_parts), in parallel: a thread given
 // several parts runs them as one run, under its first part's number.
 template <typename F>
@@ -841,338 +871,570 @@ void for_parts(const std::vector<int64_t>& bounds, F fn) {
                    [&](int64_t p0, int64_t p1) { fn(p0, bounds[p0], bounds[p1]); });
 }
 
-// The forward's tasks are (sequence, head, tile of queries), sequence by sequence, head by head: consecutive tasks
-// share a head (and its KA rows). g holds the longest lengths (the buffers' sizes), each task its sequence's.
-template <typename I, typename T>
-void forward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, const Dropout& drop, T scale,
-                  int64_t tile_q, int64_t tile_k, I* out, T* lse) {
-  constexpr bool narrow = !std::is_same_v<I, T>;
-  const int64_t last = 2 * g.kk, nseq = static_cast<int64_t>(batch.seqs.size());
-  const int64_t cap = window_cap(g, w.ldr, tile_q, g.M);  // columns of a tile's table rows
-  const bool tables = g.has_qa() || g.has_v;
-  // start[s]: sequence s's first task; cum: the tasks' running cost (multiply-adds per head dim)
-  std::vector<int64_t> start(nseq + 1, 0), cum{0};
+// A forward task: the tile of query rows m0 .. m0 + tile_q - 1 (fewer at the end) of query head h in sequence seq.
+struct ForwardTask {
+  int64_t seq, h, m0;
+};
+
+// The forward's tasks, numbered sequence by sequence, head by head, tile by tile (consecutive tasks share a head, and
+// its KA rows), and the threads' runs of them.
+struct ForwardSchedule {
+  std::vector<int64_t> first;   // first[s]: sequence s's first task; first.back(): how many tasks there are
+  std::vector<int64_t> bounds;  // the threads' runs of tasks (balanced_parts)
+  int64_t heads, tile_q;
+  ForwardTask task(int64_t t) const {
+    const int64_t s = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
+    const int64_t tiles = (first[s + 1] - first[s]) / heads;  // the sequence's tiles per head
+    return {s, (t - first[s]) / tiles, (t - first[s]) % tiles * tile_q};
+  }
+};
+
+ForwardSchedule forward_schedule(const Geometry& geom, const Batch& batch, int64_t tile_q, int64_t table_cols) {
+  const int64_t nseq = static_cast<int64_t>(batch.seqs.size());
+  const bool tables = geom.has_qa() || geom.has_v;
+  ForwardSchedule sched{std::vector<int64_t>(nseq + 1, 0), {}, geom.H, tile_q};
+  std::vector<int64_t> cum{0};  // cum[t]: the cost of tasks [0, t) (multiply-adds per head dim)
   for (int64_t s = 0; s < nseq; ++s) {
-    const Geometry gs = seq_geometry(g, batch.seqs[s]);
-    start[s + 1] = start[s] + g.H * ((gs.N + tile_q - 1) / tile_q);
-    for (int64_t h = 0; h < g.H; ++h) {
-      for (int64_t m0 = 0; m0 < gs.N; m0 += tile_q) {
-        const int64_t tq = std::min(tile_q, gs.N - m0), keys = kv_end(gs, m0, tq);
-        cum.push_back(cum.back() + tq * (kRowCost + keys + (tables ? std::min(cap, tq + keys) : 0)));
+    const Seq& seq = batch.seqs[s];
+    const int64_t n = seq.n;
+    const Geometry sg = seq_geometry(geom, seq);
+    sched.first[s + 1] = sched.first[s] + geom.H * ((n + tile_q - 1) / tile_q);
+    for (int64_t h = 0; h < geom.H; ++h) {
+      for (int64_t m0 = 0; m0 < n; m0 += tile_q) {
+        const int64_t rows = std::min(tile_q, n - m0);
+        cum.push_back(cum.back() + tile_cost(rows, kv_end(sg, m0, rows), tables, table_cols));
       }
     }
   }
-  const auto bounds = balanced_parts(cum, parts_for(start[nseq], cum.back() * (g.D + g.Dv)));
+  sched.bounds = balanced_parts(cum, parts_for(sched.first[nseq], cum.back() * (geom.D + geom.Dv)));
+  return sched;
+}
+
+// The backward's segments of keys: a sequence of m keys is cut into `splits` segments of whole key blocks (the last
+// ones shorter, or empty).
+struct KeySegments {
+  int64_t splits, tile_k;
+  int64_t keys(int64_t m) const { return ((m + tile_k - 1) / tile_k + splits - 1) / splits * tile_k; }
+  int64_t lo(int64_t m, int64_t split) const { return split * keys(m); }
+  int64_t hi(int64_t m, int64_t split) const { return std::min(m, lo(m, split) + keys(m)); }
+};
+
+// A backward task: the keys [keys_lo, keys_hi) of key/value head hkv in sequence seq (segment `split`), against the
+// query heads of its group.
+struct BackwardTask {
+  int64_t seq, hkv, split;
+};
+
+// The backward's tasks are numbered ((sequence * Hkv + hkv) * splits + split).
+inline BackwardTask backward_task(int64_t t, int64_t kv_heads, int64_t splits) {
+  return {t / splits / kv_heads, t / splits % kv_heads, t % splits};
+}
+
+// The threads' runs of the backward's tasks (balanced_parts).
+std::vector<int64_t> backward_schedule(const Geometry& geom, const Batch& batch, int64_t tile_q,
+                                       const KeySegments& segs, int64_t table_cols) {
+  const bool tables = geom.has_qa() || geom.has_v;
+  // cum[t]: the cost of tasks [0, t) (multiply-adds per head dim and query head)
+  std::vector<int64_t> cum{0}, segment_cost(segs.splits);
+  for (const Seq& seq : batch.seqs) {
+    const Geometry sg = seq_geometry(geom, seq);
+    for (int64_t split = 0; split < segs.splits; ++split) {
+      const int64_t lo = segs.lo(seq.m, split), hi = segs.hi(seq.m, split);
+      segment_cost[split] = 1;
+      for (int64_t m0 = 0; m0 < seq.n; m0 += tile_q) {
+        const int64_t rows = std::min(tile_q, seq.n - m0);
+        const int64_t keys = std::max<int64_t>(0, std::min(kv_end(sg, m0, rows), hi) - lo);
+        if (keys > 0) segment_cost[split] += tile_cost(rows, keys, tables, table_cols);
+      }
+    }
+    for (int64_t hkv = 0; hkv < geom.Hkv; ++hkv)
+      for (int64_t split = 0; split < segs.splits; ++split) cum.push_back(cum.back() + segment_cost[split]);
+  }
+  const int64_t tasks = static_cast<int64_t>(batch.seqs.size()) * geom.Hkv * segs.splits;
+  return balanced_parts(cum, std::min<int64_t>(tasks, at::get_num_threads()));
+}
+
+// ------------------------------------------------------------------ workspace
+
+// The position-to-content term's KA rows of some keys for one head at a time (PosRows' layout), with the buffers they
+// are formed in.
+template <typename T>
+struct KeyScores {
+  std::vector<T> ka, lo, hi;  // KA rows, and their columns t = 0 and t = 2K contiguous
+  std::vector<T> keys;        // 16-bit keys as T, for the GEMM with a^Q
+  std::vector<Window> windows;  // the table rows each chunk of keys meets (key_windows)
+  PosRows<T> rows{};          // what the tiles read
+  int64_t held = -1;          // the forward's: which (sequence, KA head) the rows are of
+  KeyScores(const Geometry& geom, int64_t max_keys, int64_t ld, bool narrow)
+      : ka(geom.has_q ? max_keys * ld : 0), lo(geom.has_q ? max_keys : 0), hi(geom.has_q ? max_keys : 0),
+        keys(narrow && geom.has_q ? max_keys * geom.D : 0) {}
+  // Forms the rows of keys [j0, j1) for query head h, in the chunks' `windows`, rows ld apart.
+  template <typename I>
+  void form(const SeqCall<I, T>& call, int64_t h, int64_t j0, int64_t j1, int64_t ld, T scale) {
+    rows = key_table_rows(call.geom, call.in, call.seq.b, h, j0, j1, windows, ld, scale, keys, ka.data(), lo.data(),
+                          hi.data());
+  }
+};
+
+// A forward thread's buffers, for tiles of tile_q queries against blocks of tile_k keys, their table rows
+// `table_cols` wide.
+template <typename I, typename T>
+struct ForwardWorkspace {
+  int64_t tile_q, tile_k, table_cols;
+  std::vector<T> scores;         // S: a block's scores, then its weights (tile_q, tile_k)
+  std::vector<T> key_rows;       // QA: each row's key-term score per table row of the window (tile_q, table_cols)
+  std::vector<T> value_weights;  // PW: each row's summed weights per table row of the window (tile_q, table_cols)
+  std::vector<T> acc;            // the rows' unnormalised outputs (tile_q, Dv)
+  std::vector<T> row_max, row_sum, block_max;  // the online softmax's running max and sum per row; a block's max
+  std::vector<T> pos_queries;    // 16-bit q_pos rows as T, for the GEMM with a^K
+  std::vector<I> weights16;      // a block's weights rounded to I, for the GEMM with 16-bit v
+  std::vector<Runs> runs;        // each row's runs in the block
+  std::vector<uint32_t> key_hashes;  // the dropout hashes of a block's keys
+  KeyScores<T> pos;              // KA rows of every key of the sequence, for the current task's head
+  ForwardWorkspace(const Geometry& geom, int64_t tile_q, int64_t tile_k, int64_t table_cols, int64_t ka_ld, bool drop)
+      : tile_q(tile_q), tile_k(tile_k), table_cols(table_cols), scores(tile_q * tile_k),
+        key_rows(geom.has_qa() ? tile_q * table_cols : 0), value_weights(geom.has_v ? tile_q * table_cols : 0),
+        acc(tile_q * geom.Dv), row_max(tile_q), row_sum(tile_q), block_max(tile_q),
+        pos_queries(!std::is_same_v<I, T> && geom.has_k ? tile_q * geom.D : 0),
+        weights16(!std::is_same_v<I, T> ? tile_q * tile_k : 0), runs(tile_q), key_hashes(drop ? tile_k : 0),
+        pos(geom, geom.M, ka_ld, !std::is_same_v<I, T>) {}
+};
+
+// A backward thread's buffers, for tiles of tile_q queries against blocks of tile_k keys of segments of at most
+// `seg_keys` keys, their table rows `table_cols` wide.
+template <typename I, typename T>
+struct BackwardWorkspace {
+  int64_t tile_q, tile_k, table_cols;
+  std::vector<T> weights;      // P: a block's softmax weights (tile_q, tile_k)
+  std::vector<T> grads;        // with dropout first the dropped weights PZ; then dP, then dS (tile_q, tile_k)
+  std::vector<T> keep;         // Z: the block's dropout mask, 0 or 1 / (1 - p) (tile_q, tile_k)
+  std::vector<T> out_dot;      // rowsum(dO * O) per row
+  std::vector<T> block_max;    // each row's max score in the block
+  std::vector<Runs> runs;      // each row's runs in the block
+  std::vector<T> key_rows, key_rows_grad;  // QA and dQA, the sums of dS per table row (tile_q, table_cols)
+  std::vector<T> value_rows;   // DOA: dO_i . a^V_t (tile_q, table_cols)
+  std::vector<T> value_weights;  // PW: each row's summed weights per table row (tile_q, table_cols)
+  std::vector<T> pos_queries, dout_rows;  // 16-bit q_pos and dO rows as T, for the GEMMs with the tables
+  std::vector<I> block16;      // a block's weights or dS rounded to I, for the GEMMs with 16-bit inputs
+  std::vector<uint32_t> key_hashes;  // the dropout hashes of a block's keys
+  KeyScores<T> pos;            // KA rows of the task's keys, for one query head at a time
+  std::vector<T> pos_grad, pos_grad_lo, pos_grad_hi;  // dKA's bins, and its edge columns (PosRows' layout)
+  BackwardWorkspace(const Geometry& geom, int64_t tile_q, int64_t tile_k, int64_t seg_keys, int64_t table_cols,
+                    int64_t ka_ld, bool drop)
+      : tile_q(tile_q), tile_k(tile_k), table_cols(table_cols), weights(tile_q * tile_k), grads(tile_q * tile_k),
+        keep(drop ? tile_q * tile_k : 0), out_dot(tile_q), block_max(tile_q), runs(tile_q),
+        key_rows(geom.has_qa() ? tile_q * table_cols : 0), key_rows_grad(geom.has_qa() ? tile_q * table_cols : 0),
+        value_rows(geom.has_v ? tile_q * table_cols : 0), value_weights(geom.has_v ? tile_q * table_cols : 0),
+        pos_queries(!std::is_same_v<I, T> && geom.has_k ? tile_q * geom.D : 0),
+        dout_rows(!std::is_same_v<I, T> && geom.has_v ? tile_q * geom.Dv : 0),
+        block16(!std::is_same_v<I, T> ? tile_q * tile_k : 0), key_hashes(drop ? tile_k : 0),
+        pos(geom, seg_keys, ka_ld, !std::is_same_v<I, T>), pos_grad(geom.has_q ? seg_keys * ka_ld : 0),
+        pos_grad_lo(geom.has_q ? seg_keys : 0), pos_grad_hi(geom.has_q ? seg_keys : 0) {}
+};
+
+// ------------------------------------------------------------------ the math of one tile
+
+// One row's dropout mask in a block (keep_row, drop_row): off where dropout is.
+template <typename T>
+struct RowMask {
+  bool on;
+  uint32_t row;           // the row's hash
+  const uint32_t* cols;   // the block's key hashes
+  uint32_t thresh;
+  T inv;                  // 1 / (1 - p)
+};
+
+template <typename T>
+inline RowMask<T> row_mask(const Dropout& drop, uint32_t key, int64_t i, const uint32_t* cols) {
+  if (!drop.on) return {false, 0, cols, 0, T(0)};
+  return {true, drop.row(key, i), cols, drop.thresh, static_cast<T>(drop.inv)};
+}
+
+// Softmax, one row of a block, online (flash attention's): the row's scores s (runs r, max block_max) become their
+// weights exp(s - max), dropped where the mask drops them after their sum has joined the normaliser; the running max
+// and sum, the row's output acc (Dv) and the value term's weights pw (win.cols, or null: no a^V) are rescaled to the
+// new max, and pw takes the block's weights per table row. A block where the row sees no key leaves it as it was; a
+// NaN score makes the row NaN from then on.
+template <typename T>
+inline void softmax_block_row(T* s, const Runs& r, T block_max, T& row_max, T& row_sum, T* acc, int64_t dv, T* pw,
+                              const Window& win, int64_t last, const RowMask<T>& mask) {
+  if (!(block_max > neg_inf<T> && block_max <= std::numeric_limits<T>::max() && row_sum == row_sum)) {
+    // no key here (max -inf), or a NaN row: from now on (max NaN or +inf), or already (sum NaN)
+    if (row_is_nan(block_max)) row_max = row_sum = std::numeric_limits<T>::quiet_NaN();
+    std::fill(s, s + r.valid, T(0));
+    return;
+  }
+  const T new_max = std::max(row_max, block_max);
+  const T alpha = std::exp(row_max - new_max);
+  const T lo = exp_sum(s, r.left, new_max), mid = exp_sum(s + r.left, r.right - r.left, new_max);
+  const T hi = exp_sum(s + r.right, r.valid - r.right, new_max);
+  // dropout: the weights that meet v and a^V are dropped, the normaliser is the undropped sum
+  if (mask.on) drop_row(s, r.valid, mask.row, mask.cols, mask.thresh, mask.inv);
+  if (pw != nullptr) {
+    if (alpha != T(1)) scale_row(pw, win.cols, alpha);
+    fold_runs(pw, s, r, win.first, last, mask.on ? sum(s, r.left) : lo,
+              mask.on ? sum(s + r.right, r.valid - r.right) : hi);
+  }
+  row_sum = row_sum * alpha + lo + mid + hi;
+  row_max = new_max;
+  if (alpha != T(1)) scale_row(acc, dv, alpha);
+}
+
+// The tile's output rows out = acc / sum (rows dv apart) and their log-sum-exp max + log(sum). A row that saw no key
+// gets zeros (NaN where a NaN value met the zero weights) and lse -inf; a NaN row NaN.
+template <typename I, typename T>
+inline void write_rows(int64_t rows, int64_t dv, const T* acc, const T* row_max, const T* row_sum, I* out, T* lse) {
+  for (int64_t a = 0; a < rows; ++a) {
+    I* o = out + a * dv;
+    const T* src = acc + a * dv;
+    if (row_sum[a] != row_sum[a]) {  // a NaN reached the row's scores
+      std::fill(o, o + dv, static_cast<I>(row_sum[a]));
+      lse[a] = row_sum[a];
+    } else if (row_sum[a] == T(0)) {  // no key: zeros (NaN where a NaN value met the zero weights), lse -inf
+      for (int64_t x = 0; x < dv; ++x) o[x] = static_cast<I>(src[x] * T(0));
+      lse[a] = neg_inf<T>;
+    } else {
+      const T inv = T(1) / row_sum[a];
+      for (int64_t x = 0; x < dv; ++x) o[x] = static_cast<I>(src[x] * inv);
+      lse[a] = row_max[a] + std::log(row_sum[a]);
+    }
+  }
+}
+
+// A forward task: query rows m0 .. m0+rows-1 of head h against every key they may see, into out and lse (from the
+// tile's first row). Per tile: QA = scale * q_pos a^K^T (+ rel_bias) on the table rows of the tile's window; per block
+// of keys: S = scale * q k^T + mask + the relative key terms (block_scores), the online softmax (softmax_block_row,
+// dropout inside), acc += P v; at the end acc += PW a^V, out = acc / sum, lse.
+template <typename I, typename T>
+void forward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Dropout& drop, T scale,
+                  ForwardWorkspace<I, T>& ws, I* out, T* lse) {
+  const Geometry& geom = call.geom;
+  const Views<I, T>& in = call.in;
+  const int64_t b = call.seq.b, hkv = h / geom.group, last = 2 * geom.kk;
+  const int64_t rows = std::min(ws.tile_q, geom.N - m0), keys_end = kv_end(geom, m0, rows), ld = ws.tile_k;
+  const uint32_t drop_key = drop.on ? drop.key(call.seq.id, h) : 0;
+  // the table rows the tile meets: QA and PW rows hold win.cols entries, from table row win.first
+  const Window win = window_of(geom.kk, in.padded_rows, geom.causal, m0 + geom.off, m0 + rows - 1 + geom.off, 0,
+                               keys_end);
+  if (geom.has_qa()) {
+    int64_t ldq = 0;
+    const T* qf = geom.has_k ? rows_as<T>(in.q_pos_head(b, h) + m0 * in.q_pos_strides[2], rows, geom.D,
+                                          in.q_pos_strides[2], ws.pos_queries, ldq)
+                             : nullptr;
+    tile_key_rows(geom, in, h, qf, ldq, rows, win, scale, ws.key_rows.data());
+  }
+  std::fill(ws.value_weights.begin(), ws.value_weights.end(), T(0));
+  std::fill(ws.acc.begin(), ws.acc.end(), T(0));
+  std::fill(ws.row_max.begin(), ws.row_max.end(), neg_inf<T>);
+  std::fill(ws.row_sum.begin(), ws.row_sum.end(), T(0));
+  const I* v = in.vh(b, hkv);
+  for (int64_t n0 = 0; n0 < keys_end; n0 += ws.tile_k) {
+    const int64_t width = std::min(ws.tile_k, keys_end - n0);
+    block_scores(geom, in, b, h, hkv, m0, rows, n0, width, scale, geom.has_qa() ? ws.key_rows.data() : nullptr, win,
+                 geom.has_q ? &ws.pos.rows : nullptr, ws.scores.data(), ld, ws.runs.data(), ws.block_max.data());
+    if (drop.on) drop.cols(drop_key, n0, width, ws.key_hashes.data());
+    for (int64_t a = 0; a < rows; ++a)
+      softmax_block_row(ws.scores.data() + a * ld, ws.runs[a], ws.block_max[a], ws.row_max[a], ws.row_sum[a],
+                        ws.acc.data() + a * geom.Dv, geom.Dv,
+                        geom.has_v ? ws.value_weights.data() + a * win.cols : nullptr, win, last,
+                        row_mask<T>(drop, drop_key, m0 + a, ws.key_hashes.data()));
+    gemm_io<I, T>(false, false, rows, geom.Dv, width, T(1), block_as<I>(ws.scores.data(), rows, width, ld, ws.weights16),
+                  ld, v + n0 * in.vs[2], in.vs[2], T(1), ws.acc.data(), geom.Dv);
+  }
+  if (geom.has_v)
+    gemm<T>(false, false, rows, geom.Dv, win.rows, T(1), ws.value_weights.data(), win.cols,
+            in.rel_v_padded + (geom.rel_v_head(h) * in.padded_rows + win.first) * geom.Dv, geom.Dv, T(1),
+            ws.acc.data(), geom.Dv);
+  write_rows(rows, geom.Dv, ws.acc.data(), ws.row_max.data(), ws.row_sum.data(), out, lse);
+}
+
+// The forward: each thread runs its tasks (forward_schedule) with its own buffers; a task reads its sequence
+// (seq_call), forms the KA rows of its sequence and head where the previous task's were another's, and runs its tile.
+template <typename I, typename T>
+void forward_impl(const Geometry& geom, const Views<I, T>& in, const Batch& batch, const Dropout& drop, T scale,
+                  int64_t tile_q, int64_t tile_k, I* out, T* lse) {
+  const int64_t table_cols = window_cap(geom, in.padded_rows, tile_q, geom.M);  // columns of a tile's table rows
+  const ForwardSchedule sched = forward_schedule(geom, batch, tile_q, table_cols);
   // The position-to-content term: KA's row stride, room for the longest sequence's windows.
-  const int64_t ka_ld = g.has_q ? key_table_ld(g, w.ldr, sizeof(T)) : 0;
-  for_parts(bounds, [&](int64_t, int64_t begin, int64_t end) {
-    std::vector<T> S(tile_q * tile_k), QA(g.has_qa() ? tile_q * cap : 0), PW(g.has_v ? tile_q * cap : 0);
-    std::vector<T> acc(tile_q * g.Dv), mx(tile_q), sm(tile_q), rmax(tile_q);
-    std::vector<T> qbuf(narrow && g.has_k ? tile_q * g.D : 0);
-    std::vector<I> P16(narrow ? tile_q * tile_k : 0);
-    std::vector<Runs> runs(tile_q);
-    std::vector<uint32_t> colh(drop.on ? tile_k : 0);  // the dropout hashes of a block's keys
-    const T dinv = static_cast<T>(drop.inv);
-    // The position-to-content term: KA rows of every key of the sequence for the head of the current task
-    // (consecutive tasks share a head: formed once per head and thread), in the windows of table rows each chunk of
-    // keys meets.
-    const int64_t kam = g.has_q ? g.M : 0;
-    std::vector<T> KA(kam * ka_ld), klo(kam), khi(kam), kbuf(narrow ? kam * g.D : 0);
-    std::vector<Window> ka_wins;
-    PosRows<T> pos{};
-    int64_t pos_of = -1;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t si = std::upper_bound(start.begin(), start.end(), task) - start.begin() - 1;
-      const Seq& seq = batch.seqs[si];
-      const Geometry gs = seq_geometry(g, seq);
-      const Views<I, T> ws = seq_views(w, seq);
-      const int64_t nq = (start[si + 1] - start[si]) / g.H, h = (task - start[si]) / nq;
-      const int64_t m0 = (task - start[si]) % nq * tile_q, b = seq.b, hkv = h / g.group;
-      const int64_t hv = g.Hv == 1 ? 0 : h, tq = std::min(tile_q, gs.N - m0);
-      const int64_t row0 = (b * g.H + h) * batch.rows_q + seq.q0 + m0;  // the tile's first row of out and lse
-      if (g.has_q && si * g.H + g.ka_head(h) != pos_of) {
-        key_windows(gs, w.ldr, 0, gs.M, ka_wins);
-        pos = key_table_rows(gs, ws, b, h, 0, gs.M, ka_wins, ka_ld, scale, kbuf, KA.data(), klo.data(), khi.data());
-        pos_of = si * g.H + g.ka_head(h);
+  const int64_t ka_ld = geom.has_q ? key_table_ld(geom, in.padded_rows, sizeof(T)) : 0;
+  for_parts(sched.bounds, [&](int64_t, int64_t begin, int64_t end) {
+    ForwardWorkspace<I, T> ws(geom, tile_q, tile_k, table_cols, ka_ld, drop.on);
+    for (int64_t t = begin; t < end; ++t) {
+      const ForwardTask task = sched.task(t);
+      const SeqCall<I, T> call = seq_call(geom, in, batch.seqs[task.seq]);
+      const int64_t ka_of = task.seq * geom.H + geom.ka_head(task.h);
+      if (geom.has_q && ka_of != ws.pos.held) {  // consecutive tasks share a head: once per head and thread
+        key_windows(call.geom, in.padded_rows, 0, call.geom.M, ws.pos.windows);
+        ws.pos.form(call, task.h, 0, call.geom.M, ka_ld, scale);
+        ws.pos.held = ka_of;
       }
-      const I* vp = ws.vh(b, hkv);
-      const int64_t end = kv_end(gs, m0, tq);
-      const uint32_t dkey = drop.on ? drop.key(seq.id, h) : 0;
-      // the table rows the tile meets: QA and PW rows hold win.cols entries, from table row win.first
-      const Window win = window_of(g.kk, w.ldr, g.causal, m0 + gs.off, m0 + tq - 1 + gs.off, 0, end);
-      if (g.has_qa()) {
-        int64_t ldq = 0;
-        const T* qt = g.has_k ? rows_as<T>(ws.qph(b, h) + m0 * w.qps[2], tq, g.D, w.qps[2], qbuf, ldq) : nullptr;
-        tile_key_rows(g, ws, h, qt, ldq, tq, win, scale, QA.data());
-      }
-      std::fill(PW.begin(), PW.end(), T(0));
-      std::fill(acc.begin(), acc.end(), T(0));
-      std::fill(mx.begin(), mx.end(), neg_inf<T>);
-      std::fill(sm.begin(), sm.end(), T(0));
-      for (int64_t n0 = 0; n0 < end; n0 += tile_k) {
-        const int64_t width = std::min(tile_k, end - n0);
-        block_scores(gs, ws, b, h, hkv, m0, tq, n0, width, scale, g.has_qa() ? QA.data() : nullptr, win,
-                     g.has_q ? &pos : nullptr, S.data(), tile_k, runs.data(), rmax.data());
-        if (drop.on) drop.cols(dkey, n0, width, colh.data());
-        for (int64_t a = 0; a < tq; ++a) {
-          T* s = S.data() + a * tile_k;
-          const Runs& r = runs[a];
-          const T bmax = rmax[a];
-          if (!(bmax > neg_inf<T> && bmax <= std::numeric_limits<T>::max() && sm[a] == sm[a])) {
-            // no key here (max -inf), or a NaN row: from now on (max NaN or +inf), or already (sm NaN)
-            if (row_is_nan(bmax)) mx[a] = sm[a] = std::numeric_limits<T>::quiet_NaN();
-            std::fill(s, s + r.valid, T(0));
-            continue;
-          }
-          const T mnew = std::max(mx[a], bmax);
-          const T alpha = std::exp(mx[a] - mnew);
-          const T lo = exp_sum(s, r.left, mnew), mid = exp_sum(s + r.left, r.right - r.left, mnew);
-          const T hi = exp_sum(s + r.right, r.valid - r.right, mnew);
-          // dropout: the weights that meet v and a^V are dropped, the normaliser (sm) is the undropped sum
-          if (drop.on) drop_row(s, r.valid, drop.row(dkey, m0 + a), colh.data(), drop.thresh, dinv);
-          if (g.has_v) {
-            T* pw = PW.data() + a * win.cols;
-            if (alpha != T(1)) scale_row(pw, win.cols, alpha);
-            fold_runs(pw, s, r, win.first, last, drop.on ? sum(s, r.left) : lo,
-                      drop.on ? sum(s + r.right, r.valid - r.right) : hi);
-          }
-          sm[a] = sm[a] * alpha + lo + mid + hi;
-          mx[a] = mnew;
-          if (alpha != T(1)) scale_row(acc.data() + a * g.Dv, g.Dv, alpha);
-        }
-        gemm_io<I, T>(false, false, tq, g.Dv, width, T(1), block_as<I>(S.data(), tq, width, tile_k, P16), tile_k,
-                      vp + n0 * w.vs[2], w.vs[2], T(1), acc.data(), g.Dv);
-      }
-      if (g.has_v)
-        gemm<T>(false, false, tq, g.Dv, win.rows, T(1), PW.data(), win.cols, w.tv_pad + (hv * w.ldr + win.first) * g.Dv,
-                g.Dv, T(1), acc.data(), g.Dv);
-      for (int64_t a = 0; a < tq; ++a) {
-        I* o = out + (row0 + a) * g.Dv;
-        const T* src = acc.data() + a * g.Dv;
-        if (sm[a] != sm[a]) {  // a NaN reached the row's scores
-          std::fill(o, o + g.Dv, static_cast<I>(sm[a]));
-          lse[row0 + a] = sm[a];
-        } else if (sm[a] == T(0)) {  // no key: zeros (NaN where a NaN value met the zero weights), lse -inf
-          for (int64_t x = 0; x < g.Dv; ++x) o[x] = static_cast<I>(src[x] * T(0));
-          lse[row0 + a] = neg_inf<T>;
-        } else {
-          const T inv = T(1) / sm[a];
-          for (int64_t x = 0; x < g.Dv; ++x) o[x] = static_cast<I>(src[x] * inv);
-          lse[row0 + a] = mx[a] + std::log(sm[a]);
-        }
-      }
+      const int64_t row0 = (call.seq.b * geom.H + task.h) * batch.rows_q + call.seq.q0 + task.m0;  // of out, lse
+      forward_tile(call, task.h, task.m0, drop, scale, ws, out + row0 * geom.Dv, lse + row0);
     }
   });
 }
 
-// The backward's tasks are (sequence, key/value head, segment of the sequence's key blocks): each owns its keys' dk
-// and dv rows and runs the query heads of its group in order; with more than one segment per head, each writes its
-// share of dq into its own (B*H, rows_q, D) slab of ``dq`` (summed afterwards in segment order, so the result does
-// not depend on the threads); likewise the key table's share of the position queries' gradient into ``dqp`` (null
-// without q_pos: it goes to dq). A sequence's segments split its own blocks: ``splits`` for every sequence.
+// What the backward reads besides the inputs (dO with its strides, out, lse) and where it writes: dq (splits, B, H,
+// rows_q, D) slabs, one per key segment; dq_pos likewise (the key table's share of q_pos's gradient) or null (it goes
+// to dq); dk, dv; each table's gradient, one copy per thread (or one for all where `own`: each head's rows have one
+// writer), null without the table.
 template <typename I, typename T>
-void backward_impl(const Geometry& g, const Views<I, T>& w, const Batch& batch, const Dropout& drop, T scale,
-                   int64_t tile_q, int64_t tile_k, int64_t splits, const I* dout, const int64_t* dos, const I* out, const T* lse, T* dq,
-                   T* dqp, T* dk, T* dv, T* drk, T* drv, T* drq, T* drb, const bool* own) {
-  constexpr bool narrow = !std::is_same_v<I, T>;
-  const int64_t last = 2 * g.kk, R = g.R, nseq = static_cast<int64_t>(batch.seqs.size());
-  const auto per_split = [&](int64_t m) { return ((m + tile_k - 1) / tile_k + splits - 1) / splits * tile_k; };
-  const int64_t seg = std::min(g.M, per_split(g.M));  // the most keys of a task (g: the longest sequence)
-  const int64_t cap = window_cap(g, w.ldr, tile_q, seg);  // columns of a tile's table rows
-  const int64_t ld = g.has_q ? key_table_ld(g, w.ldr, sizeof(T)) : 0;  // KA's and its bins' row stride
-  const bool tables = g.has_qa() || g.has_v;
-  // The tasks' running cost (multiply-adds per head dim and query head), task (s * Hkv + hkv) * splits + split.
-  std::vector<int64_t> cum{0}, costs(splits);
-  for (const Seq& seq : batch.seqs) {
-    const Geometry gs = seq_geometry(g, seq);
-    for (int64_t split = 0; split < splits; ++split) {
-      const int64_t lo = split * per_split(gs.M), hi = std::min(gs.M, lo + per_split(gs.M));
-      costs[split] = 1;
-      for (int64_t m0 = 0; m0 < gs.N; m0 += tile_q) {
-        const int64_t tq = std::min(tile_q, gs.N - m0), keys = std::max<int64_t>(0, std::min(kv_end(gs, m0, tq), hi) - lo);
-        if (keys > 0) costs[split] += tq * (kRowCost + keys + (tables ? std::min(cap, tq + keys) : 0));
-      }
-    }
-    for (int64_t hkv = 0; hkv < g.Hkv; ++hkv)
-      for (int64_t split = 0; split < splits; ++split) cum.push_back(cum.back() + costs[split]);
+struct BackwardIO {
+  const I* dout;
+  int64_t dout_strides[3];
+  const I* out;
+  const T* lse;
+  T *dq, *dq_pos, *dk, *dv;
+  T *d_rel_k, *d_rel_v, *d_rel_q, *d_rel_bias;
+  bool own[4];  // rel_k, rel_v, rel_q, rel_bias
+};
+
+// Where a run of tasks (part `part`) adds its table gradients.
+template <typename T>
+struct TableGrads {
+  T *rel_k, *rel_v, *rel_q, *rel_bias;
+};
+
+template <typename I, typename T>
+TableGrads<T> part_table_grads(const Geometry& geom, const BackwardIO<I, T>& io, int64_t part) {
+  const int64_t R = geom.R;
+  return {geom.has_k ? io.d_rel_k + (io.own[0] ? 0 : part) * geom.Hk * R * geom.D : nullptr,
+          geom.has_v ? io.d_rel_v + (io.own[1] ? 0 : part) * geom.Hv * R * geom.Dv : nullptr,
+          geom.has_q ? io.d_rel_q + (io.own[2] ? 0 : part) * geom.Hq * R * geom.D : nullptr,
+          geom.has_b ? io.d_rel_bias + (io.own[3] ? 0 : part) * geom.Hb * R : nullptr};
+}
+
+// A backward tile's rows of one query head, from its first row: dO (rows dout_ld apart), O, lse; dq and dq_pos (dq
+// itself without q_pos) to add into.
+template <typename I, typename T>
+struct TileRows {
+  const I* dout;
+  int64_t dout_ld;
+  const I* out;
+  const T* lse;
+  T *dq, *dq_pos;
+};
+
+// A backward task's keys [lo, hi) of key/value head hkv: k and v from the head's first row, and dk and dv to add into.
+template <typename I, typename T>
+struct SegmentKeys {
+  const I *k, *v;
+  T *dk, *dv;
+  int64_t lo, hi;
+};
+
+// Softmax, one row of a block, recomputed: the row's scores s (runs r, max block_max) become P = exp(s - lse), and
+// with dropout pz = P * Z (Z: the row's mask z, 0 or 1 / (1 - p)), else pz is s; pw (win.cols, or null: no a^V) takes
+// pz's sums per table row. A row with no key here or none at all (lse -inf) has zero weights; a NaN row (lse NaN) NaN
+// weights, so that NaN reaches every gradient the row feeds.
+template <typename T>
+inline void weights_row(T* s, T* z, T* pz, const Runs& r, int64_t width, T block_max, T lse, T* pw, const Window& win,
+                        int64_t last, const RowMask<T>& mask) {
+  const bool flat = r.valid == 0 || block_max == neg_inf<T> || !(lse > neg_inf<T>);
+  const T p = !flat || lse == lse || r.valid == 0 ? T(0) : lse;
+  if (flat) {
+    std::fill(s, s + r.valid, p);
+    std::fill(s + r.valid, s + width, T(0));
+  } else {
+    exp_shift(s, r.valid, -lse);
   }
-  const int64_t tasks = nseq * g.Hkv * splits;
-  const auto bounds = balanced_parts(cum, std::min<int64_t>(tasks, at::get_num_threads()));
+  if (mask.on) {
+    keep_row(z, r.valid, mask.row, mask.cols, mask.thresh, mask.inv);
+    for (int64_t x = 0; x < r.valid; ++x) pz[x] = s[x] * z[x];
+    std::fill(pz + r.valid, pz + width, T(0));
+  } else {
+    pz = s;
+  }
+  if (pw != nullptr && !flat)
+    fold_runs(pw, pz, r, win.first, last, sum(pz, r.left), sum(pz + r.right, r.valid - r.right));
+  else if (pw != nullptr && p != T(0))
+    fold_runs(pw, pz, r, win.first, last, p, p);
+}
+
+// dS, one row of a block: ds holds dP = dO v^T on entry; adds the value term DOA[t] (doa, or null: no a^V) in the
+// row's runs, multiplies by the dropout mask z (or null), then dS = P * (dP - rowsum(dO * O)); dqa (or null: no QA)
+// takes dS's sums per table row.
+template <typename T>
+inline void score_grad_row(T* ds, const T* p, const T* z, const Runs& r, int64_t width, T out_dot, const T* doa,
+                           T* dqa, const Window& win, int64_t last) {
+  if (doa != nullptr) add_key_term(ds, r, doa, win.first, last);
+  if (z != nullptr)  // dS = P (Z dP~ - D): dP~, the gradient of the dropped weights, through the mask
+    for (int64_t x = 0; x < r.valid; ++x) ds[x] *= z[x];
+  const T lo = softmax_grad_sum(ds, p, r.left, out_dot);
+  softmax_grad_sum(ds + r.left, p + r.left, r.right - r.left, out_dot);
+  const T hi = softmax_grad_sum(ds + r.right, p + r.right, r.valid - r.right, out_dot);
+  std::fill(ds + r.valid, ds + width, T(0));
+  if (dqa != nullptr) fold_runs(dqa, ds, r, win.first, last, lo, hi);
+}
+
+// A backward tile: query rows m0 .. m0+rows-1 of head h against the segment's keys they may see. Per tile: rowsum(dO
+// * O), QA and DOA = dO a^V^T on the window's table rows; per block of keys: the scores again (block_scores), P from
+// lse (weights_row, with dropout's Z), dv += PZ^T dO, dP = dO v^T, dS (score_grad_row), the position-to-content bins
+// of dS, dq += scale dS k, dk += scale dS^T q; at the end the tables' gradients from dQA and PW (and dq_pos's share).
+template <typename I, typename T>
+void backward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const SegmentKeys<I, T>& keys,
+                   const TileRows<I, T>& tile, const Dropout& drop, uint32_t drop_key, T scale,
+                   BackwardWorkspace<I, T>& ws, const TableGrads<T>& grads) {
+  const Geometry& geom = call.geom;
+  const Views<I, T>& in = call.in;
+  const int64_t b = call.seq.b, hkv = h / geom.group, last = 2 * geom.kk, R = geom.R, ld = ws.tile_k;
+  const int64_t rows = std::min(ws.tile_q, geom.N - m0), keys_end = std::min(kv_end(geom, m0, rows), keys.hi);
+  const I* q = in.qh(b, h) + m0 * in.qs[2];
+  for (int64_t a = 0; a < rows; ++a) {
+    T t = 0;
+    for (int64_t x = 0; x < geom.Dv; ++x)
+      t += static_cast<T>(tile.dout[a * tile.dout_ld + x]) * static_cast<T>(tile.out[a * geom.Dv + x]);
+    ws.out_dot[a] = t;
+  }
+  // the table rows the tile meets against the segment's keys (QA, dQA, DOA, PW rows: win.cols entries)
+  const Window win = window_of(geom.kk, in.padded_rows, geom.causal, m0 + geom.off, m0 + rows - 1 + geom.off, keys.lo,
+                               keys_end);
+  const int64_t wc = win.cols;
+  int64_t ldq = 0, ldo = 0;  // the tile's position queries and dO rows as T, for the GEMMs with the tables
+  const T* qf = geom.has_k ? rows_as<T>(in.q_pos_head(b, h) + m0 * in.q_pos_strides[2], rows, geom.D,
+                                        in.q_pos_strides[2], ws.pos_queries, ldq)
+                           : nullptr;
+  const T* dof = geom.has_v ? rows_as<T>(tile.dout, rows, geom.Dv, tile.dout_ld, ws.dout_rows, ldo) : nullptr;
+  if (geom.has_qa()) {
+    tile_key_rows(geom, in, h, qf, ldq, rows, win, scale, ws.key_rows.data());
+    std::fill(ws.key_rows_grad.begin(), ws.key_rows_grad.begin() + rows * wc, T(0));
+  }
+  if (geom.has_v) {
+    gemm<T>(false, true, rows, wc, geom.Dv, T(1), dof, ldo,
+            in.rel_v_padded + (geom.rel_v_head(h) * in.padded_rows + win.first) * geom.Dv, geom.Dv, T(0),
+            ws.value_rows.data(), wc);
+    std::fill(ws.value_weights.begin(), ws.value_weights.begin() + rows * wc, T(0));
+  }
+  T *P = ws.weights.data(), *G = ws.grads.data();
+  for (int64_t n0 = keys.lo; n0 < keys_end; n0 += ws.tile_k) {
+    const int64_t width = std::min(ws.tile_k, keys_end - n0);
+    block_scores(geom, in, b, h, hkv, m0, rows, n0, width, scale, geom.has_qa() ? ws.key_rows.data() : nullptr, win,
+                 geom.has_q ? &ws.pos.rows : nullptr, P, ld, ws.runs.data(), ws.block_max.data());
+    if (drop.on) drop.cols(drop_key, n0, width, ws.key_hashes.data());
+    for (int64_t a = 0; a < rows; ++a)  // P = exp(S - lse); with dropout the dropped weights PZ in G's rows
+      weights_row(P + a * ld, drop.on ? ws.keep.data() + a * ld : nullptr, G + a * ld, ws.runs[a], width,
+                  ws.block_max[a], tile.lse[a], geom.has_v ? ws.value_weights.data() + a * wc : nullptr, win, last,
+                  row_mask<T>(drop, drop_key, m0 + a, ws.key_hashes.data()));
+    // dv += PZ.T @ dO (PZ: the weights as dropped, P without dropout);  dP = dO @ v.T (+ the value term)
+    gemm_io<I, T>(true, false, width, geom.Dv, rows, T(1), block_as<I>(drop.on ? G : P, rows, width, ld, ws.block16),
+                  ld, tile.dout, tile.dout_ld, T(1), keys.dv + n0 * geom.Dv, geom.Dv);
+    gemm_io<I, T>(false, true, rows, width, geom.Dv, T(1), tile.dout, tile.dout_ld, keys.v + n0 * in.vs[2], in.vs[2],
+                  T(0), G, ld);
+    for (int64_t a = 0; a < rows; ++a)
+      score_grad_row(G + a * ld, P + a * ld, drop.on ? ws.keep.data() + a * ld : nullptr, ws.runs[a], width,
+                     ws.out_dot[a], geom.has_v ? ws.value_rows.data() + a * wc : nullptr,
+                     geom.has_qa() ? ws.key_rows_grad.data() + a * wc : nullptr, win, last);
+    if (geom.has_q)
+      bin_pos_term(G, ld, ws.runs.data(), rows, n0, width, ws.pos_grad.data(), ws.pos_grad_lo.data(),
+                   ws.pos_grad_hi.data(), ws.pos.rows);
+    // dq += scale dS @ k;  dk += scale dS.T @ q
+    const I* dS = block_as<I>(G, rows, width, ld, ws.block16);
+    gemm_io<I, T>(false, false, rows, geom.D, width, scale, dS, ld, keys.k + n0 * in.ks[2], in.ks[2], T(1),
+                  tile.dq + m0 * geom.D, geom.D);
+    gemm_io<I, T>(true, false, width, geom.D, rows, scale, dS, ld, q, in.qs[2], T(1), keys.dk + n0 * geom.D, geom.D);
+  }
+  // dq (or dq_pos) += scale dQA @ a^K;  d a^K += scale dQA.T @ q_pos;  d a^V += PW.T @ dO: the window's rows
+  const T* dqa = ws.key_rows_grad.data();
+  if (geom.has_k) {
+    const int64_t hk = geom.rel_k_head(h);
+    gemm<T>(false, false, rows, geom.D, win.rows, scale, dqa, wc, in.rel_k_padded + (hk * in.padded_rows + win.first) *
+            geom.D, geom.D, T(1), tile.dq_pos + m0 * geom.D, geom.D);
+    gemm<T>(true, false, win.rows, geom.D, rows, scale, dqa, wc, qf, ldq, T(1), grads.rel_k + (hk * R + win.first) *
+            geom.D, geom.D);
+  }
+  if (geom.has_v)
+    gemm<T>(true, false, win.rows, geom.Dv, rows, T(1), ws.value_weights.data(), wc, dof, ldo, T(1),
+            grads.rel_v + (geom.rel_v_head(h) * R + win.first) * geom.Dv, geom.Dv);
+  if (geom.has_b) {  // d b += the rows' sums of dS per table row (unscaled: the bias is added after the scale)
+    T* db = grads.rel_bias + geom.rel_bias_head(h) * R + win.first;
+    for (int64_t a = 0; a < rows; ++a) add_into(db, dqa + a * wc, win.rows);
+  }
+}
+
+// The position-to-content term's gradients from a query head's bins of dS over the segment's keys (dKA and its edge
+// columns): dk += scale dKA @ a^Q;  d a^Q += scale dKA.T @ k, chunk by chunk of keys, in each chunk's window.
+template <typename I, typename T>
+void pos_term_grads(const SeqCall<I, T>& call, int64_t h, const SegmentKeys<I, T>& keys, T scale, int64_t ld,
+                    BackwardWorkspace<I, T>& ws, T* d_rel_q) {
+  const Geometry& geom = call.geom;
+  const Views<I, T>& in = call.in;
+  const int64_t nk = keys.hi - keys.lo, hq = geom.rel_q_head(h), last = 2 * geom.kk, R = geom.R;
+  int64_t ldk;
+  const T* kf = rows_as<T>(keys.k + keys.lo * in.ks[2], nk, geom.D, in.ks[2], ws.pos.keys, ldk);
+  T* dka = ws.pos_grad.data();
+  for (int64_t c = 0, x0 = 0; x0 < nk; ++c, x0 += kPosChunk) {
+    const Window& win = ws.pos.windows[c];
+    const int64_t x1 = std::min(nk, x0 + kPosChunk), top = last - win.first;
+    for (int64_t x = x0; x < x1; ++x) {
+      if (win.first == 0) dka[x * ld] += ws.pos_grad_lo[x];
+      if (top < win.cols) dka[x * ld + top] += ws.pos_grad_hi[x];
+    }
+    const T* rel_q = in.rel_q + (hq * R + win.first) * geom.D;
+    gemm<T>(false, false, x1 - x0, geom.D, win.rows, scale, dka + x0 * ld, ld, rel_q, geom.D, T(1),
+            keys.dk + (keys.lo + x0) * geom.D, geom.D);
+    gemm<T>(true, false, win.rows, geom.D, x1 - x0, scale, dka + x0 * ld, ld, kf + x0 * ldk, ldk, T(1),
+            d_rel_q + (hq * R + win.first) * geom.D, geom.D);
+  }
+}
+
+// A backward task: the segment's keys of key/value head hkv against its group's query heads in order (so dk and dv
+// are summed over them in a fixed order), each head's tiles in turn; per head, the KA rows of the segment's keys
+// (where they depend on the head) and its position-to-content gradients.
+template <typename I, typename T>
+void backward_segment(const SeqCall<I, T>& call, const Batch& batch, int64_t hkv, int64_t split,
+                      const SegmentKeys<I, T>& keys, const Dropout& drop, T scale, int64_t ka_ld,
+                      const BackwardIO<I, T>& io, BackwardWorkspace<I, T>& ws, const TableGrads<T>& grads) {
+  const Geometry& geom = call.geom;
+  const Seq& seq = call.seq;
+  if (geom.has_q) key_windows(geom, call.in.padded_rows, keys.lo, keys.hi, ws.pos.windows);
+  for (int64_t h = hkv * geom.group; h < (hkv + 1) * geom.group; ++h) {
+    const int64_t bh = seq.b * geom.H + h, first_row = bh * batch.rows_q + seq.q0;  // of out, lse
+    const int64_t slab_row = (split * geom.B * geom.H + bh) * batch.rows_q + seq.q0;  // of dq, dq_pos
+    T* dq = io.dq + slab_row * geom.D;
+    T* dq_pos = io.dq_pos == nullptr ? dq : io.dq_pos + slab_row * geom.D;
+    const uint32_t drop_key = drop.on ? drop.key(seq.id, h) : 0;
+    if (geom.has_q && (geom.Hq != 1 || h == hkv * geom.group)) ws.pos.form(call, h, keys.lo, keys.hi, ka_ld, scale);
+    if (geom.has_q) {
+      std::fill(ws.pos_grad.begin(), ws.pos_grad.end(), T(0));
+      std::fill(ws.pos_grad_lo.begin(), ws.pos_grad_lo.end(), T(0));
+      std::fill(ws.pos_grad_hi.begin(), ws.pos_grad_hi.end(), T(0));
+    }
+    for (int64_t m0 = 0; m0 < geom.N; m0 += ws.tile_q) {
+      const int64_t rows = std::min(ws.tile_q, geom.N - m0);
+      if (std::min(kv_end(geom, m0, rows), keys.hi) <= keys.lo) continue;  // the tile meets none of the keys
+      const TileRows<I, T> tile{io.dout + seq.b * io.dout_strides[0] + h * io.dout_strides[1] +
+                                    (seq.q0 + m0) * io.dout_strides[2],
+                                io.dout_strides[2], io.out + (first_row + m0) * geom.Dv, io.lse + first_row + m0, dq,
+                                dq_pos};
+      backward_tile(call, h, m0, keys, tile, drop, drop_key, scale, ws, grads);
+    }
+    if (geom.has_q) pos_term_grads(call, h, keys, scale, ka_ld, ws, grads.rel_q);
+  }
+}
+
+// The backward: each thread runs its tasks (backward_schedule) with its own buffers and table gradients; a task reads
+// its sequence (seq_call) and owns its keys' dk and dv rows; with more than one segment per head, each writes its
+// share of dq into its own slab (summed afterwards in segment order, so the result does not depend on the threads).
+template <typename I, typename T>
+void backward_impl(const Geometry& geom, const Views<I, T>& in, const Batch& batch, const Dropout& drop, T scale,
+                   int64_t tile_q, int64_t tile_k, int64_t splits, const BackwardIO<I, T>& io) {
+  const KeySegments segs{splits, tile_k};
+  const int64_t seg_keys = std::min(geom.M, segs.keys(geom.M));  // the most keys of a task (the longest sequence)
+  const int64_t table_cols = window_cap(geom, in.padded_rows, tile_q, seg_keys);  // columns of a tile's table rows
+  const int64_t ka_ld = geom.has_q ? key_table_ld(geom, in.padded_rows, sizeof(T)) : 0;  // KA's and its bins' stride
+  const auto bounds = backward_schedule(geom, batch, tile_q, segs, table_cols);
   for_parts(bounds, [&](int64_t part, int64_t begin, int64_t end) {
-    // the part's table gradients (one buffer for all parts where each head's rows have one writer: own)
-    T* drk_t = g.has_k ? drk + (own[0] ? 0 : part) * g.Hk * R * g.D : nullptr;
-    T* drv_t = g.has_v ? drv + (own[1] ? 0 : part) * g.Hv * R * g.Dv : nullptr;
-    T* drq_t = g.has_q ? drq + (own[2] ? 0 : part) * g.Hq * R * g.D : nullptr;
-    T* drb_t = g.has_b ? drb + (own[3] ? 0 : part) * g.Hb * R : nullptr;
-    // The position-to-content bins of the task's keys (one query head at a time): dKA, and its edge columns.
-    std::vector<T> dKA(g.has_q ? seg * ld : 0), dlo(g.has_q ? seg : 0), dhi(g.has_q ? seg : 0);
-    std::vector<T> kbuf(narrow && g.has_q ? seg * g.D : 0);
-    std::vector<T> KA(g.has_q ? seg * ld : 0), klo(g.has_q ? seg : 0), khi(g.has_q ? seg : 0);  // KA rows
-    std::vector<Window> ka_wins;  // the windows of the task's chunks of keys
-    PosRows<T> pos{};
-    std::vector<T> P(tile_q * tile_k), dP(tile_q * tile_k), dsum(tile_q), rmax(tile_q);
-    std::vector<Runs> runs(tile_q);
-    std::vector<T> QA(g.has_qa() ? tile_q * cap : 0), dQA(g.has_qa() ? tile_q * cap : 0);
-    std::vector<T> DOA(g.has_v ? tile_q * cap : 0), PW(g.has_v ? tile_q * cap : 0);
-    std::vector<T> qbuf(narrow && g.has_k ? tile_q * g.D : 0), dobuf(narrow && g.has_v ? tile_q * g.Dv : 0);
-    std::vector<I> B16(narrow ? tile_q * tile_k : 0);
-    // dropout: Z = the tile's keep mask times 1 / (1 - p) (0 where dropped), the hashes of a block's keys
-    std::vector<T> Z(drop.on ? tile_q * tile_k : 0);
-    std::vector<uint32_t> colh(drop.on ? tile_k : 0);
-    const T dinv = static_cast<T>(drop.inv);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t skv = task / splits, split = task % splits, hkv = skv % g.Hkv;
-      const Seq& seq = batch.seqs[skv / g.Hkv];
-      const Geometry gs = seq_geometry(g, seq);
-      const Views<I, T> ws = seq_views(w, seq);
-      const int64_t b = seq.b, bkv = b * g.Hkv + hkv;
-      const int64_t keys_lo = split * per_split(gs.M), keys_hi = std::min(gs.M, keys_lo + per_split(gs.M));
-      if (gs.N == 0 || keys_hi <= keys_lo) continue;  // no query, or no key: no gradient
-      const I* kp = ws.kh(b, hkv);
-      const I* vp = ws.vh(b, hkv);
-      T* dkh = dk + (bkv * batch.rows_k + seq.k0) * g.D;
-      T* dvh = dv + (bkv * batch.rows_k + seq.k0) * g.Dv;
-      if (g.has_q) key_windows(gs, w.ldr, keys_lo, keys_hi, ka_wins);
-      for (int64_t h = hkv * g.group; h < (hkv + 1) * g.group; ++h) {
-        const int64_t bh = b * g.H + h, hk = g.Hk == 1 ? 0 : h, hv = g.Hv == 1 ? 0 : h;
-        T* dqh = dq + ((split * g.B * g.H + bh) * batch.rows_q + seq.q0) * g.D;
-        T* dqph = dqp == nullptr ? dqh : dqp + ((split * g.B * g.H + bh) * batch.rows_q + seq.q0) * g.D;
-        const uint32_t dkey = drop.on ? drop.key(seq.id, h) : 0;
-        if (g.has_q && (g.Hq != 1 || h == hkv * g.group) && keys_hi > keys_lo)
-          pos = key_table_rows(gs, ws, b, h, keys_lo, keys_hi, ka_wins, ld, scale, kbuf, KA.data(), klo.data(),
-                               khi.data());
-        if (g.has_q) {
-          std::fill(dKA.begin(), dKA.end(), T(0));
-          std::fill(dlo.begin(), dlo.end(), T(0));
-          std::fill(dhi.begin(), dhi.end(), T(0));
-        }
-        for (int64_t m0 = 0; m0 < gs.N; m0 += tile_q) {
-          const int64_t tq = std::min(tile_q, gs.N - m0);
-          const int64_t end = std::min(kv_end(gs, m0, tq), keys_hi);
-          if (end <= keys_lo) continue;  // this tile meets none of the segment's keys
-          const I* qt = ws.qh(b, h) + m0 * w.qs[2];
-          const I* dot = dout + b * dos[0] + h * dos[1] + (seq.q0 + m0) * dos[2];
-          const I* ot = out + (bh * batch.rows_q + seq.q0 + m0) * g.Dv;
-          const T* lt = lse + bh * batch.rows_q + seq.q0 + m0;
-          for (int64_t a = 0; a < tq; ++a) {
-            T t = 0;
-            for (int64_t x = 0; x < g.Dv; ++x)
-              t += static_cast<T>(dot[a * dos[2] + x]) * static_cast<T>(ot[a * g.Dv + x]);
-            dsum[a] = t;
-          }
-          // the table rows the tile meets against the segment's keys (QA, dQA, DOA, PW rows: win.cols entries)
-          const Window win = window_of(g.kk, w.ldr, g.causal, m0 + gs.off, m0 + tq - 1 + gs.off, keys_lo, end);
-          const int64_t wc = win.cols;
-          int64_t ldq = 0, ldo = 0;  // the tile's position queries and dO rows as T, for the GEMMs with the tables
-          const T* qf = g.has_k ? rows_as<T>(ws.qph(b, h) + m0 * w.qps[2], tq, g.D, w.qps[2], qbuf, ldq) : nullptr;
-          const T* dof = g.has_v ? rows_as<T>(dot, tq, g.Dv, dos[2], dobuf, ldo) : nullptr;
-          if (g.has_qa()) {
-            tile_key_rows(g, ws, h, qf, ldq, tq, win, scale, QA.data());
-            std::fill(dQA.begin(), dQA.begin() + tq * wc, T(0));
-          }
-          if (g.has_v) {
-            gemm<T>(false, true, tq, wc, g.Dv, T(1), dof, ldo, w.tv_pad + (hv * w.ldr + win.first) * g.Dv, g.Dv,
-                    T(0), DOA.data(), wc);
-            std::fill(PW.begin(), PW.begin() + tq * wc, T(0));
-          }
-          for (int64_t n0 = keys_lo; n0 < end; n0 += tile_k) {
-            const int64_t width = std::min(tile_k, end - n0);
-            block_scores(gs, ws, b, h, hkv, m0, tq, n0, width, scale, g.has_qa() ? QA.data() : nullptr, win,
-                         g.has_q ? &pos : nullptr, P.data(), tile_k, runs.data(), rmax.data());
-            if (drop.on) drop.cols(dkey, n0, width, colh.data());
-            for (int64_t a = 0; a < tq; ++a) {  // P = exp(S - lse); with dropout the dropped weights PZ in dP's rows
-              T* s = P.data() + a * tile_k;
-              const Runs& r = runs[a];
-              // no key here, or none at all (lse -inf): zeros. A NaN row (lse NaN): NaN weights, so NaN reaches every
-              // gradient the row feeds.
-              const bool flat = r.valid == 0 || rmax[a] == neg_inf<T> || !(lt[a] > neg_inf<T>);
-              const T p = !flat || lt[a] == lt[a] || r.valid == 0 ? T(0) : lt[a];
-              if (flat) {
-                std::fill(s, s + r.valid, p);
-                std::fill(s + r.valid, s + width, T(0));
-              } else {
-                exp_shift(s, r.valid, -lt[a]);
-              }
-              T* pz = s;
-              if (drop.on) {
-                T* z = Z.data() + a * tile_k;
-                T* d = dP.data() + a * tile_k;
-                keep_row(z, r.valid, drop.row(dkey, m0 + a), colh.data(), drop.thresh, dinv);
-                for (int64_t x = 0; x < r.valid; ++x) d[x] = s[x] * z[x];
-                std::fill(d + r.valid, d + width, T(0));
-                pz = d;
-              }
-              if (g.has_v && !flat)
-                fold_runs(PW.data() + a * wc, pz, r, win.first, last, sum(pz, r.left),
-                          sum(pz + r.right, r.valid - r.right));
-              else if (g.has_v && p != T(0))
-                fold_runs(PW.data() + a * wc, pz, r, win.first, last, p, p);
-            }
-            // dv += PZ.T @ dO (PZ: the weights as dropped, P without dropout);  dP = dO @ v.T (+ the value term)
-            gemm_io<I, T>(true, false, width, g.Dv, tq, T(1),
-                          block_as<I>(drop.on ? dP.data() : P.data(), tq, width, tile_k, B16), tile_k, dot, dos[2],
-                          T(1), dvh + n0 * g.Dv, g.Dv);
-            gemm_io<I, T>(false, true, tq, width, g.Dv, T(1), dot, dos[2], vp + n0 * w.vs[2], w.vs[2], T(0),
-                          dP.data(), tile_k);
-            for (int64_t a = 0; a < tq; ++a) {
-              T* ds = dP.data() + a * tile_k;
-              const T* p = P.data() + a * tile_k;
-              const Runs& r = runs[a];
-              if (g.has_v) add_key_term(ds, r, DOA.data() + a * wc, win.first, last);
-              if (drop.on) {  // dS = P (Z dP~ - D): dP~, the gradient of the dropped weights, through the mask
-                const T* z = Z.data() + a * tile_k;
-                for (int64_t x = 0; x < r.valid; ++x) ds[x] *= z[x];
-              }
-              const T d = dsum[a];
-              const T lo = softmax_grad_sum(ds, p, r.left, d);
-              softmax_grad_sum(ds + r.left, p + r.left, r.right - r.left, d);
-              const T hi = softmax_grad_sum(ds + r.right, p + r.right, r.valid - r.right, d);
-              std::fill(ds + r.valid, ds + width, T(0));
-              if (g.has_qa()) fold_runs(dQA.data() + a * wc, ds, r, win.first, last, lo, hi);
-            }
-            if (g.has_q)
-              bin_pos_term(dP.data(), tile_k, runs.data(), tq, n0, width, dKA.data(), dlo.data(), dhi.data(), pos);
-            // dq += scale dS @ k;  dk += scale dS.T @ q
-            const I* dS = block_as<I>(dP.data(), tq, width, tile_k, B16);
-            gemm_io<I, T>(false, false, tq, g.D, width, scale, dS, tile_k, kp + n0 * w.ks[2], w.ks[2], T(1),
-                          dqh + m0 * g.D, g.D);
-            gemm_io<I, T>(true, false, width, g.D, tq, scale, dS, tile_k, qt, w.qs[2], T(1), dkh + n0 * g.D, g.D);
-          }
-          // dq (or dq_pos) += scale dQA @ a^K;  d a^K += scale dQA.T @ q_pos;  d a^V += PW.T @ dO: the window's rows
-          if (g.has_k) {
-            gemm<T>(false, false, tq, g.D, win.rows, scale, dQA.data(), wc, w.tk_pad + (hk * w.ldr + win.first) * g.D,
-                    g.D, T(1), dqph + m0 * g.D, g.D);
-            gemm<T>(true, false, win.rows, g.D, tq, scale, dQA.data(), wc, qf, ldq, T(1),
-                    drk_t + (hk * R + win.first) * g.D, g.D);
-          }
-          if (g.has_v) {
-            gemm<T>(true, false, win.rows, g.Dv, tq, T(1), PW.data(), wc, dof, ldo, T(1),
-                    drv_t + (hv * R + win.first) * g.Dv, g.Dv);
-          }
-          if (g.has_b) {  // d b += the rows' sums of dS per table row (unscaled: the bias is added after the scale)
-            T* db = drb_t + (g.Hb == 1 ? 0 : h) * R + win.first;
-            for (int64_t a = 0; a < tq; ++a) add_into(db, dQA.data() + a * wc, win.rows);
-          }
-        }
-        if (g.has_q && keys_hi > keys_lo) {  // dk += scale dKA @ a^Q;  d a^Q += scale dKA.T @ k (the task's keys)
-          const int64_t nk = keys_hi - keys_lo, hq = g.Hq == 1 ? 0 : h;
-          int64_t ldk;
-          const T* kf = rows_as<T>(kp + keys_lo * w.ks[2], nk, g.D, w.ks[2], kbuf, ldk);
-          for (int64_t c = 0, x0 = 0; x0 < nk; ++c, x0 += kPosChunk) {  // chunk by chunk, in the chunk's window
-            const Window& win = ka_wins[c];
-            const int64_t x1 = std::min(nk, x0 + kPosChunk), top = last - win.first;
-            for (int64_t x = x0; x < x1; ++x) {
-              if (win.first == 0) dKA[x * ld] += dlo[x];
-              if (top < win.cols) dKA[x * ld + top] += dhi[x];
-            }
-            const T* tq = w.rq + (hq * R + win.first) * g.D;
-            gemm<T>(false, false, x1 - x0, g.D, win.rows, scale, dKA.data() + x0 * ld, ld, tq, g.D, T(1),
-                    dkh + (keys_lo + x0) * g.D, g.D);
-            gemm<T>(true, false, win.rows, g.D, x1 - x0, scale, dKA.data() + x0 * ld, ld, kf + x0 * ldk, ldk, T(1),
-                    drq_t + (hq * R + win.first) * g.D, g.D);
-          }
-        }
-      }
+    const TableGrads<T> grads = part_table_grads(geom, io, part);
+    BackwardWorkspace<I, T> ws(geom, tile_q, tile_k, seg_keys, table_cols, ka_ld, drop.on);
+    for (int64_t t = begin; t < end; ++t) {
+      const BackwardTask task = backward_task(t, geom.Hkv, splits);
+      const SeqCall<I, T> call = seq_call(geom, in, batch.seqs[task.seq]);
+      const int64_t lo = segs.lo(call.geom.M, task.split), hi = segs.hi(call.geom.M, task.split);
+      if (call.geom.N == 0 || hi <= lo) continue;  // no query, or no key: no gradient
+      const int64_t first_key = (call.seq.b * geom.Hkv + task.hkv) * batch.rows_k + call.seq.k0;  // of dk, dv
+      const SegmentKeys<I, T> keys{call.in.kh(call.seq.b, task.hkv), call.in.vh(call.seq.b, task.hkv),
+                                   io.dk + first_key * geom.D, io.dv + first_key * geom.Dv, lo, hi};
+      backward_segment(call, batch, task.hkv, task.split, keys, drop, scale, ka_ld, io, ws, grads);
     }
   });
 }
@@ -1452,15 +1714,16 @@ Grads backward_call(const at::Tensor& grad_out_, const at::Tensor& q_, const at:
   at::Tensor drq = g.has_q ? at::zeros({own[2] ? 1 : threads, g.Hq, g.R, g.D}, opts) : at::empty({0}, opts);
   at::Tensor drb = g.has_b ? at::zeros({own[3] ? 1 : threads, g.Hb, g.R}, opts) : at::empty({0}, opts);
   if (g.N > 0 && g.M > 0) {
-    const int64_t dos[3] = {grad_out.stride(0), grad_out.stride(1), grad_out.stride(2)};
     const Padded pad = padded_tables(tk, tv, tq, g, tile_q);
     dispatch_types(q.scalar_type(), [&]<typename I, typename T>() {
+      const BackwardIO<I, T> io{grad_out.data_ptr<I>(), {grad_out.stride(0), grad_out.stride(1), grad_out.stride(2)},
+                                out.data_ptr<I>(), lse.data_ptr<T>(), dq.data_ptr<T>(),
+                                qp.defined() ? dqp.data_ptr<T>() : nullptr, dk.data_ptr<T>(), dv.data_ptr<T>(),
+                                g.has_k ? drk.data_ptr<T>() : nullptr, g.has_v ? drv.data_ptr<T>() : nullptr,
+                                g.has_q ? drq.data_ptr<T>() : nullptr, g.has_b ? drb.data_ptr<T>() : nullptr,
+                                {own[0], own[1], own[2], own[3]}};
       backward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, qp, pad, tb), batch, drop, static_cast<T>(scale),
-                          tile_q, tile_k, splits, grad_out.data_ptr<I>(), dos, out.data_ptr<I>(), lse.data_ptr<T>(),
-                          dq.data_ptr<T>(), qp.defined() ? dqp.data_ptr<T>() : nullptr, dk.data_ptr<T>(),
-                          dv.data_ptr<T>(), g.has_k ? drk.data_ptr<T>() : nullptr,
-                          g.has_v ? drv.data_ptr<T>() : nullptr, g.has_q ? drq.data_ptr<T>() : nullptr,
-                          g.has_b ? drb.data_ptr<T>() : nullptr, own);
+                          tile_q, tile_k, splits, io);
     });
   }
   const auto slabs = [&](const at::Tensor& t) { return splits == 1 ? t[0] : t.sum(0); };
