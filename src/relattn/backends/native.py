@@ -319,17 +319,15 @@ def _data(gemm16: bool, *tensors):
     return tuple(_as_float(t) for t in tensors)
 
 
-def _bias(rel_bias):
-    """The scalar bias as the kernel takes it: contiguous, float32 for 16-bit inputs, or None."""
-    return None if rel_bias is None else _as_float(rel_bias.contiguous())
+def _table(t):
+    """A table (Hr, 2K+1, d) or the scalar bias (Hr, 2K+1) as the kernel takes it: contiguous, float32 for 16-bit
+    inputs (the kernel's compute type), or None."""
+    return None if t is None else _as_float(t.contiguous())
 
 
 def _tables_and_mask(rel_k, rel_v, mask, rel_q):
-    """rel_k, rel_v, the mask and rel_q as the kernel takes them: tables contiguous (Hr, 2K+1, d), all float32 for
-    16-bit inputs (the kernel's compute type)."""
-    return (None if rel_k is None else _as_float(rel_k.contiguous()),
-            None if rel_v is None else _as_float(rel_v.contiguous()), _as_float(mask),
-            None if rel_q is None else _as_float(rel_q.contiguous()))
+    """rel_k, rel_v, the mask and rel_q as the kernel takes them (:func:`_table`; the mask float32 for 16-bit)."""
+    return _table(rel_k), _table(rel_v), _as_float(mask), _table(rel_q)
 
 
 def _tiles(n: int, m: int, is_causal: bool, max_relative_position: int) -> tuple[int, int]:
@@ -358,7 +356,7 @@ def forward(q, k, v, rel_k, rel_v, mask, seed=None, *, max_relative_position: in
         tables = (None if rel_k is None else rel_k.contiguous(), None if rel_v is None else rel_v.contiguous(), mask,
                   None if rel_q is None else rel_q.contiguous())
     tiles = _tiles(q.shape[-2], k.shape[-2], is_causal, max_relative_position)
-    out, lse = torch.ops.relattn_native.fwd.default(q, k, v, *tables, q_pos, _bias(rel_bias), max_relative_position,
+    out, lse = torch.ops.relattn_native.fwd.default(q, k, v, *tables, q_pos, _table(rel_bias), max_relative_position,
                                                     is_causal, scale, query_offset, *tiles, seed, dropout_p)
     return (out if out.dtype == dtype else out.to(dtype)), lse
 
@@ -373,7 +371,7 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, max_relat
     go, q_, k_, v_, out_, qp = _data(gemm16, grad_out, q, k, v, out, q_pos)
     tiles = _tiles(q.shape[-2], k.shape[-2], is_causal, max_relative_position)
     grads = torch.ops.relattn_native.bwd(go, q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), qp,
-                                         _bias(rel_bias), out_, lse, max_relative_position, is_causal, scale,
+                                         _table(rel_bias), out_, lse, max_relative_position, is_causal, scale,
                                          query_offset, *tiles, SETTINGS.current.kv_splits, seed, dropout_p)
     return _in_dtypes(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos, rel_bias))
 
@@ -385,21 +383,19 @@ def _no_mask(mask) -> None:
 
 def varlen_forward(q, k, v, rel_k, rel_v, mask, seed, cu_seqlens_q, cu_seqlens_k, *, max_relative_position: int,
                    is_causal: bool, dropout_p: float = 0.0, scale: float, query_offset: int, max_seqlen_q: int,
-                   max_seqlen_k: int, rel_q=None, q_pos=None,
-                   rel_bias=None):
+                   max_seqlen_k: int, rel_q=None, q_pos=None, rel_bias=None):
     """A packed call: (out (1,H,T,Dv) in q's dtype, lse (1,H,T), float32 for 16-bit q). q (1,H,T,D), k (1,Hkv,T_k,D),
-    v (1,Hkv,T_k,Dv) (any row strides; rows closer than a row apart, as an ``expand()``ed row, are
-    copied); sequence s holds query rows ``cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1`` and
-    key rows ``cu_seqlens_k[s] ..`` likewise, its query i at position ``i + m_s - n_s + query_offset``: the dense
-    :func:`forward` of its own rows (with dropout, batch entry ``s`` of the mask). Rows with no key give zeros, lse
-    -inf. ``mask`` must be None."""
+    v (1,Hkv,T_k,Dv) (any row strides; rows closer than a row apart, as an ``expand()``ed row, are copied); sequence
+    s holds query rows ``cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1`` and key rows ``cu_seqlens_k[s] ..`` likewise, its
+    query i at position ``i + m_s - n_s + query_offset``: the dense :func:`forward` of its own rows (with dropout,
+    batch entry ``s`` of the mask). Rows with no key give zeros, lse -inf. ``mask`` must be None."""
     _require()
     _no_mask(mask)
     gemm16 = uses_gemm16(q.dtype)
     tiles = _tiles(max_seqlen_q, max_seqlen_k, is_causal, max_relative_position)
     q_, k_, v_, qp = _data(gemm16, q, k, v, q_pos)
     rel_k, rel_v, _, rel_q = _tables_and_mask(rel_k, rel_v, None, rel_q)
-    out, lse = torch.ops.relattn_native.varlen_fwd(q_, k_, v_, rel_k, rel_v, rel_q, qp, _bias(rel_bias), cu_seqlens_q,
+    out, lse = torch.ops.relattn_native.varlen_fwd(q_, k_, v_, rel_k, rel_v, rel_q, qp, _table(rel_bias), cu_seqlens_q,
                                                    cu_seqlens_k, max_relative_position, is_causal, scale, query_offset,
                                                    *tiles, seed, dropout_p)
     return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
@@ -417,7 +413,7 @@ def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, cu_seqlens_q, c
     go, q_, k_, v_, out_, qp = _data(gemm16, grad_out, q, k, v, out, q_pos)
     tiles = _tiles(max_seqlen_q, max_seqlen_k, is_causal, max_relative_position)
     rel_k_, rel_v_, _, rel_q_ = _tables_and_mask(rel_k, rel_v, None, rel_q)
-    grads = torch.ops.relattn_native.varlen_bwd(go, q_, k_, v_, rel_k_, rel_v_, rel_q_, qp, _bias(rel_bias), out_, lse,
+    grads = torch.ops.relattn_native.varlen_bwd(go, q_, k_, v_, rel_k_, rel_v_, rel_q_, qp, _table(rel_bias), out_, lse,
                                                 cu_seqlens_q, cu_seqlens_k, max_relative_position, is_causal, scale,
                                                 query_offset, *tiles, SETTINGS.current.kv_splits, seed, dropout_p)
     return _in_dtypes(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos, rel_bias))
@@ -443,7 +439,6 @@ def planned_forward(call):
 # calls), the eager path and the ring's pair calls: see _common.StatsOps.
 OPS = StatsOps("native", forward, backward, dropout=True, flat_tables=True, planned=planned_forward)
 VARLEN_OPS = StatsOps("native_varlen", varlen_forward, varlen_backward, dropout=True, varlen=True)
-
 
 
 BACKEND = Backend("native", OPS.run,

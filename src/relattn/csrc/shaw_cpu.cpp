@@ -708,7 +708,8 @@ PosRows<T> key_table_rows(const Geometry& g, const Views<I, T>& w, int64_t b, in
   for (int64_t c = 0, x0 = 0; x0 < nk; ++c, x0 += kPosChunk) {
     const Window& win = wins[c];
     const int64_t x1 = std::min(nk, x0 + kPosChunk), top = 2 * g.kk - win.first;
-    gemm<T>(false, true, x1 - x0, win.cols, g.D, scale, kf + x0 * ldk, ldk, w.rel_q_padded + (hq * w.padded_rows + win.first) * g.D,
+    gemm<T>(false, true, x1 - x0, win.cols, g.D, scale, kf + x0 * ldk, ldk,
+            w.rel_q_padded + (hq * w.padded_rows + win.first) * g.D,
             g.D, T(0), ka + x0 * ld, ld);
     for (int64_t x = x0; x < x1; ++x) {
       lo[x] = win.first == 0 ? ka[x * ld] : T(0);
@@ -724,7 +725,8 @@ template <typename I, typename T>
 void tile_key_rows(const Geometry& g, const Views<I, T>& w, int64_t h, const T* qf, int64_t ldq, int64_t tq,
                    const Window& win, T scale, T* QA) {
   if (g.has_k) {
-    gemm<T>(false, true, tq, win.cols, g.D, scale, qf, ldq, w.rel_k_padded + (g.rel_k_head(h) * w.padded_rows + win.first) * g.D, g.D, T(0), QA,
+    gemm<T>(false, true, tq, win.cols, g.D, scale, qf, ldq,
+            w.rel_k_padded + (g.rel_k_head(h) * w.padded_rows + win.first) * g.D, g.D, T(0), QA,
             win.cols);
   } else {
     std::fill(QA, QA + tq * win.cols, T(0));
@@ -1138,8 +1140,9 @@ void forward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Dropou
                         ws.acc.data() + a * geom.Dv, geom.Dv,
                         geom.has_v ? ws.value_weights.data() + a * win.cols : nullptr, win, last,
                         row_mask<T>(drop, drop_key, m0 + a, ws.key_hashes.data()));
-    gemm_io<I, T>(false, false, rows, geom.Dv, width, T(1), block_as<I>(ws.scores.data(), rows, width, ld, ws.weights16),
-                  ld, v + n0 * in.vs[2], in.vs[2], T(1), ws.acc.data(), geom.Dv);
+    const I* weights = block_as<I>(ws.scores.data(), rows, width, ld, ws.weights16);
+    gemm_io<I, T>(false, false, rows, geom.Dv, width, T(1), weights, ld, v + n0 * in.vs[2], in.vs[2], T(1),
+                  ws.acc.data(), geom.Dv);
   }
   if (geom.has_v)
     gemm<T>(false, false, rows, geom.Dv, win.rows, T(1), ws.value_weights.data(), win.cols,
