@@ -1270,6 +1270,31 @@ inline void score_grad_row(T* ds, const T* p, const T* z, const Runs& r, int64_t
   if (dqa != nullptr) fold_runs(dqa, ds, r, win.first, last, lo, hi);
 }
 
+// The tables' gradients from a backward tile's sums per table row of its window (dqa: of dS, pw: of P as dropped;
+// rows win.cols apart): dq_pos += scale dQA @ a^K (dq itself without q_pos);  d a^K += scale dQA.T @ q_pos;
+// d a^V += PW.T @ dO;  d rel_bias += the column sums of dQA (unscaled: the bias is added after the scale). qf, dof:
+// the tile's q_pos and dO rows as T (ldq, ldo apart).
+template <typename I, typename T>
+inline void tile_table_grads(const Geometry& geom, const Views<I, T>& in, int64_t h, int64_t rows, const Window& win,
+                             T scale, const T* dqa, const T* qf, int64_t ldq, const T* pw, const T* dof, int64_t ldo,
+                             T* dq_pos, const TableGrads<T>& grads) {
+  const int64_t wc = win.cols, R = geom.R;
+  if (geom.has_k) {
+    const int64_t hk = geom.rel_k_head(h);
+    gemm<T>(false, false, rows, geom.D, win.rows, scale, dqa, wc,
+            in.rel_k_padded + (hk * in.padded_rows + win.first) * geom.D, geom.D, T(1), dq_pos, geom.D);
+    gemm<T>(true, false, win.rows, geom.D, rows, scale, dqa, wc, qf, ldq, T(1),
+            grads.rel_k + (hk * R + win.first) * geom.D, geom.D);
+  }
+  if (geom.has_v)
+    gemm<T>(true, false, win.rows, geom.Dv, rows, T(1), pw, wc, dof, ldo, T(1),
+            grads.rel_v + (geom.rel_v_head(h) * R + win.first) * geom.Dv, geom.Dv);
+  if (geom.has_b) {
+    T* db = grads.rel_bias + geom.rel_bias_head(h) * R + win.first;
+    for (int64_t a = 0; a < rows; ++a) add_into(db, dqa + a * wc, win.rows);
+  }
+}
+
 // A backward tile: query rows m0 .. m0+rows-1 of head h against the segment's keys they may see. Per tile: rowsum(dO
 // * O), QA and DOA = dO a^V^T on the window's table rows; per block of keys: the scores again (block_scores), P from
 // lse (weights_row, with dropout's Z), dv += PZ^T dO, dP = dO v^T, dS (score_grad_row), the position-to-content bins
@@ -1280,7 +1305,7 @@ void backward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Segme
                    BackwardWorkspace<I, T>& ws, const TableGrads<T>& grads) {
   const Geometry& geom = call.geom;
   const Views<I, T>& in = call.in;
-  const int64_t b = call.seq.b, hkv = h / geom.group, last = 2 * geom.kk, R = geom.R, ld = ws.tile_k;
+  const int64_t b = call.seq.b, hkv = h / geom.group, last = 2 * geom.kk, ld = ws.tile_k;
   const int64_t rows = std::min(ws.tile_q, geom.N - m0), keys_end = std::min(kv_end(geom, m0, rows), keys.hi);
   const I* q = in.qh(b, h) + m0 * in.qs[2];
   for (int64_t a = 0; a < rows; ++a) {
@@ -1336,22 +1361,8 @@ void backward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Segme
                   tile.dq + m0 * geom.D, geom.D);
     gemm_io<I, T>(true, false, width, geom.D, rows, scale, dS, ld, q, in.qs[2], T(1), keys.dk + n0 * geom.D, geom.D);
   }
-  // dq (or dq_pos) += scale dQA @ a^K;  d a^K += scale dQA.T @ q_pos;  d a^V += PW.T @ dO: the window's rows
-  const T* dqa = ws.key_rows_grad.data();
-  if (geom.has_k) {
-    const int64_t hk = geom.rel_k_head(h);
-    gemm<T>(false, false, rows, geom.D, win.rows, scale, dqa, wc, in.rel_k_padded + (hk * in.padded_rows + win.first) *
-            geom.D, geom.D, T(1), tile.dq_pos + m0 * geom.D, geom.D);
-    gemm<T>(true, false, win.rows, geom.D, rows, scale, dqa, wc, qf, ldq, T(1), grads.rel_k + (hk * R + win.first) *
-            geom.D, geom.D);
-  }
-  if (geom.has_v)
-    gemm<T>(true, false, win.rows, geom.Dv, rows, T(1), ws.value_weights.data(), wc, dof, ldo, T(1),
-            grads.rel_v + (geom.rel_v_head(h) * R + win.first) * geom.Dv, geom.Dv);
-  if (geom.has_b) {  // d b += the rows' sums of dS per table row (unscaled: the bias is added after the scale)
-    T* db = grads.rel_bias + geom.rel_bias_head(h) * R + win.first;
-    for (int64_t a = 0; a < rows; ++a) add_into(db, dqa + a * wc, win.rows);
-  }
+  tile_table_grads(geom, in, h, rows, win, scale, ws.key_rows_grad.data(), qf, ldq, ws.value_weights.data(), dof, ldo,
+                   tile.dq_pos + m0 * geom.D, grads);
 }
 
 // The position-to-content term's gradients from a query head's bins of dS over the segment's keys (dKA and its edge
