@@ -4,18 +4,28 @@ the timing loop's order, presets and options, the bench's output files."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
 
+import relattn
 from helpers import assert_close, oracle_grads
 from relattn import BACKENDS, relative_attention
 from relattn import reference as ref
 from relattn.backends import Backend, Serves, cpu, native
 from relattn.backends.dense import dense_attention
 from relattn.bench import PRESETS, BenchConfig, format_table, run_bench, write_results
-from relattn.bench.measure import Problem, Runner, make_inputs, measure, peak_extra_bytes, sdpa_runner
+from relattn.bench.measure import (
+    BackendCalls,
+    Problem,
+    Runner,
+    make_inputs,
+    measure,
+    peak_extra_bytes,
+    sdpa_runner,
+)
 from relattn.bench.peers import HFWav2Vec2BertRelativeKey, materialised_attention, transformers_version
 from relattn.bench.run import _extrapolate
 from relattn.cli import main
@@ -125,6 +135,32 @@ def test_peak_extra_bytes_counts_live_allocations():
 
     assert peak_extra_bytes(lambda: torch.empty(1_000_000), cpu) == 4_000_000
     assert peak_extra_bytes(two_then_one, cpu) == 2_000_000
+
+
+@pytest.mark.parametrize("backend", ["native", "blocked", "dense"])
+def test_backend_calls_counts_each_kernel_call_by_backend(backend):
+    """Each forward and backward kernel call shows under the backend that ran it, packed calls under
+    ``<name>_varlen``; dense (plain torch ops) shows nothing, and calls outside the mode are not counted."""
+    if backend == "native" and (why := native.BACKEND.unavailable()):
+        pytest.skip(why)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 7, 8, generator=g, requires_grad=True) for _ in range(3))
+    table = torch.randn(7, 8, generator=g, requires_grad=True)
+    kw = dict(max_relative_position=3, backend=backend, dropout_p=0.1)
+    relative_attention(q, k, v, table, table, **kw).sum().backward()  # not counted
+    with BackendCalls() as calls:
+        for _ in range(3):
+            relative_attention(q, k, v, table, table, **kw).sum().backward()
+        with torch.no_grad():
+            relative_attention(q, k, v, table, table, **kw)
+        packed = [t[0].transpose(0, 1) for t in (q, k, v)]
+        relattn.relative_attention_varlen(*packed, table, table, cu_seqlens_q=torch.tensor([0, 3, 7]), **kw)
+    if backend == "dense":
+        assert not calls.forward and not calls.backward
+    else:
+        varlen = {"native": {"native_varlen": 1}, "blocked": {"blocked": 2}}[backend]  # blocked: one per sequence
+        assert calls.forward == Counter({backend: 4}) + Counter(varlen)
+        assert calls.backward == Counter({backend: 3})
 
 
 def test_extrapolate_power_law():

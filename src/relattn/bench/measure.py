@@ -9,6 +9,8 @@ the scripts under ``benchmarks/``).
   ``repeats`` interleaved rounds (each runner once per round, so drift of the machine hits all alike), then
   the peak extra memory of one more call of each (:func:`peak_extra_bytes`), so the profiler never touches a
   timing. Ratios are taken between runners of the same call.
+- :class:`BackendCalls`: which backend's kernel served the calls made under it (for a benchmark or a test that
+  must show a patched model runs relattn's fused kernel, not a fallback).
 
 Notation: ``B`` batch, ``H`` heads, ``N`` length, ``D`` head dim, ``K`` max relative position.
 """
@@ -20,14 +22,17 @@ import datetime as _dt
 import gc
 import os
 import platform
+import re
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..backends import BACKENDS, choose, native, why_not
 from ..backends.cpu import features as cpu_features
@@ -252,6 +257,33 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
             live += e.nbytes()
             peak = max(peak, live)
     return int(peak)
+
+
+class BackendCalls(TorchDispatchMode):
+    """Counts the relattn kernel calls made while it is active, by backend: ``forward["native"]`` is the number of
+    ``relattn::native_fwd_*`` op calls (``"native_varlen"``: packed calls run whole), ``backward`` likewise.
+
+        with BackendCalls() as calls:
+            model(x).sum().backward()
+        calls.forward  # Counter({'native': 12})
+
+    Every backend with a kernel (``native``, ``triton``, ``blocked``) runs as these custom ops while a dispatch mode is
+    active (as under torch.compile; the eager shortcut is the same kernel), so each of their calls shows; ``dense``
+    is plain torch ops and does not show: a call served by it (or by the model's own attention) is one missing
+    from the counts. Measure time outside this mode: it sees every op."""
+
+    def __init__(self):
+        super().__init__()
+        self.forward: Counter[str] = Counter()
+        self.backward: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "relattn" and (op := _KERNEL_OP.fullmatch(func.__name__.split(".")[0])):
+            (self.forward if op.group(2) == "fwd" else self.backward)[op.group(1)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+_KERNEL_OP = re.compile(r"(\w+?)_(fwd|bwd)_\w+")
 
 
 @dataclass
