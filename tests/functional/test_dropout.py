@@ -343,6 +343,22 @@ class _Counted:
         return counted
 
 
+def _seeded_runs(model, step) -> None:
+    """``step()`` (a train-mode forward+backward of ``model``, returning its output) reproduces its output and every
+    gradient under ``torch.manual_seed``, and another seed draws another mask (the output changes)."""
+
+    def run(seed):
+        torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
+        out = step().detach()
+        return out, [prm.grad.clone() for prm in model.parameters() if prm.grad is not None]
+
+    (first, first_grads), (again, again_grads), (other, _) = run(7), run(7), run(8)
+    assert first_grads and len(first_grads) == len(again_grads)
+    assert torch.equal(first, again) and all(torch.equal(a, b) for a, b in zip(first_grads, again_grads, strict=True))
+    assert _rel_err(other, first) > 1e-3
+
+
 @needs_native
 def test_the_module_in_train_mode_runs_native_and_its_packed_and_masked_paths_agree(monkeypatch):
     """Right-padded keys with 40% padding take the packed call; with packing switched off (``PACK_FROM`` 1) the same
@@ -395,6 +411,13 @@ def test_a_patched_deberta_in_train_mode_with_dropout_runs_native(monkeypatch):
     model(input_ids=ids, attention_mask=mask).last_hidden_state.sum().backward()
     assert counted.calls["fwd"] == 2 and counted.calls["bwd"] == 2 and counted.calls["dropout"] == 2
 
+    def step():
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state * mask[..., None]
+        (out ** 2).sum().backward()
+        return out
+
+    _seeded_runs(model, step)
+
 
 @needs_native
 def test_a_patched_parakeet_in_train_mode_with_dropout_runs_native(monkeypatch):
@@ -412,9 +435,17 @@ def test_a_patched_parakeet_in_train_mode_with_dropout_runs_native(monkeypatch):
     mask = torch.ones(2, 40, dtype=torch.long)
     mask[1, 25:] = 0
     counted = _Counted(monkeypatch)
-    out = model(input_features=torch.randn(2, 40, 16), attention_mask=mask).last_hidden_state
+    features = torch.randn(2, 40, 16)
+    out = model(input_features=features, attention_mask=mask).last_hidden_state
     out.sum().backward()
     assert counted.calls["fwd"] == 2 and counted.calls["bwd"] == 2 and counted.calls["dropout"] == 2
+
+    def step():
+        out = model(input_features=features, attention_mask=mask).last_hidden_state
+        (out ** 2).sum().backward()
+        return out
+
+    _seeded_runs(model, step)
 
 
 @needs_native
@@ -453,6 +484,13 @@ def test_a_patched_eole_model_in_train_mode_with_dropout_runs_native(monkeypatch
     model(src, tgt, (src != 22).sum(1)).dec_out.sum().backward()
     # the encoder's and the decoder's self-attention layers (cross-attention has no relative positions)
     assert counted.calls["dropout"] == 4 and counted.calls["fwd"] == 4 and counted.calls["bwd"] == 4
+
+    def step():
+        out = model(src, tgt, (src != 22).sum(1)).dec_out
+        (out ** 2).sum().backward()
+        return out
+
+    _seeded_runs(model, step)
 
 
 @needs_native
