@@ -2,8 +2,9 @@
 decoder, UDOP's and LongT5's decoders) and MPNet, each built from a tiny config: the unpatched outputs and every
 parameter's gradient (float64, padded batches, eval and train with dropout 0), the ``state_dict`` unchanged,
 ``unpatch``, the shared table one parameter fed by every layer, cross-attention and the layers that do not map left as
-they are with the reason, ``generate()`` giving the unpatched tokens with a cache (greedy and beam), and relattn's op
-running in every patched layer."""
+they are with the reason, ``generate()`` giving the unpatched tokens with a cache (greedy and beam), relattn's op
+running in every patched layer, and a sentence-transformers ``SentenceTransformer`` around an MPNet (the ``st``
+extra) encoding as before."""
 
 from __future__ import annotations
 
@@ -221,3 +222,55 @@ def test_what_is_left_and_why():
     assert "cross-attention" in report.skipped["decoder.block.0.layer.1.EncDecAttention"]
     report = patch(_build("longt5"))
     assert "local attention" in report.skipped["encoder.block.0.layer.0.LocalSelfAttention"]
+
+
+# ------------------------------------------------------------------------------------------ sentence-transformers
+
+WORDS = "the a cat dog sat on mat ran fast slow big small red blue green tree house car road sky sun moon".split()
+SENTENCES = ["the cat sat on the mat", "a big red dog ran fast on the road under the blue sky by the green tree",
+             "sun", "the small car", "moon sky sun tree house road car dog cat mat", "a dog"]
+
+
+def _sentence_transformer(folder):
+    """all-mpnet-base-v2's structure (an MPNet, mean pooling, normalisation) from a tiny config and a word-level
+    vocabulary, saved to ``folder`` and loaded the way sentence-transformers loads a model (no hub)."""
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers.sentence_transformer import modules
+
+    vocab = {w: i for i, w in enumerate(["<s>", "<pad>", "</s>", "<unk>", "<mask>", *WORDS])}
+    tf.MPNetTokenizer(vocab=vocab, unk_token="<unk>").save_pretrained(folder)
+    torch.manual_seed(0)
+    mpnet = tf.MPNetModel(tf.MPNetConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=2,
+                                         num_attention_heads=4, intermediate_size=24, max_position_embeddings=64,
+                                         pad_token_id=1), add_pooling_layer=False)
+    with torch.no_grad():  # away from the tiny init, so that the attention (and its bias) shapes the embeddings
+        for p in mpnet.parameters():
+            p.normal_(std=0.3)
+    mpnet.save_pretrained(folder)
+    transformer = modules.Transformer(str(folder))
+    pooling = modules.Pooling(transformer.get_embedding_dimension(), "mean")
+    return st.SentenceTransformer(modules=[transformer, pooling, modules.Normalize()], device="cpu").double()
+
+
+@pytest.mark.slow
+def test_a_sentence_transformer_around_mpnet_is_patched_and_encodes_as_before(tmp_path):
+    """The same ``patch`` call patches a ``SentenceTransformer`` around an MPNet; ``encode()`` of ragged sentences
+    (padded per batch of 4 after sentence-transformers sorts them by length) gives the unpatched embeddings, with
+    relattn's kernel in every layer of every batch, and the relative bias matters to them."""
+    from relattn.bench.measure import BackendCalls
+
+    model = _sentence_transformer(tmp_path)
+    want = model.encode(SENTENCES, batch_size=4, convert_to_tensor=True)
+    report = patch(model)
+    assert report.patched == ["0.model.encoder", "0.model.encoder.layer.0.attention.attn",
+                              "0.model.encoder.layer.1.attention.attn"]
+    with BackendCalls() as calls:
+        got = model.encode(SENTENCES, batch_size=4, convert_to_tensor=True)
+    assert sum(calls.forward.values()) == 2 * 2  # two batches, two layers
+    assert (got - want).abs().max() <= 1e-10
+    unpatch(model)
+    assert torch.equal(model.encode(SENTENCES, batch_size=4, convert_to_tensor=True), want)
+    patch(model)
+    with torch.no_grad():
+        model[0].model.encoder.relative_attention_bias.weight.normal_()
+    assert (model.encode(SENTENCES, batch_size=4, convert_to_tensor=True) - want).abs().max() > 1e-3
