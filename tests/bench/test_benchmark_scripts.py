@@ -156,3 +156,31 @@ def test_dropout(tmp_path):
     cells = _printed(out, "48")[0]  # N dropout none sdpa ratio ratio
     assert float(cells[4]) == pytest.approx(r["dropout / no dropout"], abs=0.006)
     assert float(cells[5]) == pytest.approx(r["sdpa dropout / dropout"], abs=0.006)
+
+
+@pytest.mark.slow
+def test_training(tmp_path):
+    """benchmarks/training.py --quick: every model case in its four variants, the native kernel serving every
+    attention call of the patched step at the config's dropout, the ratios those of the medians, the table printing
+    them; and the op's row."""
+    require_backend("native")
+    pytest.importorskip("transformers")
+    pytest.importorskip("eole")
+    out = _run("training.py", "--quick", "--memory", "--threads", "1", "--out", str(tmp_path / "t.json"))
+    result = json.loads((tmp_path / "t.json").read_text())
+    rows = result["rows"]
+    assert [r["case"] for r in rows] == ["deberta", "speecht5", "parakeet", "w2v-conformer", "eole"]
+    for r in rows:
+        ms = r["ms"]
+        assert set(ms) == set(r["peak_mb"]) == {f"{s} @ {d}" for s in ("unpatched", "relattn") for d in ("config",
+                                                                                                          "zero")}
+        assert all(len(t) == 1 for t in r["all_ms"].values()) and r["attention_dropout"] == 0.1
+        assert r["speedup"] == pytest.approx(ms["unpatched @ config"] / ms["relattn @ config"], rel=1e-12)
+        assert r["speedup_at_0"] == pytest.approx(ms["unpatched @ zero"] / ms["relattn @ zero"], rel=1e-12)
+        assert r["kept"] == pytest.approx(r["speedup"] / r["speedup_at_0"], rel=1e-12)
+        assert r["backend_calls"] == r["backward_calls"] == {"native": r["expected_calls"]}, r["case"]
+        assert f"| {r['shape']} | 0.1 | {r['unpatched_runs']} | **{r['speedup']:.2f}×**" in out
+        assert f"| {r['speedup_at_0']:.2f}× | {r['kept']:.0%} |" in out
+    (op,) = result["op"]
+    assert op["n"] == 48 and op["dropout_p"] == 0.1 and op["backend"] == "native"
+    assert f"| 48 | {op['dropout ms']:.0f} ms | {op['no dropout ms']:.0f} ms | {op['dropout / no dropout']:.2f}×" in out
