@@ -30,6 +30,10 @@ Cases (defaults; ``--quick`` shrinks every size to seconds):
 - ``mpnet-base/model``: all-mpnet-base-v2's shape (``MPNetModel``, hidden 768, 12 heads, 12 layers): one ragged batch
   of 32 sentences of 16..384 tokens right-padded to 384 (the patched model runs it packed), its output at the real
   tokens, and B = 16 x 384 unpadded. Unpatched: eager (MPNet has no sdpa).
+- ``flan-t5-base/generate``: Flan-T5-base's shape (``T5ForConditionalGeneration``, 12 + 12 layers, hidden 768, 12 heads,
+  gated-GELU, its 32128-token vocabulary) greedily generating ``--new`` (64) tokens after 512 input tokens, batch 1,
+  with transformers' cache; time and peak memory of one ``generate()``, mode "generate" whatever ``--modes`` says;
+  ``max_abs_diff`` counts the tokens that differ from relattn's. Unpatched: "eager" and "sdpa".
 
 Every variant runs the same weights and inputs (the model is patched and unpatched in place between calls). Time:
 medians of ``--reps`` interleaved rounds after a warm-up; forward under ``torch.no_grad()``, forward+backward
@@ -44,6 +48,7 @@ A variant predicted to need more than ``--max-gb`` is skipped and says so.
     PYTHONPATH=src python benchmarks/hf_models.py --only deberta --ragged 64-512 --threads 2 --out /tmp/ragged.json
     PYTHONPATH=src python benchmarks/hf_models.py --only t5 --threads 2 --modes forward+backward --out /tmp/t5.json
     PYTHONPATH=src python benchmarks/hf_models.py --only mpnet --threads 2 --modes forward --out /tmp/mpnet.json
+    PYTHONPATH=src python benchmarks/hf_models.py --only flan-t5 --threads 2 --reps 3 --out /tmp/flan_t5.json
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ class Case:
     variants: dict
     params: list
     estimate_gb: dict = field(default_factory=dict)  # unpatched variant -> predicted peak GB (fwd+bwd)
+    generate: bool = False  # run() generates tokens: timed once, as "generate", whatever the modes asked
 
 
 def _w2v(quick: bool, layers: int):
@@ -394,8 +400,32 @@ def mpnet_cases(quick: bool, lengths: list[int]) -> list[Case]:
                  list(model.parameters()))]
 
 
+def flan_t5_cases(quick: bool, lengths: list[int], new: int) -> list[Case]:
+    """Flan-T5-base's shape (``T5ForConditionalGeneration``: 12 + 12 layers, hidden 768, 12 heads, gated-GELU FFN
+    2048, 32 buckets, its 32128-token vocabulary, untied head) greedily generating ``new`` tokens (no early stop)
+    after each of ``lengths`` input tokens, batch 1, with transformers' cache."""
+    import transformers
+
+    shape = dict(d_model=32, d_kv=8, d_ff=48, num_heads=4, num_layers=2, vocab_size=100) if quick else dict(
+        d_model=768, d_kv=64, d_ff=2048, num_heads=12, num_layers=12, vocab_size=32128)
+    cfg = transformers.T5Config(feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0,
+                                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+                                attn_implementation="eager", **shape)
+    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    unpatched, patched = _states(model)
+    cases = []
+    for n in lengths:
+        ids = torch.randint(2, shape["vocab_size"], (1, n), generator=torch.Generator().manual_seed(n))
+        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                  do_sample=False, num_beams=1)
+        cases.append(Case("flan-t5-base", f"generate {new} tokens (greedy)", n, lambda kw=kw: model.generate(**kw),
+                          {"eager": unpatched("eager"), "sdpa": unpatched("sdpa"), "relattn": patched}, [],
+                          generate=True))
+    return cases
+
+
 def _step(case: Case, mode: str, grad: torch.Tensor):
-    if mode == "forward":
+    if mode in ("forward", "generate"):
         def run():
             with torch.no_grad():
                 return case.run()
@@ -434,9 +464,14 @@ def measure(case: Case, reps: int, warmup: int, max_gb: float, modes=MODES) -> l
         for name, setter in live.items():
             setter()
             outputs[name] = case.run()
-    grad = torch.randn_like(outputs["relattn"])
-    agreement = {name: (out - outputs["relattn"]).abs().max().item() for name, out in outputs.items()
-                 if name != "relattn"}
+    ours = outputs["relattn"]
+    if case.generate:  # tokens: how many differ from relattn's
+        grad, modes = None, ("generate",)
+        agreement = {name: float((out != ours).sum()) if out.shape == ours.shape else float("inf")
+                     for name, out in outputs.items() if name != "relattn"}
+    else:
+        grad = torch.randn_like(ours)
+        agreement = {name: (out - ours).abs().max().item() for name, out in outputs.items() if name != "relattn"}
     rows = []
     for mode in modes:
         times = _interleaved(live, _step(case, mode, grad), reps, warmup)
@@ -466,16 +501,17 @@ def plan(quick: bool, layers: int) -> dict[str, list[int]]:
     """Lengths per model family."""
     if quick:
         return {"w2v-bert": [40], "vits": [20], "speecht5": [30], "bert": [48], "deberta": [40], "parakeet": [40],
-                "t5": [40], "mpnet": [40]}
+                "t5": [40], "mpnet": [40], "flan-t5": [40]}
     return {"w2v-bert": [1500, 6000], "vits": [100, 500], "speecht5": [500, 1500], "bert": [512],
-            "deberta": [512, 2048, 8192], "parakeet": [1500, 8192], "t5": [512, 2048], "mpnet": [384]}
+            "deberta": [512, 2048, 8192], "parakeet": [1500, 8192], "t5": [512, 2048], "mpnet": [384],
+            "flan-t5": [512]}
 
 
-FAMILIES = ("w2v-bert", "vits", "speecht5", "bert", "deberta", "parakeet", "t5", "mpnet")
+FAMILIES = ("w2v-bert", "vits", "speecht5", "bert", "deberta", "parakeet", "t5", "mpnet", "flan-t5")
 
 
 def build_cases(quick: bool, layers: int, only=FAMILIES, lengths: list[int] | None = None,
-                batch: int = 1, ragged: tuple[int, int] | None = None) -> list[Case]:
+                batch: int = 1, ragged: tuple[int, int] | None = None, new: int = 64) -> list[Case]:
     """The cases of the families in ``only``, at their lengths (or at ``lengths``, for all of them); DeBERTa's with
     ``batch`` sequences, or (``ragged`` = (lo, hi)) its model on one padded batch of lengths spread over lo..hi."""
     at = {f: lengths or n for f, n in plan(quick, layers).items()}
@@ -486,7 +522,8 @@ def build_cases(quick: bool, layers: int, only=FAMILIES, lengths: list[int] | No
                 "deberta": lambda: deberta_cases(quick, layers, at["deberta"], batch, ragged),
                 "parakeet": lambda: parakeet_cases(quick, at["parakeet"]),
                 "t5": lambda: t5_cases(quick, layers, at["t5"]),
-                "mpnet": lambda: mpnet_cases(quick, at["mpnet"])}
+                "mpnet": lambda: mpnet_cases(quick, at["mpnet"]),
+                "flan-t5": lambda: flan_t5_cases(quick, at["flan-t5"], new)}
     return [case for family in only for case in builders[family]()]
 
 
@@ -516,6 +553,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=None, help="sequences per DeBERTa call (default 1; --ragged 8)")
     p.add_argument("--ragged", default=None, metavar="LO-HI", help="DeBERTa's model on one right-padded batch of "
                    "--batch sequences, lengths spread evenly over LO..HI (e.g. 64-512), patched vs eager")
+    p.add_argument("--new", type=int, default=None, help="tokens Flan-T5 generates (64; --quick 6)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="what to time")
     p.add_argument("--scopes", nargs="+", default=None, help="only the cases whose scope starts with one of these "
                    "(e.g. attention, model)")
@@ -540,7 +578,8 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     rows = []
     print(f"CPU {_machine()['cpu_features']}\nnative kernel: {_machine()['native_choice']}", flush=True)
-    for case in build_cases(args.quick, layers, args.only, args.lengths, batch, ragged):
+    new = args.new or (6 if args.quick else 64)
+    for case in build_cases(args.quick, layers, args.only, args.lengths, batch, ragged, new):
         if args.scopes is None or case.scope.startswith(tuple(args.scopes)):
             rows.extend(measure(case, reps, args.warmup, max_gb, args.modes))
     result = {"machine": _machine(), "torch": torch.__version__, "transformers": transformers.__version__,
