@@ -17,27 +17,46 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 
 def test_gpu_tiles_are_at_least_the_floor():
-    """Forward tiles at least 64 x 64, backward at least 32 x 64 (either way round), for every arch and head dim,
-    with and without rel_q."""
+    """One table: every served arch has a plain entry for every kernel, precision and head dim (so every lookup
+    ends in one); forward tiles at least 64 x 64 in 16 bits, backward at least 32 x 64 (either way round); band
+    tiles at least 16 wide (tl.dot's minimum)."""
+    from relattn.backends import _triton_tiles as tiles
     from relattn.backends import triton as tb
 
-    assert {a for _, a, _ in tb.CONFIGS} == {80, 90} and {d for *_, d in tb.CONFIGS} == {64, 128}
-    assert set(tb.TABLE_OF_ARCH) == {arch for arch, _ in tb.CUDA_ARCHS}  # every served arch has its table
-    assert set(tb.TABLE_OF_ARCH.values()) <= {80, 90}
-    assert set(tb.RQ_CONFIGS) <= set(tb.CONFIGS) and set(tb.GQA_RQ_CONFIGS) <= set(tb.CONFIGS)
-    assert {(kernel, d) for kernel, _, d in tb.ARCH_CONFIGS} <= {(kernel, d) for kernel, _, d in tb.CONFIGS}
-    assert {arch for _, arch, _ in tb.ARCH_CONFIGS} <= set(tb.TABLE_OF_ARCH)
-    assert {arch for _, arch, _ in (*tb.VARLEN_CONFIGS, *tb.VARLEN_RQ_CONFIGS, *tb.RAGGED_CONFIGS,
-                                    *tb.DROPOUT_CONFIGS)} <= set(tb.TABLE_OF_ARCH)
-    entries = [*tb.CONFIGS.items(), *tb.RQ_CONFIGS.items(), *tb.GQA_RQ_CONFIGS.items(), *tb.ARCH_CONFIGS.items(),
-               *tb.VARLEN_CONFIGS.items(), *tb.VARLEN_RQ_CONFIGS.items(), *tb.RAGGED_CONFIGS.items(),
-               *tb.DROPOUT_CONFIGS.items()]
-    for (kernel, arch, d), (bm, bn, _, _, split) in entries:
-        if kernel == "fwd":
-            assert bm >= 64 and bn >= 64, (kernel, arch, d)
-        else:
-            assert min(bm, bn) >= 32 and bm * bn >= 32 * 64, (kernel, arch, d)
-        assert (bn if kernel != "dkdv" else bm) // split >= 16, (kernel, arch, d)  # band tiles: tl.dot's minimum
+    assert set(tiles.EVERY_ARCH) == {arch for arch, _ in tb.CUDA_ARCHS}
+    for kernel in ("fwd", "dkdv", "dq"):
+        for arch in tiles.EVERY_ARCH:
+            for precision in (tiles.SIXTEEN, tiles.THIRTY_TWO):
+                assert all((kernel, "plain", arch, precision, d) in tiles.TILES for d in (64, 128)), (kernel, arch)
+    assert {variant for _, variant, *_ in tiles.TILES} <= set(tiles.VARIANTS)
+    for (kernel, variant, arch, precision, d), (bm, bn, _, _, split) in tiles.TILES.items():
+        key = (kernel, variant, arch, d)
+        if kernel == "fwd" and precision == tiles.SIXTEEN:
+            assert bm >= 64 and bn >= 64, key
+        elif precision == tiles.SIXTEEN:
+            assert min(bm, bn) >= 32 and bm * bn >= 32 * 64, key
+        assert (bn if kernel != "dkdv" else bm) // split >= 16, key  # band tiles: tl.dot's minimum
+
+
+def test_tile_lookup_takes_the_most_specific_variant():
+    """The lookup's order: dropout, then a packed batch with rel_q, packed, ragged lengths, grouped k/v with rel_q,
+    rel_q, plain; a variant the table has no entry for falls through to the next (values a wrong order gets
+    wrong)."""
+    from relattn.backends._triton_tiles import INTERPRETED, config, variants
+
+    assert variants(rel_q=True, grouped=True, varlen=True, dropout=True) == [
+        "dropout", "varlen_rq", "varlen", "gqa_rq", "rq", "plain"]
+    assert config("fwd", True, 128, 120, dropout=True, ragged=True) == (64, 64, 8, 1, 4)  # dropout first
+    assert config("fwd", True, 128, 120, ragged=True) == (64, 64, 8, 1, 2)
+    assert config("fwd", True, 128, 86, ragged=True) == (64, 64, 8, 2, 4)
+    assert config("fwd", True, 128, 86) == (128, 64, 8, 2, 4)
+    assert config("dkdv", True, 64, 80, rel_q=True, grouped=True) == (64, 32, 8, 1, 2)
+    assert config("dkdv", True, 64, 80, rel_q=True) == (64, 32, 8, 2, 2)
+    assert config("dkdv", True, 64, 90, rel_q=True) == (32, 64, 4, 2, 2)  # no H100 rel_q entry: plain
+    assert config("dq", True, 64, 89, rel_q=True, varlen=True) == (64, 32, 8, 1, 2)
+    assert config("dq", False, 96, 90, rel_q=True, dropout=True) == (32, 16, 4, 2, 1)  # float32: its own
+    assert config("fwd", True, 64, 75) == config("fwd", True, 64, 80)  # an arch not served: sm_80's
+    assert config("fwd", True, 64, None) == INTERPRETED
 
 
 def test_stage_calls_pass_grouped_arguments():

@@ -24,9 +24,10 @@ TF32) and float64 (gradcheck); head dims up to 128 (D != Dv allowed); any K; the
 each optional, shared or per head; any mask that needs no gradient; dropout (the one mask of every backend, a hash
 of (seed, batch entry, query head, row, key), regenerated tile by tile in the backward, never stored).
 
-Tiles, warps and pipeline stages per kernel come from ``config`` (by GPU architecture, element size and head
-dim; ``TABLE_OF_ARCH``); ``benchmarks/triton_compile.py`` compiles every launch of this module for every served
-arch without a GPU and reports registers, spills, shared memory and tensor-core instructions.
+Tiles, warps and pipeline stages per kernel come from one table (:mod:`._triton_tiles`: by kernel, GPU
+architecture, precision, head dim and the launch's variant); ``benchmarks/triton_compile.py`` compiles every
+launch of this module for every served arch without a GPU and reports registers, spills, shared memory and
+tensor-core instructions.
 """
 
 from __future__ import annotations
@@ -48,100 +49,16 @@ from ._common import (
     compute_capability,
     stats_dtype,
 )
-from ._settings import Settings
+from ._triton_tiles import EVERY_ARCH, SETTINGS, config
 
 MAX_HEAD_DIM = 128
 LOG2E = 1.4426950408889634
-# (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages, BAND_SPLIT) per kernel, by (arch, padded head dim up to 64
-# or 128) for 16-bit inputs. BAND_SPLIT: the band's tiles are that many times narrower (keys for the forward and dq,
-# queries for dkdv) than the others: a band tile's per-pair gathers and stores cost registers the plain tiles do
-# not. Each entry compiles without spills for its arch under Triton 3.6 and 3.9 (benchmarks/triton_compile.py;
-# docs/backends-triton.md has the table); none is tuned on a GPU yet.
-CONFIGS = {
-    ("fwd", 90, 64): (128, 64, 8, 3, 2), ("fwd", 90, 128): (128, 64, 8, 2, 4),
-    ("dkdv", 90, 64): (32, 64, 4, 2, 2), ("dkdv", 90, 128): (32, 64, 8, 2, 2),
-    ("dq", 90, 64): (64, 32, 4, 2, 2), ("dq", 90, 128): (64, 32, 8, 2, 2),
-    ("fwd", 80, 64): (128, 64, 8, 2, 2), ("fwd", 80, 128): (128, 64, 8, 2, 4),
-    ("dkdv", 80, 64): (32, 64, 8, 1, 2), ("dkdv", 80, 128): (32, 64, 8, 2, 2),
-    ("dq", 80, 64): (64, 32, 4, 2, 2), ("dq", 80, 128): (32, 64, 8, 2, 4),
-}
-# Launches with rel_q (the position-to-content term: a per-key gather in the score and, in dkdv, per-key bins of dS)
-# where the table above spills: their own entry, compiled without spills under both Tritons likewise.
-RQ_CONFIGS = {
-    ("fwd", 80, 64): (128, 64, 8, 2, 4), ("dkdv", 80, 64): (64, 32, 8, 2, 2),
-    ("fwd", 80, 128): (64, 64, 8, 2, 2),
-}
-# Launches with grouped k/v and rel_q (dkdv loops over the group's query heads, each with its own per-key bins) where
-# the entries above spill (44 bytes on sm_80, 540 on sm_90a at D = 64, Triton 3.9): their own, compiled without.
-GQA_RQ_CONFIGS = {("dkdv", 80, 64): (64, 32, 8, 1, 2), ("dkdv", 90, 64): (32, 64, 8, 2, 2)}
-# One arch's own entries where the table it takes (TABLE_OF_ARCH) spills there: the forward at D = 128 without a
-# causal mask on sm_100a (144 bytes at 128 x 64, Triton 3.9) and sm_120 (16 bytes); 0 at 64 x 64 on both.
-ARCH_CONFIGS = {("fwd", 100, 128): (64, 64, 8, 2, 2), ("fwd", 120, 128): (64, 64, 8, 2, 2)}
-# Packed launches (VARLEN: every tile masked at its sequence's end) where the entries above spill: their own, by
-# table (TABLE_OF_ARCH) or, first, by the GPU's own arch (the forward at D = 128 on sm_100a and sm_120). The entries
-# they replace spill 8 to 40 bytes on sm_80, 28 on sm_120 (Triton 3.9); with rel_q 8 on sm_80, 24 on sm_90a, 100
-# on sm_90a with grouped k/v, 24 to 132 in dq on sm_120 (3.9); 8 to 16 in the forward and dq on sm_80, sm_86, sm_89,
-# 16 in dkdv on sm_90a at D = 128, 8 to 24 in dq and 32 in the forward on sm_100a (3.6). These compile without
-# spills under both (benchmarks/triton_compile.py).
-VARLEN_CONFIGS = {("fwd", 80, 128): (64, 64, 8, 2, 4), ("fwd", 100, 128): (64, 64, 8, 1, 2),
-                  ("fwd", 120, 128): (64, 64, 8, 1, 2), ("dkdv", 80, 128): (32, 64, 8, 1, 2),
-                  ("dkdv", 90, 128): (32, 64, 8, 1, 2)}
-VARLEN_RQ_CONFIGS = {("fwd", 80, 64): (64, 64, 8, 2, 4), ("fwd", 90, 64): (128, 64, 8, 2, 2),
-                     ("dkdv", 90, 64): (32, 64, 8, 1, 2), ("dq", 80, 64): (64, 32, 8, 1, 2)}
-# The forward of a dense call whose lengths end mid-tile (N or M not a multiple of the tile: every load masked at
-# the end, as a packed batch's) at D = 128 (head dims 65 to 128): with a key-padding mask the 128 x 64 entry above
-# spills there (16 bytes on sm_80, 8 on sm_86 and sm_89, 40 on sm_90a at D = 96, N = 1500; 48 on sm_120 at 64 x 64,
-# stages 2; Triton 3.9). By arch first, then by table, as VARLEN_CONFIGS; these compile without spills.
-RAGGED_CONFIGS = {("fwd", 80, 128): (64, 64, 8, 2, 4), ("fwd", 90, 128): (64, 64, 8, 2, 4),
-                  ("fwd", 100, 128): ARCH_CONFIGS[("fwd", 100, 128)], ("fwd", 120, 128): (64, 64, 8, 1, 2)}
-# Launches with dropout (the mask's hashes: a row and a key hash per tile, one more per pair) where the entries above
-# spill, by arch: the forward at D = 128 on sm_120 (8 bytes at 64 x 64, 2 stages, band / 2, causal; 128 bytes at
-# 1 stage with lengths ending mid-tile and a padding mask, D = 96, N = 1500; Triton 3.9): 1 stage, band / 4.
-DROPOUT_CONFIGS = {("fwd", 120, 128): (64, 64, 8, 1, 4)}
-# Which table each served arch uses. The A100's (at most 64 KB of shared memory per launch) fits the 99 KB of
-# sm_86, sm_89 and sm_120; sm_100 (B200) takes it too. sm_100 and sm_120 have their own forward at D = 128
-# (ARCH_CONFIGS). Each pairing
-# compiles without spills and on tensor cores (benchmarks/triton_compile.py); none is timed on its GPU yet.
-TABLE_OF_ARCH = {80: 80, 86: 80, 89: 80, 90: 90, 100: 80, 120: 80}
 # The GPUs the kernels serve, as data: (compute capability, the dtypes served there). Each is compiled by
 # benchmarks/triton_compile.py (docs/backends-triton.md, its table); elsewhere "auto" takes the next backend
 # ("blocked": cuBLAS's tensor cores). Not sm_75 (T4) nor older: Triton emits no tensor-core instruction there, even in
 # float16, and the forward spills 14-22 KB per thread; nor do they have bfloat16 tensor cores.
 _EVERY_DTYPE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-CUDA_ARCHS = tuple((arch, _EVERY_DTYPE) for arch in (80, 86, 89, 90, 100, 120))
-FP32_CONFIGS = {"fwd": (32, 32, 8, 1, 2), "dkdv": (16, 16, 8, 1, 1), "dq": (32, 16, 4, 2, 1)}  # float32, float64
-# The interpreter pays per tile operation (about 0.2 ms, little more for a larger tile): large tiles there.
-INTERPRETED_TILES = (128, 128)
-
-
-def _tiles_ok(tiles) -> bool:
-    return tiles is None or (isinstance(tiles, tuple) and len(tiles) == 2 and all(
-        isinstance(t, int) and t >= 16 and t & (t - 1) == 0 for t in tiles))
-
-
-@dataclass(frozen=True)
-class TritonSettings:
-    """Overrides of the launcher's choices (:data:`SETTINGS`; the tests set small tiles with
-    ``SETTINGS.override(...)``)."""
-
-    fwd_tiles: tuple[int, int] | None = None  # (BLOCK_M, BLOCK_N) of the forward instead of the table's
-    bwd_tiles: tuple[int, int] | None = None  # the same for dkdv and dq
-    band_split: int | None = None  # instead of the table's
-    kv_splits: int = 0  # forward: splits of the keys (0: chosen by kv_splits)
-
-    def __post_init__(self):
-        for name in ("fwd_tiles", "bwd_tiles"):
-            if not _tiles_ok(getattr(self, name)):
-                raise ValueError(f"triton setting {name} must be None or two powers of two >= 16 (tl.dot's minimum);"
-                                 f" got {getattr(self, name)!r}")
-        split = self.band_split
-        if split is not None and not (isinstance(split, int) and split >= 1 and split & (split - 1) == 0):
-            raise ValueError(f"triton setting band_split must be None or a power of two >= 1; got {split!r}")
-        if not isinstance(self.kv_splits, int) or self.kv_splits < 0:
-            raise ValueError(f"triton setting kv_splits must be an int >= 0; got {self.kv_splits!r}")
-
-
-SETTINGS = Settings(TritonSettings())
+CUDA_ARCHS = tuple((arch, _EVERY_DTYPE) for arch in EVERY_ARCH)
 _state: dict = {}  # "kernels": the imported module; "error": None once imported, else why not
 
 
@@ -195,32 +112,6 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def config(kernel: str, dtype: torch.dtype, head_dim: int, arch: int | None, rel_q: bool = False,
-           grouped: bool = False, varlen: bool = False, ragged: bool = False,
-           dropout: bool = False) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, BAND_SPLIT) of ``kernel`` ("fwd", "dkdv", "dq") for a padded head
-    dim on a GPU of compute capability ``arch`` (None: interpreted), with or without the ``rel_q`` term, grouped
-    k/v heads, a packed batch (``varlen``), lengths that end mid-tile (``ragged``: :data:`RAGGED_CONFIGS`),
-    dropout (:data:`DROPOUT_CONFIGS`, by arch, first)."""
-    if arch is None:
-        return (*INTERPRETED_TILES, 4, 1, 1)
-    if dtype not in LOW_PRECISION:
-        return FP32_CONFIGS[kernel]
-    dim = 64 if head_dim <= 64 else 128
-    key = (kernel, TABLE_OF_ARCH.get(arch, 80), dim)
-    if dropout and (kernel, arch, dim) in DROPOUT_CONFIGS:
-        return DROPOUT_CONFIGS[(kernel, arch, dim)]
-    for table in ((VARLEN_RQ_CONFIGS if varlen and rel_q else {}), (VARLEN_CONFIGS if varlen else {}),
-                  (RAGGED_CONFIGS if ragged and not varlen else {})):
-        if (kernel, arch, dim) in table or key in table:
-            return table.get((kernel, arch, dim), table.get(key))
-    if rel_q and grouped and key in GQA_RQ_CONFIGS:
-        return GQA_RQ_CONFIGS[key]
-    if rel_q and key in RQ_CONFIGS:
-        return RQ_CONFIGS[key]
-    return ARCH_CONFIGS.get((kernel, arch, dim), CONFIGS[key])
-
-
 @dataclass(frozen=True)
 class Packed:
     """A packed batch's sequences (:class:`~relattn.backends._common.AttentionCall`): q (1, H, T, D), k, v (1, Hkv,
@@ -243,11 +134,12 @@ def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None, packed: Pa
     lengths vary by sequence: the tiles cut to the longest, every tile masked at its sequence's end)."""
     n, m = (q.shape[2], k.shape[2]) if packed is None else (packed.max_q, packed.max_k)
     dp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
-    bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device), rel_q is not None,
-                                          k.shape[1] != q.shape[1], packed is not None, dropout=dropout)
-    if packed is None and (n % bm or m % bn):  # the lengths end mid-tile: the ragged entry, if there is one
-        bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device), rel_q is not None,
-                                              k.shape[1] != q.shape[1], False, True, dropout)
+    flags = dict(rel_q=rel_q is not None, grouped=k.shape[1] != q.shape[1], varlen=packed is not None,
+                 dropout=dropout)
+    tiles = config(kernel, q.dtype in LOW_PRECISION, max(dp, dvp), _arch(q.device), **flags)
+    if packed is None and (n % tiles.block_m or m % tiles.block_n):  # lengths that end mid-tile
+        tiles = config(kernel, q.dtype in LOW_PRECISION, max(dp, dvp), _arch(q.device), **flags, ragged=True)
+    bm, bn, warps, stages, split = tiles
     settings = SETTINGS.current
     override = settings.fwd_tiles if kernel == "fwd" else settings.bwd_tiles
     if override is not None:
