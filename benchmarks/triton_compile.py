@@ -108,6 +108,8 @@ SHAPES = [
           tables="keys", kk=2047, position_query=True),
     Shape("fp32 D=128 Transformer-XL causal: keys table per head + q_pos", dtype=torch.float32, d=128, causal=True,
           tables="xl", kk=2047, position_query=True),
+    Shape("bf16 D=96 Transformer-XL window: keys table per head + q_pos, K = N - 1, padding mask, B = 1, N = 1500",
+          d=96, tables="xl", kk=1499, mask=True, position_query=True, b=1, n=1500, m=1500),
     Shape("packed bf16 D=64", varlen=True),
     Shape("packed bf16 D=128 causal", d=128, causal=True, varlen=True),
     Shape("packed fp16 D=64 keys + values + rel_q", dtype=torch.float16, tables="all", varlen=True),
@@ -127,6 +129,8 @@ SHAPES = [
     Shape("dropout bf16 D=128 GQA 8 / 2 heads causal", d=128, causal=True, kv_heads=2, dropout=True),
     Shape("dropout bf16 D=128 Transformer-XL: keys table per head + q_pos, K = N - 1, padding mask", d=128,
           tables="xl", kk=2047, mask=True, position_query=True, dropout=True),
+    Shape("dropout bf16 D=96 Transformer-XL window: keys table per head + q_pos, K = N - 1, padding mask, B = 1, "
+          "N = 1500", d=96, tables="xl", kk=1499, mask=True, position_query=True, b=1, n=1500, m=1500, dropout=True),
     Shape("dropout fp32 D=64 DeBERTa: keys + rel_q per head", dtype=torch.float32, tables="deberta", dropout=True),
     Shape("dropout packed bf16 D=64 DeBERTa: keys + rel_q per head", tables="deberta", varlen=True, dropout=True),
     Shape("dropout packed bf16 D=128 GQA 8 / 2 heads causal", d=128, causal=True, kv_heads=2, varlen=True,
@@ -140,7 +144,9 @@ CI_PAIRS = [("bf16 D=64", 80), ("fp16 D=128 padding mask", 90), ("bf16 D=96 padd
             ("packed bf16 D=64 DeBERTa: keys + rel_q per head", 80), ("packed bf16 D=128 GQA 8 / 2 heads causal", 90),
             ("bf16 D=96 padding mask, B = 1, N = 1500 (Parakeet-like)", 120),
             ("dropout bf16 D=64 DeBERTa: keys + rel_q per head, padding mask", 80),
-            ("dropout packed bf16 D=64 DeBERTa: keys + rel_q per head", 90)]
+            ("dropout packed bf16 D=64 DeBERTa: keys + rel_q per head", 90),
+            ("bf16 D=96 Transformer-XL window: keys table per head + q_pos, K = N - 1, padding mask, B = 1, N = 1500",
+             120)]
 
 
 def record(shape: Shape, arch: int) -> list[tuple]:
@@ -225,15 +231,16 @@ def _key(kernel, kwargs) -> tuple:
     """What makes two launches compile to the same code: the kernel, the argument types and specialisation, the
     constexprs' and launch options' values."""
     exact = {p.name for p in kernel.params if p.is_constexpr} | {"num_warps", "num_stages"}
+    plain = {p.name for p in kernel.params if p.do_not_specialize}  # ints the JIT does not specialise
 
-    def kind(x):
+    def kind(name, x):
         if isinstance(x, torch.Tensor):
             return str(x.dtype)
         if isinstance(x, int) and not isinstance(x, bool):
-            return "1" if x == 1 else ("16" if x % 16 == 0 else "i")
+            return "i" if name in plain else "1" if x == 1 else ("16" if x % 16 == 0 else "i")
         return repr(x)
 
-    return (kernel.__name__, tuple(sorted((k, repr(v) if k in exact else kind(v)) for k, v in kwargs.items())))
+    return (kernel.__name__, tuple(sorted((k, repr(v) if k in exact else kind(k, v)) for k, v in kwargs.items())))
 
 
 def main(argv=None) -> int:

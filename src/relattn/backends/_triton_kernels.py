@@ -61,9 +61,10 @@ Mask = namedtuple("Mask", ["ptr", "stride_n", "stride_m"])  # one head's additiv
 Stats = namedtuple("Stats", ["LSE", "DELTA", "stride_n"])  # one head's log-sum-exp and delta per query row
 Terms = namedtuple("Terms", ["QA", "KA", "DOA", "MASK", "qk_scale"])  # what scores and dP add to q k^T and dO v^T
 RowBins = namedtuple("RowBins", ["P", "DS"])  # the dq kernel's per-row bins of P (for a^V) and dS (for a^K)
-Sizes = namedtuple("Sizes", ["N", "M", "D", "DV", "MAX_REL", "off"])  # queries, keys, head dims, K, query offset
+# queries, keys, head dims, K, query offset; the per-row tables' window: table rows [row0, row0 + rows)
+Sizes = namedtuple("Sizes", ["N", "M", "D", "DV", "MAX_REL", "off", "row0", "rows"])
 Meta = namedtuple("Meta", ["BLOCK_M", "BLOCK_N", "HEAD_DIM", "HEAD_DIM_V", "BAND_SPLIT", "HAS_RK", "HAS_RQ", "HAS_RV",
-                           "HAS_MASK", "CAUSAL", "EVEN_M", "EVEN_N", "EVEN_D", "PREC", "ACC", "DROPOUT"])
+                           "HAS_MASK", "CAUSAL", "EVEN_M", "EVEN_N", "EVEN_D", "PREC", "ACC", "DROPOUT", "WINDOW"])
 # a (batch entry, query head)'s dropout: its key, the seed's row and key offsets, floor(p 2**32), 1/(1-p)
 Drop = namedtuple("Drop", ["key", "i0", "j0", "threshold", "scale"])
 
@@ -120,9 +121,11 @@ def _store_rows(ptrs, x, offs_m, N, EVEN_M: tl.constexpr):
 
 
 @device_fn
-def _rel_term(S, offs_m, offs_n, size, STAGE: tl.constexpr, EVEN_M: tl.constexpr):
+def _rel_term(S, offs_m, offs_n, size, C, STAGE: tl.constexpr):
     """``x_i . a_t(i, j)`` from one head's precomputed table scores ``S = x a^T`` (a :data:`Table`): (BM, 1) off the
-    band (one table row for the whole tile), gathered per pair to (BM, BN) on the band."""
+    band (one table row for the whole tile), gathered per pair to (BM, BN) on the band. C.WINDOW: S holds the
+    table rows ``[size.row0, size.row0 + size.rows)`` only, column ``t - row0``; a pair outside them (past the
+    sequence's end, or masked by causality: its score is -inf after) reads the nearest column."""
     if STAGE == BAND:
         t = tl.minimum(tl.maximum(offs_n[None, :] - offs_m[:, None] - size.off, -size.MAX_REL), size.MAX_REL) \
             + size.MAX_REL
@@ -130,8 +133,10 @@ def _rel_term(S, offs_m, offs_n, size, STAGE: tl.constexpr, EVEN_M: tl.constexpr
         t = offs_m[:, None] * 0
     else:
         t = offs_m[:, None] * 0 + 2 * size.MAX_REL
+    if C.WINDOW:
+        t = tl.minimum(tl.maximum(t - size.row0, 0), size.rows - 1)
     ptrs = S.ptr + offs_m[:, None] * S.stride_n + t
-    if EVEN_M:
+    if C.EVEN_M:
         x = tl.load(ptrs)
     else:
         x = tl.load(ptrs, mask=(offs_m < size.N)[:, None], other=0.0)
@@ -165,7 +170,7 @@ def _scores(q, kT, terms, offs_m, offs_n, size, C, STAGE: tl.constexpr):
     pair."""
     qk = dot(q, kT, C.PREC)
     if C.HAS_RK:
-        qk += _rel_term(terms.QA, offs_m, offs_n, size, STAGE, C.EVEN_M)
+        qk += _rel_term(terms.QA, offs_m, offs_n, size, C, STAGE)
     if C.HAS_RQ:
         qk += _key_rel_term(terms.KA, offs_m, offs_n, size, STAGE, C.EVEN_N)
     s = qk * terms.qk_scale
@@ -200,14 +205,18 @@ def _edge_sums(x, left, right, offs_m, offs_n, size, STAGE: tl.constexpr):
 
 
 @device_fn
-def _store_interior(BINS, x, offs_m, offs_n, size, EVEN_M: tl.constexpr):
+def _store_interior(BINS, x, offs_m, offs_n, size, C):
     """A band tile's pairs with |r| < K stored to their row's bin t = r + K of ``BINS`` (a :data:`Table`; one key
-    per bin, so no sums)."""
+    per bin, so no sums); C.WINDOW: to column t - row0, the window's pairs only."""
     r = offs_n[None, :] - offs_m[:, None] - size.off
     ok = (r > -size.MAX_REL) & (r < size.MAX_REL)
-    if not EVEN_M:
+    col = r + size.MAX_REL
+    if C.WINDOW:
+        col -= size.row0
+        ok = ok & (col >= 0) & (col < size.rows)
+    if not C.EVEN_M:
         ok = ok & (offs_m < size.N)[:, None]
-    tl.store(BINS.ptr + offs_m[:, None] * BINS.stride_n + (r + size.MAX_REL), x, mask=ok)
+    tl.store(BINS.ptr + offs_m[:, None] * BINS.stride_n + col, x, mask=ok)
 
 
 @device_fn
@@ -236,6 +245,21 @@ def _store_interior_keys(KB, x, offs_m, offs_n, size, C):
     if not C.EVEN_N:
         ok = ok & (offs_n < size.M)[None, :]
     tl.store(KB.ptr + offs_n[None, :] * KB.stride_n + (r + size.MAX_REL), x, mask=ok)
+
+
+@device_fn
+def _store_row_edges(B, left, right, offs_m, size, C):
+    """The edge bins of the rows ``offs_m`` (``_store_edges``); C.WINDOW: those the window holds (a window without
+    table row 0 or 2K has no pair there: its sums are zero)."""
+    if not C.WINDOW:
+        _store_edges(B, left, right, offs_m, size.N, size.MAX_REL, C.EVEN_M)
+    elif size.MAX_REL == 0:
+        _store_rows(B.ptr + offs_m * B.stride_n, left + right, offs_m, size.N, C.EVEN_M)
+    else:
+        if size.row0 == 0:
+            _store_rows(B.ptr + offs_m * B.stride_n, left, offs_m, size.N, C.EVEN_M)
+        if 2 * size.MAX_REL - size.row0 < size.rows:
+            _store_rows(B.ptr + offs_m * B.stride_n + 2 * size.MAX_REL - size.row0, right, offs_m, size.N, C.EVEN_M)
 
 
 @device_fn
@@ -430,12 +454,12 @@ def _fwd_inner(acc, l_i, m_i, left, right, q, start_m, start, end, K, V, terms, 
         if C.HAS_RV:
             left, right = _edge_sums(p, left * alpha, right * alpha, offs_m, offs_n, size, STAGE)
             if STAGE == BAND:
-                _store_interior(BINS, s, offs_m, offs_n, size, C.EVEN_M)
+                _store_interior(BINS, s, offs_m, offs_n, size, C)
         m_i = m_new
     return acc, l_i, m_i, left, right
 
 
-@triton.jit(do_not_specialize=["drop_threshold"])
+@triton.jit(do_not_specialize=["drop_threshold", "ROW0", "ROWS"])
 def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE, CU_Q, CU_K,
                 stride_qb, stride_qh, stride_qn, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
@@ -446,13 +470,13 @@ def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE, CU_Q, CU_K,
                 stride_mb, stride_mh, stride_mn, stride_mm,
                 stride_os, stride_ob, stride_oh, stride_on, stride_od,
                 stride_ls, stride_lb, stride_lh, stride_ln,
-                H, GROUP, KA_GROUP, N, M, D, DV, MAX_REL, off, qk_scale, split_len, SEED,
+                H, GROUP, KA_GROUP, N, M, D, DV, MAX_REL, off, ROW0, ROWS, qk_scale, split_len, SEED,
                 drop_threshold, drop_scale,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
                 CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                 PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr, VARLEN: tl.constexpr,
-                DROPOUT: tl.constexpr):
+                DROPOUT: tl.constexpr, WINDOW: tl.constexpr):
     """Per (query tile, batch * head, split of the keys): out and lse of the split's keys. One split: the
     attention's out and lse. Several (decoding: too few query tiles to fill the GPU): each split's normalised out
     and lse at split strides stride_os and stride_ls, merged by the launcher. QA: the rows' table scores; KA: the
@@ -464,7 +488,7 @@ def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE, CU_Q, CU_K,
     C: tl.constexpr = Meta(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
                            BAND_SPLIT=BAND_SPLIT, HAS_RK=HAS_RK, HAS_RQ=HAS_RQ, HAS_RV=HAS_RV, HAS_MASK=HAS_MASK,
                            CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PREC=PREC, ACC=ACC,
-                           DROPOUT=DROPOUT)
+                           DROPOUT=DROPOUT, WINDOW=WINDOW)
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -477,7 +501,7 @@ def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE, CU_Q, CU_K,
         off_b = 0
         if start_m >= N:  # past this sequence's queries
             return
-    size = Sizes(N=N, M=M, D=D, DV=DV, MAX_REL=MAX_REL, off=off)
+    size = Sizes(N=N, M=M, D=D, DV=DV, MAX_REL=MAX_REL, off=off, row0=ROW0, rows=ROWS)
     off_h = (off_bh % H).to(tl.int64)
     off_hkv = off_h // GROUP
     Q += off_b * stride_qb + off_h * stride_qh + q0 * stride_qn
@@ -531,16 +555,23 @@ def _fwd_kernel(Q, K, V, QA, KA, RV, MASK, BINS, OUT, LSE, CU_Q, CU_K,
         last = _load_2d(RV + 2 * MAX_REL * stride_rvr + offs_dv[None, :] * stride_rvd, offs_dv, offs_dv, 1, DV, True,
                         EVEN_D).to(ACC)
         acc += left[:, None] * first + right[:, None] * last
-        for t0 in range(1, 2 * MAX_REL, BLOCK_N):
+        t_lo = 1  # the interior table rows [t_lo, t_hi), in BINS's column t - col0
+        t_hi = 2 * MAX_REL
+        col0 = 0
+        if WINDOW:
+            t_lo = tl.maximum(1, ROW0)
+            t_hi = tl.minimum(2 * MAX_REL, ROW0 + ROWS)
+            col0 = ROW0
+        for t0 in range(t_lo, t_hi, BLOCK_N):
             offs_t = t0 + tl.arange(0, BLOCK_N)
             key = offs_m[:, None] + off + offs_t[None, :] - MAX_REL
-            ok = (offs_t < 2 * MAX_REL)[None, :] & (key >= start) & (key < end)
+            ok = (offs_t < t_hi)[None, :] & (key >= start) & (key < end)
             if not EVEN_M:
                 ok = ok & (offs_m < N)[:, None]
-            s = tl.load(BINS + offs_m[:, None] * stride_sn + offs_t[None, :], mask=ok, other=float("-inf"))
+            s = tl.load(BINS + offs_m[:, None] * stride_sn + (offs_t - col0)[None, :], mask=ok, other=float("-inf"))
             p = tl.exp2(s - m_safe[:, None])
             a = _load_2d(RV + offs_t[:, None] * stride_rvr + offs_dv[None, :] * stride_rvd, offs_t, offs_dv,
-                         2 * MAX_REL, DV, False, EVEN_D)
+                         t_hi, DV, False, EVEN_D)
             acc += dot(cast(p, a.dtype), a, PREC)
 
     # -- normalise; the log-sum-exp (natural log, -inf for a row with no key) for the backward and the merge
@@ -573,7 +604,7 @@ def _bwd_tile(q, do, kT, vT, lse2, delta, terms, drop, rows, cols, offs_m, offs_
     p = tl.exp2(s - lse2[:, None])
     dp = dot(do, vT, C.PREC)
     if C.HAS_RV:
-        dp += _rel_term(terms.DOA, offs_m, offs_n, size, STAGE, C.EVEN_M)
+        dp += _rel_term(terms.DOA, offs_m, offs_n, size, C, STAGE)
     if C.DROPOUT:
         kept = _kept(rows, cols, drop.threshold)
         ds = p * (tl.where(kept, dp * drop.scale, 0.0) - delta[:, None])
@@ -618,7 +649,7 @@ def _dkdv_inner(dk, dv, k_left, k_right, kT, vT, start_n, Q, DO, stats, terms, K
     return dk, dv, k_left, k_right
 
 
-@triton.jit(do_not_specialize=["drop_threshold"])
+@triton.jit(do_not_specialize=["drop_threshold", "ROW0", "ROWS"])
 def _dkdv_kernel(Q, K, V, QA, KA, DOA, MASK, DO, LSE, DELTA, DK, DV_, KB, CU_Q, CU_K,
                  stride_qb, stride_qh, stride_qn, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
@@ -629,12 +660,13 @@ def _dkdv_kernel(Q, K, V, QA, KA, DOA, MASK, DO, LSE, DELTA, DK, DV_, KB, CU_Q, 
                  stride_mb, stride_mh, stride_mn, stride_mm,
                  stride_dob, stride_doh, stride_don, stride_dod,
                  stride_lb, stride_lh, stride_ln,
-                 H_KV, GROUP, KA_GROUP, N, M, D, DV, MAX_REL, off, qk_scale, scale, SEED, drop_threshold, drop_scale,
+                 H_KV, GROUP, KA_GROUP, N, M, D, DV, MAX_REL, off, ROW0, ROWS, qk_scale, scale, SEED, drop_threshold,
+                 drop_scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                  HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
                  CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                  PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr, VARLEN: tl.constexpr,
-                 DROPOUT: tl.constexpr):
+                 DROPOUT: tl.constexpr, WINDOW: tl.constexpr):
     """Per (key tile, batch * key/value head): dk = scale dS^T q and dv = P^T dO, summed over the group's query
     heads in order (DK, DV_ laid out like k, v). HAS_RQ: KA, the keys' table scores (head ``h // KA_GROUP``), and
     KB (B, H, M, 2K+1), each query head's dS per (key, table row), every bin of this program's keys written once
@@ -643,7 +675,7 @@ def _dkdv_kernel(Q, K, V, QA, KA, DOA, MASK, DO, LSE, DELTA, DK, DV_, KB, CU_Q, 
     C: tl.constexpr = Meta(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
                            BAND_SPLIT=BAND_SPLIT, HAS_RK=HAS_RK, HAS_RQ=HAS_RQ, HAS_RV=HAS_RV, HAS_MASK=HAS_MASK,
                            CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PREC=PREC, ACC=ACC,
-                           DROPOUT=DROPOUT)
+                           DROPOUT=DROPOUT, WINDOW=WINDOW)
     start_n = tl.program_id(0) * BLOCK_N
     off_bh = tl.program_id(1)
     off_b = (off_bh // H_KV).to(tl.int64)
@@ -655,7 +687,7 @@ def _dkdv_kernel(Q, K, V, QA, KA, DOA, MASK, DO, LSE, DELTA, DK, DV_, KB, CU_Q, 
         off_b = 0
         if start_n >= M:  # past this sequence's keys
             return
-    size = Sizes(N=N, M=M, D=D, DV=DV, MAX_REL=MAX_REL, off=off)
+    size = Sizes(N=N, M=M, D=D, DV=DV, MAX_REL=MAX_REL, off=off, row0=ROW0, rows=ROWS)
     off_hkv = (off_bh % H_KV).to(tl.int64)
     K += off_b * stride_kb + off_hkv * stride_kh + k0 * stride_kn
     V += off_b * stride_vb + off_hkv * stride_vh + k0 * stride_vn
@@ -737,15 +769,15 @@ def _dq_inner(dq, p_left, p_right, s_left, s_right, q, do, lse2, delta, start_m,
         if C.HAS_RV:
             p_left, p_right = _edge_sums(p, p_left, p_right, offs_m, offs_n, size, STAGE)
             if STAGE == BAND:
-                _store_interior(bins.P, p, offs_m, offs_n, size, C.EVEN_M)
+                _store_interior(bins.P, p, offs_m, offs_n, size, C)
         if C.HAS_RK:
             s_left, s_right = _edge_sums(ds, s_left, s_right, offs_m, offs_n, size, STAGE)
             if STAGE == BAND:
-                _store_interior(bins.DS, ds, offs_m, offs_n, size, C.EVEN_M)
+                _store_interior(bins.DS, ds, offs_m, offs_n, size, C)
     return dq, p_left, p_right, s_left, s_right
 
 
-@triton.jit(do_not_specialize=["drop_threshold"])
+@triton.jit(do_not_specialize=["drop_threshold", "ROW0", "ROWS"])
 def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB, CU_Q, CU_K,
                stride_qb, stride_qh, stride_qn, stride_qd,
                stride_kb, stride_kh, stride_kn, stride_kd,
@@ -756,12 +788,13 @@ def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB, CU_Q,
                stride_mb, stride_mh, stride_mn, stride_mm,
                stride_dob, stride_doh, stride_don, stride_dod,
                stride_lb, stride_lh, stride_ln,
-               H, GROUP, KA_GROUP, N, M, D, DV, MAX_REL, off, qk_scale, scale, SEED, drop_threshold, drop_scale,
+               H, GROUP, KA_GROUP, N, M, D, DV, MAX_REL, off, ROW0, ROWS, qk_scale, scale, SEED, drop_threshold,
+               drop_scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                HAS_RK: tl.constexpr, HAS_RQ: tl.constexpr, HAS_RV: tl.constexpr, HAS_MASK: tl.constexpr,
                CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                PREC: tl.constexpr, ACC: tl.constexpr, BAND_SPLIT: tl.constexpr, KEY_TABLE_DQ: tl.constexpr,
-               VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
+               VARLEN: tl.constexpr, DROPOUT: tl.constexpr, WINDOW: tl.constexpr):
     """Per (query tile, batch * head): dq = scale (dS k + sum_t SB_it a^K_t), and the per-row bins of P (PB) and
     dS (SB) per table row (zeros where no pair falls), from which the launcher forms the table gradients.
     KEY_TABLE_DQ False (position queries q_pos read the key table): dq = scale dS k only, the launcher forms the
@@ -770,7 +803,7 @@ def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB, CU_Q,
     C: tl.constexpr = Meta(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
                            BAND_SPLIT=BAND_SPLIT, HAS_RK=HAS_RK, HAS_RQ=HAS_RQ, HAS_RV=HAS_RV, HAS_MASK=HAS_MASK,
                            CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PREC=PREC, ACC=ACC,
-                           DROPOUT=DROPOUT)
+                           DROPOUT=DROPOUT, WINDOW=WINDOW)
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
@@ -782,7 +815,7 @@ def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB, CU_Q,
         off_b = 0
         if start_m >= N:  # past this sequence's queries
             return
-    size = Sizes(N=N, M=M, D=D, DV=DV, MAX_REL=MAX_REL, off=off)
+    size = Sizes(N=N, M=M, D=D, DV=DV, MAX_REL=MAX_REL, off=off, row0=ROW0, rows=ROWS)
     off_h = (off_bh % H).to(tl.int64)
     off_hkv = off_h // GROUP
     Q += off_b * stride_qb + off_h * stride_qh + q0 * stride_qn
@@ -839,17 +872,20 @@ def _dq_kernel(Q, K, V, QA, KA, DOA, RK, MASK, DO, LSE, DELTA, DQ, PB, SB, CU_Q,
 
     # -- the edge bins; then the key table's share of dq, sum_t SB_it a^K_t, one chunk of table rows at a time
     if HAS_RV:
-        _store_edges(bins.P, p_left, p_right, offs_m, N, MAX_REL, EVEN_M)
+        _store_row_edges(bins.P, p_left, p_right, offs_m, size, C)
     if HAS_RK:
-        _store_edges(bins.DS, s_left, s_right, offs_m, N, MAX_REL, EVEN_M)
+        _store_row_edges(bins.DS, s_left, s_right, offs_m, size, C)
     if KEY_TABLE_DQ:
         tl.debug_barrier()  # other threads of this program stored the bins
-        for t0 in range(0, 2 * MAX_REL + 1, BLOCK_N):
+        width = 2 * MAX_REL + 1  # SB's columns, table rows from row 0 (WINDOW: from ROW0)
+        if WINDOW:
+            width = ROWS
+            RK += ROW0 * stride_rkr
+        for t0 in range(0, width, BLOCK_N):
             offs_t = t0 + tl.arange(0, BLOCK_N)
-            ds = _load_2d(SB + offs_m[:, None] * stride_sn + offs_t[None, :], offs_m, offs_t, N, 2 * MAX_REL + 1,
-                          EVEN_M, False)
-            a = _load_2d(RK + offs_t[:, None] * stride_rkr + offs_d[None, :] * stride_rkd, offs_t, offs_d,
-                         2 * MAX_REL + 1, D, False, EVEN_D)
+            ds = _load_2d(SB + offs_m[:, None] * stride_sn + offs_t[None, :], offs_m, offs_t, N, width, EVEN_M, False)
+            a = _load_2d(RK + offs_t[:, None] * stride_rkr + offs_d[None, :] * stride_rkd, offs_t, offs_d, width, D,
+                         False, EVEN_D)
             dq += dot(cast(ds, a.dtype), a, PREC)
     DQ += off_b * stride_qb + off_h * stride_qh + q0 * stride_qn
     _store_2d(DQ + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, cast(dq * scale, DQ.dtype.element_ty),

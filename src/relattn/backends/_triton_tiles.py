@@ -123,6 +123,7 @@ class TritonSettings:
     bwd_tiles: tuple[int, int] | None = None  # the same for dkdv and dq
     band_split: int | None = None  # instead of the table's
     kv_splits: int = 0  # forward: splits of the keys (0: chosen by kv_splits)
+    window_rows: int = 0  # query rows per compact window (0: chosen by _triton_args.windows, for wide tables only)
 
     def __post_init__(self):
         for name in ("fwd_tiles", "bwd_tiles"):
@@ -132,8 +133,9 @@ class TritonSettings:
         split = self.band_split
         if split is not None and not (isinstance(split, int) and split >= 1 and split & (split - 1) == 0):
             raise ValueError(f"triton setting band_split must be None or a power of two >= 1; got {split!r}")
-        if not isinstance(self.kv_splits, int) or self.kv_splits < 0:
-            raise ValueError(f"triton setting kv_splits must be an int >= 0; got {self.kv_splits!r}")
+        for name in ("kv_splits", "window_rows"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"triton setting {name} must be an int >= 0; got {getattr(self, name)!r}")
 
 
 SETTINGS = Settings(TritonSettings())

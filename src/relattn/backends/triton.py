@@ -35,7 +35,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -49,10 +48,24 @@ from ._common import (
     compute_capability,
     stats_dtype,
 )
+from ._triton_args import (
+    Packed,
+    Window,
+    common_args,
+    key_table_grads,
+    mask_args,
+    mask_kind,
+    rows_of,
+    strides,
+    table_grads,
+    table_strides,
+    window_of,
+    windows,
+    zero_grads,
+)
 from ._triton_tiles import EVERY_ARCH, SETTINGS, config
 
 MAX_HEAD_DIM = 128
-LOG2E = 1.4426950408889634
 # The GPUs the kernels serve, as data: (compute capability, the dtypes served there). Each is compiled by
 # benchmarks/triton_compile.py (docs/backends-triton.md, its table); elsewhere "auto" takes the next backend
 # ("blocked": cuBLAS's tensor cores). Not sm_75 (T4) nor older: Triton emits no tensor-core instruction there, even in
@@ -112,24 +125,8 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-@dataclass(frozen=True)
-class Packed:
-    """A packed batch's sequences (:class:`~relattn.backends._common.AttentionCall`): q (1, H, T, D), k, v (1, Hkv,
-    T_k, D|Dv), sequence ``s`` the query rows ``cu_q[s]:cu_q[s + 1]`` and key rows ``cu_k[s]:cu_k[s + 1]``;
-    ``max_q``, ``max_k`` the longest lengths."""
-
-    cu_q: Tensor
-    cu_k: Tensor
-    max_q: int
-    max_k: int
-
-    @property
-    def count(self) -> int:
-        return self.cu_q.shape[0] - 1
-
-
 def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None, packed: Packed | None = None,
-          dropout: bool = False):
+          dropout: bool = False, window: Window | None = None):
     """The constexprs and launch options of one kernel for these inputs (``packed``: of a packed batch, whose
     lengths vary by sequence: the tiles cut to the longest, every tile masked at its sequence's end)."""
     n, m = (q.shape[2], k.shape[2]) if packed is None else (packed.max_q, packed.max_k)
@@ -150,38 +147,13 @@ def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None, packed: Pa
     kern = _kernels()
     return dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=dp, HEAD_DIM_V=dvp,
                 HAS_RK=rel_k is not None, HAS_RQ=rel_q is not None, HAS_RV=rel_v is not None,
-                HAS_MASK=_mask_kind(q, k, mask), CAUSAL=is_causal,
+                HAS_MASK=mask_kind(q, k, mask), CAUSAL=is_causal,
                 EVEN_M=packed is None and n % bm == 0, EVEN_N=packed is None and m % bn == 0,
                 EVEN_D=(dp == q.shape[-1] and dvp == v.shape[-1]), VARLEN=packed is not None, DROPOUT=dropout,
+                WINDOW=window is not None,
                 PREC="ieee" if q.dtype not in LOW_PRECISION else "tf32",
                 ACC=kern.tl.float64 if q.dtype == torch.float64 else kern.tl.float32,
                 BAND_SPLIT=split, num_warps=warps, num_stages=stages)
-
-
-def _strides(prefix: str, t: Tensor | None, names: str) -> dict:
-    """``{stride_<prefix><name>: t.stride(i)}`` (zeros for a missing tensor)."""
-    return {f"stride_{prefix}{c}": (0 if t is None else t.stride(i)) for i, c in enumerate(names)}
-
-
-def _table_strides(prefix: str, t: Tensor | None) -> dict:
-    """(head, row, dim) strides; head stride 0 for a shared (1, 2K+1, d) table."""
-    s = _strides(prefix, t, "hrd")
-    if t is not None and t.shape[0] == 1:
-        s[f"stride_{prefix}h"] = 0
-    return s
-
-
-def _mask_kind(q, k, mask) -> int:
-    """0: no mask; 1: one value per key, the same for every query (a key-padding mask); 2: one per pair."""
-    if mask is None:
-        return 0
-    return 2 if q.shape[2] > 1 and mask.expand(*q.shape[:3], k.shape[2]).stride(2) != 0 else 1
-
-
-def _mask_args(q, k, mask) -> dict:
-    b, h, n, _ = q.shape
-    full = None if mask is None else mask.expand(b, h, n, k.shape[2])
-    return dict(MASK=q if full is None else full, **_strides("m", full, "bhnm"))
 
 
 def table_scores(x: Tensor, table: Tensor, dtype: torch.dtype, heads: int | None = None) -> Tensor:
@@ -194,8 +166,8 @@ def table_scores(x: Tensor, table: Tensor, dtype: torch.dtype, heads: int | None
     block_n, block_r = (128, 128) if x.device.type == "cpu" else (64, 64) if x.element_size() == 2 else (32, 32)
     block_n, block_r = min(block_n, _pow2(n)), min(block_r, _pow2(r))
     _launch(_kernels()._table_scores_kernel, (_cdiv(n, block_n), b * h, _cdiv(r, block_r)),
-            X=x, T=table, S=out, **_strides("x", x, "bhnd"), **_table_strides("t", table),
-            **_strides("s", out, "bhn"), H=h, XGROUP=h // hx, N=n, D=d, R=r,
+            X=x, T=table, S=out, **strides("x", x, "bhnd"), **table_strides("t", table),
+            **strides("s", out, "bhn"), H=h, XGROUP=h // hx, N=n, D=d, R=r,
             BLOCK_N=block_n, BLOCK_R=block_r, HEAD_DIM=_pow2(d),
             PREC="ieee" if x.dtype not in LOW_PRECISION else "tf32", num_warps=4, num_stages=1)
     return out
@@ -224,55 +196,6 @@ def key_scores(k: Tensor, rel_q: Tensor | None, heads: int, dtype: torch.dtype) 
     if rel_q.shape[0] == 1:
         return table_scores(k, rel_q, dtype), heads // k.shape[1]
     return table_scores(k, rel_q, dtype, heads), 1
-
-
-def _key_table_grads(kb: Tensor, k: Tensor, rel_q: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """From the per-(key, table row) bins of dS, KB (B, H, M, R): dk's share ``scale * sum over the group of
-    KB_h @ a^Q_h`` (B, Hkv, M, d) in KB's dtype, and ``d a^Q = scale * sum of KB^T @ k`` (Hr, R, d) in rel_q's
-    dtype; every sum in a fixed order."""
-    b, h, m, r = kb.shape
-    hkv, d = k.shape[1], k.shape[-1]
-    g = h // hkv
-    kf = k.to(kb.dtype)
-    table = rel_q.to(kb.dtype)
-    if rel_q.shape[0] == 1:
-        bins = kb.view(b, hkv, g, m, r).sum(2)  # (B, Hkv, M, R): the group shares the table
-        dk = torch.matmul(bins, table[0]) * scale
-        grad = torch.mm(bins.permute(3, 0, 1, 2).reshape(r, b * hkv * m), kf.reshape(b * hkv * m, d))[None]
-    else:
-        dk = (torch.matmul(kb.view(b, hkv, g, m, r), table.view(hkv, g, r, d)) * scale).sum(2)
-        lhs = kb.permute(1, 3, 0, 2).reshape(h, r, b * m)
-        rhs = kf.permute(1, 0, 2, 3)[:, None].expand(hkv, g, b, m, d).reshape(h, b * m, d)
-        grad = torch.bmm(lhs, rhs)
-    return dk, (grad * scale).to(rel_q.dtype)
-
-
-def _dropout_args(q, seed: Tensor | None, dropout_p: float) -> dict:
-    """The dropout's kernel arguments: the seed tensor, int64 ``(seed, b0, i0, j0)`` (a bare seed, 0-dim or of one
-    entry, has zero offsets; read by the kernel, no host sync), the keep threshold ``floor(p 2**32)`` and the kept
-    weights' scale ``1 / (1 - p)``."""
-    if dropout_p == 0.0:
-        return dict(SEED=q, drop_threshold=0, drop_scale=1.0)
-    if seed is None or seed.dtype != torch.int64 or seed.numel() not in (1, 4):
-        raise ValueError(f"triton: dropout_p = {dropout_p} needs the seed as an int64 tensor (seed) or (seed, b0, "
-                         f"i0, j0), got {None if seed is None else (seed.dtype, tuple(seed.shape))}")
-    seed = seed.reshape(-1)
-    if seed.numel() == 1:
-        seed = torch.nn.functional.pad(seed, (0, 3))
-    return dict(SEED=seed, drop_threshold=math.floor(dropout_p * 2**32), drop_scale=1.0 / (1.0 - dropout_p))
-
-
-def _common_args(q, k, v, max_relative_position, query_offset, scale, packed: Packed | None,
-                 seed: Tensor | None = None, dropout_p: float = 0.0) -> dict:
-    """What every attention kernel takes: strides, sizes (a packed batch's: the longest lengths, and its cumulative
-    lengths), the query offset, the scale in log2 units and the dropout's arguments."""
-    b, h, n, d = q.shape
-    n, m = (n, k.shape[2]) if packed is None else (packed.max_q, packed.max_k)
-    return dict(**_strides("q", q, "bhnd"), **_strides("k", k, "bhnd"), **_strides("v", v, "bhnd"),
-                GROUP=h // k.shape[1], N=n, M=m, D=d, DV=v.shape[3], MAX_REL=max_relative_position,
-                off=query_offset, qk_scale=scale * LOG2E,
-                CU_Q=q if packed is None else packed.cu_q, CU_K=q if packed is None else packed.cu_k,
-                **_dropout_args(q, seed, dropout_p))
 
 
 def forward(q, k, v, rel_k, rel_v, mask, seed=None, *, max_relative_position: int, is_causal: bool, scale: float,
@@ -308,16 +231,42 @@ def _met_tables(tables, q, k, kk: int, is_causal: bool, query_offset: int, packe
     return [unmet_rows_zeroed(t, n, m, kk, query_offset=query_offset, is_causal=is_causal) for t in tables]
 
 
+def _windows(q, k, kk: int, query_offset, is_causal: bool, rel_q, packed: Packed | None) -> list[Window] | None:
+    """The compact windows of a dense call without rel_q (:func:`._triton_args.windows`), or None: the call whole."""
+    if packed is not None or rel_q is not None:
+        return None
+    return windows(q.shape[2], k.shape[2], kk, q.shape[-1], query_offset, is_causal, SETTINGS.current.window_rows)
+
+
 def _forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
              query_offset: int, rel_q=None, q_pos=None, packed: Packed | None = None, seed: Tensor | None = None,
              dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+    kw = dict(max_relative_position=max_relative_position, is_causal=is_causal, scale=scale, rel_q=rel_q,
+              packed=packed, dropout_p=dropout_p)
+    chunks = _windows(q, k, max_relative_position, query_offset, is_causal, rel_q, packed)
+    if chunks is None or q.shape[0] * q.shape[1] == 0:
+        return _forward_rows(q, k, v, rel_k, rel_v, mask, query_offset=query_offset, q_pos=q_pos, seed=seed, **kw)
+    b, h, n, _ = q.shape
+    out = q.new_empty(b, h, n, v.shape[3])
+    lse = q.new_empty(b, h, n, dtype=stats_dtype(q.dtype))
+    for w in chunks:  # one chunk of query rows at a time, each reading its window of the tables
+        part = rows_of(w, q, q_pos, mask, seed, query_offset, dropout_p)
+        out[:, :, w.i0:w.i1], lse[:, :, w.i0:w.i1] = _forward_rows(
+            part.q, k, v, rel_k, rel_v, part.mask, query_offset=part.query_offset, q_pos=part.q_pos, seed=part.seed,
+            window=w, **kw)
+    return out, lse
+
+
+def _forward_rows(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
+                  query_offset: int, rel_q=None, q_pos=None, packed: Packed | None = None, seed: Tensor | None = None,
+                  dropout_p: float = 0.0, window: Window | None = None) -> tuple[Tensor, Tensor]:
     b, h, n, _ = q.shape
     m, dv, kk = k.shape[2], v.shape[3], max_relative_position
     sdt = stats_dtype(q.dtype)
     if b * h * n == 0:
         return q.new_zeros(b, h, n, dv), q.new_full((b, h, n), float("-inf"), dtype=sdt)
     rel_k, rel_v, rel_q = _met_tables((rel_k, rel_v, rel_q), q, k, kk, is_causal, query_offset, packed)
-    meta = _meta("fwd", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0)
+    meta = _meta("fwd", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0, window)
     # programs: (query tile, batch entry * head, split of the keys); a packed batch's entries are its sequences
     rows_n, rows_m, entries = (n, m, b) if packed is None else (packed.max_q, packed.max_k, packed.count)
     q_tiles = math.ceil(rows_n / meta["BLOCK_M"])
@@ -330,32 +279,23 @@ def _forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_caus
         out, lse = q.new_empty(1, b, h, n, dv), q.new_empty(1, b, h, n, dtype=sdt)
     else:  # each split's normalised output, in the statistics' dtype, merged below
         out, lse = q.new_empty(splits, b, h, n, dv, dtype=sdt), q.new_empty(splits, b, h, n, dtype=sdt)
-    qa = table_scores(q if q_pos is None else q_pos, rel_k, sdt) if rel_k is not None else None
+    qa = table_scores(q if q_pos is None else q_pos, window_of(rel_k, window), sdt) if rel_k is not None else None
     ka, ka_group = key_scores(k, rel_q, h, sdt)
-    bins = q.new_empty(b, h, n, 2 * kk + 1, dtype=sdt) if rel_v is not None else None
+    width = 2 * kk + 1 if window is None else window.rows
+    bins = q.new_empty(b, h, n, width, dtype=sdt) if rel_v is not None else None
     scratch = qa if qa is not None else bins
     _launch(_kernels()._fwd_kernel, (q_tiles, entries * h, splits),
             Q=q, K=k, V=v, QA=q if qa is None else qa, KA=q if ka is None else ka, RV=q if rel_v is None else rel_v,
-            **_mask_args(q, k, mask), BINS=q if bins is None else bins, OUT=out, LSE=lse,
-            **_strides("s", scratch, "bhn"), **_strides("ka", ka, "bhn"), **_table_strides("rv", rel_v),
-            **_strides("o", out, "sbhnd"), **_strides("l", lse, "sbhn"),
-            **_common_args(q, k, v, kk, query_offset, scale, packed, seed, dropout_p), H=h, KA_GROUP=ka_group,
-            split_len=split_len,
-            **meta)
+            **mask_args(q, k, mask), BINS=q if bins is None else bins, OUT=out, LSE=lse,
+            **strides("s", scratch, "bhn"), **strides("ka", ka, "bhn"), **table_strides("rv", rel_v),
+            **strides("o", out, "sbhnd"), **strides("l", lse, "sbhn"),
+            **common_args(q, k, v, kk, query_offset, scale, packed, seed, dropout_p, window), H=h,
+            KA_GROUP=ka_group, split_len=split_len, **meta)
     if splits == 1:
         return out[0], lse[0]
     total = torch.logsumexp(lse, 0)  # fixed order: deterministic
     weights = torch.exp(lse - torch.where(torch.isfinite(total), total, torch.zeros_like(total)))
     return (weights[..., None] * out).sum(0).to(q.dtype), total
-
-
-def _table_grad(bins: Tensor, x: Tensor, hr: int, dtype: torch.dtype, scale: float = 1.0) -> Tensor:
-    """scale * sum over batch (and heads when shared) of bins^T @ x: (B,H,N,R), (B,H,N,d) -> (Hr, R, d)."""
-    b, h, n, r = bins.shape
-    lhs = bins.permute(1, 3, 0, 2).reshape(h, r, b * n)
-    rhs = x.to(bins.dtype).permute(1, 0, 2, 3).reshape(h, b * n, x.shape[-1])
-    g = torch.bmm(lhs, rhs) * scale
-    return (g.sum(0, keepdim=True) if hr == 1 else g).to(dtype)
 
 
 def backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, max_relative_position: int, is_causal: bool,
@@ -391,20 +331,35 @@ def _rows(t: Tensor) -> Tensor:
 def _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
               scale: float, query_offset: int, rel_q=None, q_pos=None, packed: Packed | None = None,
               seed: Tensor | None = None, dropout_p: float = 0.0) -> tuple[Tensor, ...]:
+    kw = dict(max_relative_position=max_relative_position, is_causal=is_causal, scale=scale, rel_q=rel_q,
+              packed=packed, dropout_p=dropout_p)
+    chunks = _windows(q, k, max_relative_position, query_offset, is_causal, rel_q, packed)
+    if chunks is None or q.shape[0] * q.shape[1] * k.shape[2] == 0:
+        return _backward_rows(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, query_offset=query_offset,
+                              q_pos=q_pos, seed=seed, **kw)
+    dq, d_q_pos, sums = [], [], None
+    for w in chunks:  # one chunk of query rows at a time: its dq and d_q_pos rows, its shares of the others
+        part, rows = rows_of(w, q, q_pos, mask, seed, query_offset, dropout_p), slice(w.i0, w.i1)
+        g = _backward_rows(grad_out[:, :, rows], part.q, k, v, rel_k, rel_v, part.mask, out[:, :, rows],
+                           lse[:, :, rows], query_offset=part.query_offset, q_pos=part.q_pos, seed=part.seed,
+                           window=w, **kw)
+        dq.append(g[0])
+        d_q_pos.extend(g[6:])
+        sums = g[1:5] if sums is None else [None if a is None else a + b for a, b in zip(sums, g[1:5], strict=True)]
+    dk, dv, d_rel_k, d_rel_v = (None if t is None else t.to(like.dtype)
+                                for t, like in zip(sums, (k, v, rel_k, rel_v), strict=True))
+    grads = (torch.cat(dq, 2), dk, dv, d_rel_k, d_rel_v)
+    return grads if q_pos is None else (*grads, None, torch.cat(d_q_pos, 2))
+
+
+def _backward_rows(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
+                   scale: float, query_offset: int, rel_q=None, q_pos=None, packed: Packed | None = None,
+                   seed: Tensor | None = None, dropout_p: float = 0.0, window: Window | None = None) -> tuple:
     b, h, n, _ = q.shape
     hkv, m, kk = k.shape[1], k.shape[2], max_relative_position
-    if packed is None:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    else:  # the packed layout kept (the gradients' too: zeros_like keeps it)
-        q, k, v = _rows(q), _rows(k), _rows(v)
+    q, k, v = (q.contiguous(), k.contiguous(), v.contiguous()) if packed is None else (_rows(q), _rows(k), _rows(v))
     sdt = stats_dtype(q.dtype)
-    # with rel_q, dk is kept in the statistics' dtype until the table's share is added
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k, dtype=k.dtype if rel_q is None else sdt), torch.zeros_like(v)
-    d_rel_k = None if rel_k is None else torch.zeros_like(rel_k)
-    d_rel_v = None if rel_v is None else torch.zeros_like(rel_v)
-    more = () if rel_q is None else (torch.zeros_like(rel_q),)
-    if q_pos is not None:
-        more = (None if rel_q is None else more[0], torch.zeros_like(q_pos))
+    dq, dk, dv, d_rel_k, d_rel_v, more = zero_grads(q, k, v, rel_k, rel_v, rel_q, q_pos, sdt, window)
     if b * h == 0 or n == 0 or m == 0:
         return dq, dk.to(k.dtype), dv, d_rel_k, d_rel_v, *more
     rel_k, rel_v, rel_q = _met_tables((rel_k, rel_v, rel_q), q, k, kk, is_causal, query_offset, packed)
@@ -413,43 +368,37 @@ def _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_p
     delta = (grad_out.to(sdt) * out.to(sdt)).sum(-1)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse).contiguous()  # empty rows: P = 0
     reader = q if q_pos is None else q_pos.contiguous()  # the queries the key table reads
-    qa = table_scores(reader, rel_k, sdt) if rel_k is not None else None
-    doa = table_scores(grad_out, rel_v, sdt) if rel_v is not None else None
+    qa = table_scores(reader, window_of(rel_k, window), sdt) if rel_k is not None else None
+    doa = table_scores(grad_out, window_of(rel_v, window), sdt) if rel_v is not None else None
     ka, ka_group = key_scores(k, rel_q, h, sdt)
     # per key, per table row: dS (for a^Q), written by the dk/dv kernel; zeros where no pair falls
     kb = torch.zeros(b, h, m, 2 * kk + 1, dtype=sdt, device=q.device) if rel_q is not None else None
-    # per row, per table row: P (for a^V) and dS (for a^K); zeros where no pair falls
-    pb = torch.zeros(b, h, n, 2 * kk + 1, dtype=sdt, device=q.device) if rel_v is not None else None
-    sb = torch.zeros(b, h, n, 2 * kk + 1, dtype=sdt, device=q.device) if rel_k is not None else None
+    # per row, per table row (of the window): P (for a^V) and dS (for a^K); zeros where no pair falls
+    width = 2 * kk + 1 if window is None else window.rows
+    pb, sb = (torch.zeros(b, h, n, width, dtype=sdt, device=q.device) if t is not None else None
+              for t in (rel_v, rel_k))
     scratch = next((t for t in (qa, doa, pb, sb) if t is not None), None)
     args = dict(Q=q, K=k, V=v, QA=q if qa is None else qa, KA=q if ka is None else ka,
-                DOA=q if doa is None else doa, **_mask_args(q, k, mask), DO=grad_out, LSE=lse, DELTA=delta,
-                **_strides("s", scratch, "bhn"), **_strides("ka", ka, "bhn"), **_strides("do", grad_out, "bhnd"),
-                **_strides("l", lse, "bhn"), **_common_args(q, k, v, kk, query_offset, scale, packed, seed, dropout_p),
+                DOA=q if doa is None else doa, **mask_args(q, k, mask), DO=grad_out, LSE=lse, DELTA=delta,
+                **strides("s", scratch, "bhn"), **strides("ka", ka, "bhn"), **strides("do", grad_out, "bhnd"),
+                **strides("l", lse, "bhn"),
+                **common_args(q, k, v, kk, query_offset, scale, packed, seed, dropout_p, window),
                 KA_GROUP=ka_group, scale=scale)
     # programs: (key tile, batch entry * key/value head) and (query tile, batch entry * head); a packed batch's
     # entries are its sequences
     rows_n, rows_m, entries = (n, m, b) if packed is None else (packed.max_q, packed.max_k, packed.count)
-    meta = _meta("dkdv", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0)
+    meta = _meta("dkdv", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0, window)
     _launch(_kernels()._dkdv_kernel, (math.ceil(rows_m / meta["BLOCK_N"]), entries * hkv), DK=dk, DV_=dv,
-            KB=q if kb is None else kb, **_strides("kb", kb, "bhn"), H_KV=hkv, **args, **meta)
-    meta = _meta("dq", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0)
+            KB=q if kb is None else kb, **strides("kb", kb, "bhn"), H_KV=hkv, **args, **meta)
+    meta = _meta("dq", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0, window)
     _launch(_kernels()._dq_kernel, (math.ceil(rows_n / meta["BLOCK_M"]), entries * h), DQ=dq,
-            RK=q if rel_k is None else rel_k,
-            PB=q if pb is None else pb, SB=q if sb is None else sb, H=h, **_table_strides("rk", rel_k), **args,
-            KEY_TABLE_DQ=rel_k is not None and q_pos is None, **meta)
-    if rel_k is not None:
-        d_rel_k = _table_grad(sb, reader, rel_k.shape[0], rel_k.dtype, scale)
-    if rel_v is not None:
-        d_rel_v = _table_grad(pb, grad_out, rel_v.shape[0], rel_v.dtype)
-    d_q_pos = ()
-    if q_pos is not None:  # the key table's share of the position queries' gradient, scale * SB a^K, per head
-        share = torch.matmul(sb, rel_k.to(sdt)) * scale if rel_k is not None else torch.zeros_like(q_pos, dtype=sdt)
-        d_q_pos = (share.to(q_pos.dtype),)
+            RK=q if rel_k is None else rel_k, PB=q if pb is None else pb, SB=q if sb is None else sb, H=h,
+            **table_strides("rk", rel_k), **args, KEY_TABLE_DQ=rel_k is not None and q_pos is None, **meta)
+    tables = table_grads(pb, sb, grad_out, reader, rel_k, rel_v, d_rel_k, d_rel_v, q_pos, scale, window)
     if rel_q is None:
-        return (dq, dk, dv, d_rel_k, d_rel_v, *((None, *d_q_pos) if d_q_pos else ()))
-    dk_q, d_rel_q = _key_table_grads(kb, k, rel_q, scale)
-    return dq, (dk + dk_q).to(k.dtype), dv, d_rel_k, d_rel_v, d_rel_q, *d_q_pos
+        return dq, dk, dv, *tables
+    dk_q, d_rel_q = key_table_grads(kb, k, rel_q, scale)
+    return dq, (dk + dk_q).to(k.dtype), dv, *tables[:2], d_rel_q, *tables[3:]
 
 
 # relattn::triton_fwd_{version} / _bwd_{version}, the eager path and the ring's pair calls, and
