@@ -158,3 +158,8 @@ def test_narrow_tables_run_whole():
     assert [w.i0 for w in chunks][:3] == [0, 128, 256] and chunks[-1].i1 == 4096
     assert chunks[0].row0 == 4095 - 127 and chunks[0].rows == 128 + 4096 - 1
     assert windows(120, 120, 119, 16, 0, False) is None  # fewer rows than one chunk's 128: the call whole
+    q = torch.empty(1, 2, 4096, 64, device="meta")
+    assert tb._windows(q, q, 4095, 0, False, None, None) is not None
+    assert tb._windows(q, q, 4095, 0, False, torch.empty(2, 8191, 64, device="meta"), None) is None  # rel_q
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    assert tb._windows(q, q, 4095, 0, False, None, tb.Packed(cu, cu, 2048, 2048)) is None
