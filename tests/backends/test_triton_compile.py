@@ -18,8 +18,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 def test_gpu_tiles_are_at_least_the_floor():
     """One table: every served arch has a plain entry for every kernel, precision and head dim (so every lookup
-    ends in one); forward tiles at least 64 x 64 in 16 bits, backward at least 32 x 64 (either way round); band
-    tiles at least 16 wide (tl.dot's minimum)."""
+    ends in one); forward tiles at least 64 x 64 in 16 bits (but sm_120's forward with dropout and lengths that end
+    mid-tile, 32 x 64: every 64 x 64 entry spills there under Triton 3.6), backward at least 32 x 64 (either way
+    round); band tiles at least 16 wide (tl.dot's minimum)."""
     from relattn.backends import _triton_tiles as tiles
     from relattn.backends import triton as tb
 
@@ -31,7 +32,7 @@ def test_gpu_tiles_are_at_least_the_floor():
     assert {variant for _, variant, *_ in tiles.TILES} <= set(tiles.VARIANTS)
     for (kernel, variant, arch, precision, d), (bm, bn, _, _, split) in tiles.TILES.items():
         key = (kernel, variant, arch, d)
-        if kernel == "fwd" and precision == tiles.SIXTEEN:
+        if kernel == "fwd" and precision == tiles.SIXTEEN and variant != "dropout_ragged":
             assert bm >= 64 and bn >= 64, key
         elif precision == tiles.SIXTEEN:
             assert min(bm, bn) >= 32 and bm * bn >= 32 * 64, key
@@ -46,8 +47,10 @@ def test_tile_lookup_takes_the_most_specific_variant():
 
     assert variants(rel_q=True, grouped=True, varlen=True, dropout=True) == [
         "dropout", "varlen_rq", "varlen", "gqa_rq", "rq", "plain"]
-    assert config("fwd", True, 128, 120, dropout=True, ragged=True) == (64, 64, 8, 1, 4)  # dropout first
-    assert config("fwd", True, 128, 120, ragged=True) == (64, 64, 8, 1, 2)
+    assert config("fwd", True, 128, 120, dropout=True, ragged=True) == (32, 64, 8, 1, 4)  # both first
+    assert config("fwd", True, 128, 120, dropout=True) == (64, 64, 8, 1, 4)  # dropout before ragged
+    assert config("fwd", True, 128, 100, dropout=True, ragged=True) == (64, 64, 8, 2, 2)
+    assert config("fwd", True, 128, 120, ragged=True) == (64, 64, 8, 1, 4)
     assert config("fwd", True, 128, 86, ragged=True) == (64, 64, 8, 2, 4)
     assert config("fwd", True, 128, 86) == (128, 64, 8, 2, 4)
     assert config("dkdv", True, 64, 80, rel_q=True, grouped=True) == (64, 32, 8, 1, 2)

@@ -4,7 +4,8 @@ overrides of it, :data:`SETTINGS`.
 A launch's tiles, warps, pipeline stages and band split are decided by the kernel ("fwd", "dkdv", "dq"), the GPU's
 compute capability, the precision (16-bit inputs, or float32/float64), the padded head dim (up to 64, or up to 128)
 and the launch's variant: what it adds to the plain tile body in registers (``rel_q``'s gathers and per-key bins,
-grouped k/v heads with ``rel_q``, a packed batch's or a dense call's lengths that end mid-tile, dropout's hashes).
+grouped k/v heads with ``rel_q``, a packed batch's or a dense call's lengths that end mid-tile, dropout's hashes,
+and dropout with lengths that end mid-tile).
 :func:`variants` lists the variants a launch may take, most specific first; :func:`config` takes the first the table
 holds for its (kernel, arch, precision, dim), else the plain entry. Every entry compiles without spills for its arch
 under Triton 3.6 and 3.9 (``benchmarks/triton_compile.py``); why each entry is what it is, and the compile table,
@@ -38,6 +39,7 @@ EVERY_ARCH = tuple(sorted(A100_LIKE + H100))
 SIXTEEN, THIRTY_TWO = "16-bit", "32-bit"  # precisions: float16/bfloat16; float32/float64
 # A variant's name -> the launch flags it needs (all of them), most specific first: the lookup's order.
 VARIANTS = {
+    "dropout_ragged": {"dropout", "ragged"},
     "dropout": {"dropout"},
     "varlen_rq": {"varlen", "rel_q"},
     "varlen": {"varlen"},
@@ -74,8 +76,9 @@ _ROWS = [  # kernel, variant, archs, precision, padded head dims, tiles
     ("dq", "varlen_rq", A100_LIKE, SIXTEEN, (64,), Tiles(64, 32, 8, 1, 2)),
     ("fwd", "ragged", (80, 86, 89, 90), SIXTEEN, (128,), Tiles(64, 64, 8, 2, 4)),
     ("fwd", "ragged", (100,), SIXTEEN, (128,), Tiles(64, 64, 8, 2, 2)),
-    ("fwd", "ragged", (120,), SIXTEEN, (128,), Tiles(64, 64, 8, 1, 2)),
+    ("fwd", "ragged", (120,), SIXTEEN, (128,), Tiles(64, 64, 8, 1, 4)),
     ("fwd", "dropout", (120,), SIXTEEN, (128,), Tiles(64, 64, 8, 1, 4)),
+    ("fwd", "dropout_ragged", (120,), SIXTEEN, (128,), Tiles(32, 64, 8, 1, 4)),
     ("fwd", "plain", EVERY_ARCH, THIRTY_TWO, (64, 128), Tiles(32, 32, 8, 1, 2)),
     ("dkdv", "plain", EVERY_ARCH, THIRTY_TWO, (64, 128), Tiles(16, 16, 8, 1, 1)),
     ("dq", "plain", EVERY_ARCH, THIRTY_TWO, (64, 128), Tiles(32, 16, 4, 2, 1)),
