@@ -47,6 +47,9 @@ def test_tile_lookup_takes_the_most_specific_variant():
 
     assert variants(rel_q=True, grouped=True, varlen=True, dropout=True) == [
         "dropout", "varlen_rq", "varlen", "gqa_rq", "rq", "plain"]
+    assert config("fwd", True, 96, 100, window=True, ragged=True) == (64, 64, 8, 1, 2)
+    assert config("fwd", True, 96, 100, window=True, ragged=True, dropout=True) == (64, 64, 8, 1, 4)
+    assert config("fwd", True, 96, 90, window=True, ragged=True) == (64, 64, 8, 2, 4)  # sm_90a: no window entry
     assert config("fwd", True, 128, 120, dropout=True, ragged=True) == (32, 64, 8, 1, 4)  # both first
     assert config("fwd", True, 128, 120, dropout=True) == (64, 64, 8, 1, 4)  # dropout before ragged
     assert config("fwd", True, 128, 100, dropout=True, ragged=True) == (64, 64, 8, 2, 2)

@@ -5,7 +5,7 @@ A launch's tiles, warps, pipeline stages and band split are decided by the kerne
 compute capability, the precision (16-bit inputs, or float32/float64), the padded head dim (up to 64, or up to 128)
 and the launch's variant: what it adds to the plain tile body in registers (``rel_q``'s gathers and per-key bins,
 grouped k/v heads with ``rel_q``, a packed batch's or a dense call's lengths that end mid-tile, dropout's hashes,
-and dropout with lengths that end mid-tile).
+dropout with lengths that end mid-tile, a compact window's launches).
 :func:`variants` lists the variants a launch may take, most specific first; :func:`config` takes the first the table
 holds for its (kernel, arch, precision, dim), else the plain entry. Every entry compiles without spills for its arch
 under Triton 3.6 and 3.9 (``benchmarks/triton_compile.py``); why each entry is what it is, and the compile table,
@@ -39,6 +39,8 @@ EVERY_ARCH = tuple(sorted(A100_LIKE + H100))
 SIXTEEN, THIRTY_TWO = "16-bit", "32-bit"  # precisions: float16/bfloat16; float32/float64
 # A variant's name -> the launch flags it needs (all of them), most specific first: the lookup's order.
 VARIANTS = {
+    "dropout_window": {"dropout", "window"},
+    "window": {"window"},
     "dropout_ragged": {"dropout", "ragged"},
     "dropout": {"dropout"},
     "varlen_rq": {"varlen", "rel_q"},
@@ -79,6 +81,9 @@ _ROWS = [  # kernel, variant, archs, precision, padded head dims, tiles
     ("fwd", "ragged", (120,), SIXTEEN, (128,), Tiles(64, 64, 8, 1, 4)),
     ("fwd", "dropout", (120,), SIXTEEN, (128,), Tiles(64, 64, 8, 1, 4)),
     ("fwd", "dropout_ragged", (120,), SIXTEEN, (128,), Tiles(32, 64, 8, 1, 4)),
+    ("fwd", "window", (100,), SIXTEEN, (128,), Tiles(64, 64, 8, 1, 2)),
+    ("dkdv", "window", (100,), SIXTEEN, (128,), Tiles(32, 64, 8, 1, 2)),
+    ("fwd", "dropout_window", (100,), SIXTEEN, (128,), Tiles(64, 64, 8, 1, 4)),
     ("fwd", "plain", EVERY_ARCH, THIRTY_TWO, (64, 128), Tiles(32, 32, 8, 1, 2)),
     ("dkdv", "plain", EVERY_ARCH, THIRTY_TWO, (64, 128), Tiles(16, 16, 8, 1, 1)),
     ("dq", "plain", EVERY_ARCH, THIRTY_TWO, (64, 128), Tiles(32, 16, 4, 2, 1)),
@@ -92,10 +97,10 @@ INTERPRETED = Tiles(128, 128, 4, 1, 1)
 
 
 def variants(rel_q: bool = False, grouped: bool = False, varlen: bool = False, ragged: bool = False,
-             dropout: bool = False) -> list[str]:
+             dropout: bool = False, window: bool = False) -> list[str]:
     """The variants a launch with these flags may take, most specific first (the last is "plain")."""
     flags = {name for name, on in (("rel_q", rel_q), ("grouped", grouped), ("varlen", varlen), ("ragged", ragged),
-                                   ("dropout", dropout)) if on}
+                                   ("dropout", dropout), ("window", window)) if on}
     return [name for name, needs in VARIANTS.items() if needs <= flags]
 
 

@@ -132,7 +132,7 @@ def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None, packed: Pa
     n, m = (q.shape[2], k.shape[2]) if packed is None else (packed.max_q, packed.max_k)
     dp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
     flags = dict(rel_q=rel_q is not None, grouped=k.shape[1] != q.shape[1], varlen=packed is not None,
-                 dropout=dropout)
+                 dropout=dropout, window=window is not None)
     tiles = config(kernel, q.dtype in LOW_PRECISION, max(dp, dvp), _arch(q.device), **flags)
     if packed is None and (n % tiles.block_m or m % tiles.block_n):  # lengths that end mid-tile
         tiles = config(kernel, q.dtype in LOW_PRECISION, max(dp, dvp), _arch(q.device), **flags, ragged=True)
