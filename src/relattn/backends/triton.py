@@ -21,7 +21,9 @@ the kernels are first imported), also CPU tensors (the same kernels, interpreted
 "auto" never picks it on the CPU). float16 and bfloat16 (float32 statistics, 16-bit matmul inputs as in flash
 attention: the weights rounded to 16 bits on their way into a matmul), float32 (IEEE float32 matmuls, no
 TF32) and float64 (gradcheck); head dims up to 128 (D != Dv allowed); any K; the tables a^K, a^V, a^Q (rel_q),
-each optional, shared or per head; any mask that needs no gradient; dropout (the one mask of every backend, a hash
+each optional, shared or per head; the scalar bias rel_bias (T5's), folded into the key term's scores ``QA`` as
+``rel_bias / scale`` (its gradient the per-row bins of dS summed over rows: no atomics); any mask that needs no
+gradient; dropout (the one mask of every backend, a hash
 of (seed, batch entry, query head, row, key), regenerated tile by tile in the backward, never stored).
 
 Tiles, warps and pipeline stages per kernel come from ``config`` (by GPU architecture, element size and head
@@ -240,7 +242,8 @@ class Packed:
 def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None, packed: Packed | None = None,
           dropout: bool = False):
     """The constexprs and launch options of one kernel for these inputs (``packed``: of a packed batch, whose
-    lengths vary by sequence: the tiles cut to the longest, every tile masked at its sequence's end)."""
+    lengths vary by sequence: the tiles cut to the longest, every tile masked at its sequence's end; ``rel_k``: the
+    key term's table or its scores, QA: HAS_RK when not None, as with a rel_bias and no table)."""
     n, m = (q.shape[2], k.shape[2]) if packed is None else (packed.max_q, packed.max_k)
     dp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
     bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device), rel_q is not None,
@@ -384,19 +387,21 @@ def _common_args(q, k, v, max_relative_position, query_offset, scale, packed: Pa
 
 
 def forward(q, k, v, rel_k, rel_v, mask, seed=None, *, max_relative_position: int, is_causal: bool, scale: float,
-            query_offset: int, dropout_p: float = 0.0, rel_q=None, q_pos=None) -> tuple[Tensor, Tensor]:
+            query_offset: int, dropout_p: float = 0.0, rel_q=None, q_pos=None, rel_bias=None) -> tuple[Tensor, Tensor]:
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros and lse -inf.
     k, v: (B, Hkv, M, D|Dv) with H % Hkv == 0; rel_q: the position-to-content table (Hr, 2K+1, D) or None; q_pos:
-    the queries the key table reads (q's shape; None: q). ``dropout_p > 0``: the weights that multiply v and a^V
-    dropped by the mask of ``seed`` (int64, a bare seed or ``(seed, b0, i0, j0)``: the mask's ``(b0 + b, h, i0 + i,
-    j0 + j)``), the kept ones scaled by ``1 / (1 - p)``; lse is the undropped one."""
+    the queries the key table reads (q's shape; None: q); rel_bias (Hr, 2K+1): the scalar bias, added unscaled at
+    the key term's row (folded into the key term's scores, :func:`key_term_scores`). ``dropout_p > 0``: the weights
+    that multiply v and a^V dropped by the mask of ``seed`` (int64, a bare seed or ``(seed, b0, i0, j0)``: the
+    mask's ``(b0 + b, h, i0 + i, j0 + j)``), the kept ones scaled by ``1 / (1 - p)``; lse is the undropped one."""
     return _forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position, is_causal=is_causal,
-                    scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos, seed=seed, dropout_p=dropout_p)
+                    scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos, seed=seed, dropout_p=dropout_p,
+                    rel_bias=rel_bias)
 
 
 def varlen_forward(q, k, v, rel_k, rel_v, mask, seed, cu_seqlens_q, cu_seqlens_k, *, max_relative_position: int,
                    is_causal: bool, scale: float, query_offset: int, max_seqlen_q: int, max_seqlen_k: int,
-                   dropout_p: float = 0.0, rel_q=None, q_pos=None) -> tuple[Tensor, Tensor]:
+                   dropout_p: float = 0.0, rel_q=None, q_pos=None, rel_bias=None) -> tuple[Tensor, Tensor]:
     """A packed batch's (out (1,H,T,Dv), laid out as the packed (T, H, Dv), lse (1,H,T)): q (1,H,T,D), k, v
     (1,Hkv,T_k,D|Dv), sequence ``s`` its rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` and keys likewise, each the
     dense call with ``query_offset + m_s - n_s`` (:class:`~relattn.backends._common.AttentionCall`); one launch of
@@ -406,6 +411,7 @@ def varlen_forward(q, k, v, rel_k, rel_v, mask, seed, cu_seqlens_q, cu_seqlens_k
         raise ValueError("triton varlen_forward: a packed call takes no mask")
     return _forward(q, k, v, rel_k, rel_v, None, max_relative_position=max_relative_position, is_causal=is_causal,
                     scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos, seed=seed, dropout_p=dropout_p,
+                    rel_bias=rel_bias,
                     packed=Packed(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k))
 
 
@@ -416,16 +422,50 @@ def _met_tables(tables, q, k, kk: int, is_causal: bool, query_offset: int, packe
     return [unmet_rows_zeroed(t, n, m, kk, query_offset=query_offset, is_causal=is_causal) for t in tables]
 
 
+def _met_bias(rel_bias, q, k, kk: int, is_causal: bool, query_offset: int, packed: Packed | None):
+    """``rel_bias`` (Hr, 2K+1) with zeros in its unmet rows, as :func:`_met_tables` (a table of one column)."""
+    if rel_bias is None:
+        return None
+    return _met_tables((rel_bias[..., None],), q, k, kk, is_causal, query_offset, packed)[0][..., 0]
+
+
+def key_term_scores(x: Tensor, rel_k: Tensor | None, rel_bias: Tensor | None, scale: float,
+                    dtype: torch.dtype) -> Tensor | None:
+    """``QA``, what the kernels add per (row, table row) to ``q k^T`` before the scale: ``x a^K^T`` (B, H, N, 2K+1)
+    in ``dtype``, plus ``rel_bias / scale`` (Hr, 2K+1) when given (the bias is unscaled: ``scale * QA`` then adds it
+    once; the kernels, and SB, the per-row bins of dS the backward forms for a^K, serve it unchanged, and its
+    gradient is SB summed over rows); None without either."""
+    qa = table_scores(x, rel_k, dtype) if rel_k is not None else None
+    if rel_bias is None:
+        return qa
+    if scale == 0.0:
+        raise ValueError("triton: rel_bias is folded into the key term's scores as rel_bias / scale, so it needs "
+                         "scale != 0; got scale = 0.0 (use backend='native', 'blocked' or 'dense')")
+    bias = (rel_bias.to(dtype) / scale)[:, None, :]  # (Hr, 1, 2K+1) against (B, H, N, 2K+1)
+    if qa is None:
+        return bias.expand(x.shape[0], x.shape[1], x.shape[2], -1).contiguous()
+    return qa.add_(bias)
+
+
+def _bias_grad(sb: Tensor, rel_bias: Tensor) -> Tensor:
+    """``d rel_bias``: SB (B, H, N, 2K+1), the per-row bins of dS, summed over batch and rows (and heads when
+    shared), in a fixed order: (Hr, 2K+1) in rel_bias's dtype."""
+    g = sb.sum((0, 2))
+    return (g.sum(0, keepdim=True) if rel_bias.shape[0] == 1 else g).to(rel_bias.dtype)
+
+
 def _forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
              query_offset: int, rel_q=None, q_pos=None, packed: Packed | None = None, seed: Tensor | None = None,
-             dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+             dropout_p: float = 0.0, rel_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     b, h, n, _ = q.shape
     m, dv, kk = k.shape[2], v.shape[3], max_relative_position
     sdt = stats_dtype(q.dtype)
     if b * h * n == 0:
         return q.new_zeros(b, h, n, dv), q.new_full((b, h, n), float("-inf"), dtype=sdt)
     rel_k, rel_v, rel_q = _met_tables((rel_k, rel_v, rel_q), q, k, kk, is_causal, query_offset, packed)
-    meta = _meta("fwd", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0)
+    rel_bias = _met_bias(rel_bias, q, k, kk, is_causal, query_offset, packed)
+    qa = key_term_scores(q if q_pos is None else q_pos, rel_k, rel_bias, scale, sdt)
+    meta = _meta("fwd", q, k, v, qa, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0)
     # programs: (query tile, batch entry * head, split of the keys); a packed batch's entries are its sequences
     rows_n, rows_m, entries = (n, m, b) if packed is None else (packed.max_q, packed.max_k, packed.count)
     q_tiles = math.ceil(rows_n / meta["BLOCK_M"])
@@ -438,7 +478,6 @@ def _forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_caus
         out, lse = q.new_empty(1, b, h, n, dv), q.new_empty(1, b, h, n, dtype=sdt)
     else:  # each split's normalised output, in the statistics' dtype, merged below
         out, lse = q.new_empty(splits, b, h, n, dv, dtype=sdt), q.new_empty(splits, b, h, n, dtype=sdt)
-    qa = table_scores(q if q_pos is None else q_pos, rel_k, sdt) if rel_k is not None else None
     ka, ka_group = key_scores(k, rel_q, h, sdt)
     bins = q.new_empty(b, h, n, 2 * kk + 1, dtype=sdt) if rel_v is not None else None
     scratch = qa if qa is not None else bins
@@ -467,26 +506,29 @@ def _table_grad(bins: Tensor, x: Tensor, hr: int, dtype: torch.dtype, scale: flo
 
 
 def backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, max_relative_position: int, is_causal: bool,
-             scale: float, query_offset: int, dropout_p: float = 0.0, rel_q=None, q_pos=None) -> tuple[Tensor, ...]:
-    """(dq, dk, dv, d_rel_k | None, d_rel_v | None), d_rel_q when rel_q is given, and (with q_pos) d_rel_q | None
-    and d_q_pos, in their inputs' dtypes; dq, dk, dv contiguous; dk, dv of a key/value head summed over its group of
-    query heads. With q_pos, dq is the content term's share and d_q_pos the key table's, ``scale * SB a^K``.
+             scale: float, query_offset: int, dropout_p: float = 0.0, rel_q=None, q_pos=None,
+             rel_bias=None) -> tuple[Tensor, ...]:
+    """(dq, dk, dv, d_rel_k | None, d_rel_v | None), then d_rel_q, d_q_pos, d_rel_bias up to the last one given
+    (None for one not given before it), in their inputs' dtypes; dq, dk, dv contiguous; dk, dv of a key/value head
+    summed over its group of query heads; d_rel_bias the per-row bins of dS summed over rows. With q_pos, dq is
+    the content term's share and d_q_pos the key table's, ``scale * SB a^K``.
     Dropout: the forward's mask regenerated from ``seed`` (never stored)."""
     return _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position=max_relative_position,
                      is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos, seed=seed,
-                     dropout_p=dropout_p)
+                     dropout_p=dropout_p, rel_bias=rel_bias)
 
 
 def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, cu_seqlens_q, cu_seqlens_k, out, lse, *,
                     max_relative_position: int, is_causal: bool, scale: float, query_offset: int, max_seqlen_q: int,
-                    max_seqlen_k: int, dropout_p: float = 0.0, rel_q=None, q_pos=None) -> tuple[Tensor, ...]:
+                    max_seqlen_k: int, dropout_p: float = 0.0, rel_q=None, q_pos=None,
+                    rel_bias=None) -> tuple[Tensor, ...]:
     """The gradients of :func:`varlen_forward`, as :func:`backward`'s (dq, dk, dv laid out as q, k, v: the packed
     layout); one launch of each kernel for the whole batch."""
     if mask is not None:
         raise ValueError("triton varlen_backward: a packed call takes no mask")
     return _backward(grad_out, q, k, v, rel_k, rel_v, None, out, lse, max_relative_position=max_relative_position,
                      is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos,
-                     seed=seed, dropout_p=dropout_p,
+                     seed=seed, dropout_p=dropout_p, rel_bias=rel_bias,
                      packed=Packed(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k))
 
 
@@ -498,7 +540,8 @@ def _rows(t: Tensor) -> Tensor:
 
 def _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
               scale: float, query_offset: int, rel_q=None, q_pos=None, packed: Packed | None = None,
-              seed: Tensor | None = None, dropout_p: float = 0.0) -> tuple[Tensor, ...]:
+              seed: Tensor | None = None, dropout_p: float = 0.0,
+              rel_bias: Tensor | None = None) -> tuple[Tensor, ...]:
     b, h, n, _ = q.shape
     hkv, m, kk = k.shape[1], k.shape[2], max_relative_position
     if packed is None:
@@ -510,25 +553,26 @@ def _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_p
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k, dtype=k.dtype if rel_q is None else sdt), torch.zeros_like(v)
     d_rel_k = None if rel_k is None else torch.zeros_like(rel_k)
     d_rel_v = None if rel_v is None else torch.zeros_like(rel_v)
-    more = () if rel_q is None else (torch.zeros_like(rel_q),)
-    if q_pos is not None:
-        more = (None if rel_q is None else more[0], torch.zeros_like(q_pos))
+    trailing = (rel_q, q_pos, rel_bias)
+    given = max((i + 1 for i, t in enumerate(trailing) if t is not None), default=0)  # d_rel_q, ... up to the last
     if b * h == 0 or n == 0 or m == 0:
-        return dq, dk.to(k.dtype), dv, d_rel_k, d_rel_v, *more
+        return (dq, dk.to(k.dtype), dv, d_rel_k, d_rel_v,
+                *(None if t is None else torch.zeros_like(t) for t in trailing[:given]))
     rel_k, rel_v, rel_q = _met_tables((rel_k, rel_v, rel_q), q, k, kk, is_causal, query_offset, packed)
+    rel_bias = _met_bias(rel_bias, q, k, kk, is_causal, query_offset, packed)
     grad_out = grad_out.to(q.dtype)
     grad_out = grad_out.contiguous() if packed is None else _rows(grad_out)
     delta = (grad_out.to(sdt) * out.to(sdt)).sum(-1)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse).contiguous()  # empty rows: P = 0
     reader = q if q_pos is None else q_pos.contiguous()  # the queries the key table reads
-    qa = table_scores(reader, rel_k, sdt) if rel_k is not None else None
+    qa = key_term_scores(reader, rel_k, rel_bias, scale, sdt)
     doa = table_scores(grad_out, rel_v, sdt) if rel_v is not None else None
     ka, ka_group = key_scores(k, rel_q, h, sdt)
     # per key, per table row: dS (for a^Q), written by the dk/dv kernel; zeros where no pair falls
     kb = torch.zeros(b, h, m, 2 * kk + 1, dtype=sdt, device=q.device) if rel_q is not None else None
     # per row, per table row: P (for a^V) and dS (for a^K); zeros where no pair falls
     pb = torch.zeros(b, h, n, 2 * kk + 1, dtype=sdt, device=q.device) if rel_v is not None else None
-    sb = torch.zeros(b, h, n, 2 * kk + 1, dtype=sdt, device=q.device) if rel_k is not None else None
+    sb = torch.zeros(b, h, n, 2 * kk + 1, dtype=sdt, device=q.device) if qa is not None else None
     scratch = next((t for t in (qa, doa, pb, sb) if t is not None), None)
     args = dict(Q=q, K=k, V=v, QA=q if qa is None else qa, KA=q if ka is None else ka,
                 DOA=q if doa is None else doa, **_mask_args(q, k, mask), DO=grad_out, LSE=lse, DELTA=delta,
@@ -538,10 +582,10 @@ def _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_p
     # programs: (key tile, batch entry * key/value head) and (query tile, batch entry * head); a packed batch's
     # entries are its sequences
     rows_n, rows_m, entries = (n, m, b) if packed is None else (packed.max_q, packed.max_k, packed.count)
-    meta = _meta("dkdv", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0)
+    meta = _meta("dkdv", q, k, v, qa, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0)
     _launch(_kernels()._dkdv_kernel, (math.ceil(rows_m / meta["BLOCK_N"]), entries * hkv), DK=dk, DV_=dv,
             KB=q if kb is None else kb, **_strides("kb", kb, "bhn"), H_KV=hkv, **args, **meta)
-    meta = _meta("dq", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0)
+    meta = _meta("dq", q, k, v, qa, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0)
     _launch(_kernels()._dq_kernel, (math.ceil(rows_n / meta["BLOCK_M"]), entries * h), DQ=dq,
             RK=q if rel_k is None else rel_k,
             PB=q if pb is None else pb, SB=q if sb is None else sb, H=h, **_table_strides("rk", rel_k), **args,
@@ -550,14 +594,15 @@ def _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_p
         d_rel_k = _table_grad(sb, reader, rel_k.shape[0], rel_k.dtype, scale)
     if rel_v is not None:
         d_rel_v = _table_grad(pb, grad_out, rel_v.shape[0], rel_v.dtype)
-    d_q_pos = ()
+    d_rel_q = d_q_pos = None
     if q_pos is not None:  # the key table's share of the position queries' gradient, scale * SB a^K, per head
         share = torch.matmul(sb, rel_k.to(sdt)) * scale if rel_k is not None else torch.zeros_like(q_pos, dtype=sdt)
-        d_q_pos = (share.to(q_pos.dtype),)
-    if rel_q is None:
-        return (dq, dk, dv, d_rel_k, d_rel_v, *((None, *d_q_pos) if d_q_pos else ()))
-    dk_q, d_rel_q = _key_table_grads(kb, k, rel_q, scale)
-    return dq, (dk + dk_q).to(k.dtype), dv, d_rel_k, d_rel_v, d_rel_q, *d_q_pos
+        d_q_pos = share.to(q_pos.dtype)
+    if rel_q is not None:
+        dk_q, d_rel_q = _key_table_grads(kb, k, rel_q, scale)
+        dk = (dk + dk_q).to(k.dtype)
+    d_rel_bias = None if rel_bias is None else _bias_grad(sb, rel_bias)
+    return (dq, dk, dv, d_rel_k, d_rel_v, *(d_rel_q, d_q_pos, d_rel_bias)[:given])
 
 
 # relattn::triton_fwd_{version} / _bwd_{version}, the eager path and the ring's pair calls, and
@@ -573,7 +618,7 @@ def interpreted() -> bool:
 
 _DECLARATIONS = {interpret: Serves(devices=frozenset({"cuda", "cpu"} if interpret else {"cuda"}),
                                    cuda_archs=CUDA_ARCHS, max_head_dim=MAX_HEAD_DIM, dropout=True, grouped_kv=True,
-                                   pos_to_content=True, position_query=True,
+                                   pos_to_content=True, position_query=True, rel_bias=True,
                                    chunk_pairs=True, varlen=True) for interpret in (False, True)}
 
 
