@@ -111,6 +111,19 @@ OP_CASES = {
                                              scale=1.0, rel_bias="shared"),
 }
 
+
+def _triton_here() -> bool:
+    """Whether the "triton" backend runs in these processes (interpreted on the CPU: tests/conftest.py sets
+    TRITON_INTERPRET=1 without CUDA, and the spawned processes inherit it)."""
+    from helpers import unavailable_here
+
+    return unavailable_here("triton") is None
+
+
+if _triton_here():  # the ring's chunk pairs on triton's ops: the bias, its edge rows, rel_q, grouped heads
+    OP_CASES["triton t5 bias keys rel_q gqa"] = _case(("t5", 8, 12, True), "keys_per_head", heads=(4, 2),
+                                                      rel_q="shared", rel_bias="per_head", backend="triton")
+
 # The cases 3 ranks also run (a third process costs more than the cases).
 OP_CASES_3 = ("K<chunk shared causal", "K>chunk per-head causal rel_q", "K>N shared causal gqa",
               "asymmetric causal rel_q", "log buckets causal gqa zigzag", "full mask causal zigzag offset",
