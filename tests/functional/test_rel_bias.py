@@ -20,6 +20,7 @@ from helpers import (
     np64,
     oracle_grads,
     reference_output,
+    unavailable_here,
 )
 from relattn import (
     BACKENDS,
@@ -396,3 +397,14 @@ def test_module_bias_options_checked():
             pytest.skip("every backend serves rel_bias")
     shared = RelativeMultiheadAttention(8, 2, Shaw(T5Buckets(), bias=True))
     assert shared.rel_bias.shape == (32,) and shared.rel_k.shape == (32, 4)
+
+
+@pytest.mark.skipif(unavailable_here("triton") is not None, reason=str(unavailable_here("triton")))
+def test_triton_needs_a_nonzero_scale_with_the_bias():
+    """triton folds the bias into the key term's scores as rel_bias / scale: scale = 0 is refused by name (the other
+    backends serve it)."""
+    q = torch.randn(1, 2, 4, 3, dtype=torch.float64)
+    kw = dict(max_relative_position=2, rel_bias=torch.randn(5, dtype=torch.float64), scale=0.0)
+    with pytest.raises(ValueError, match="scale != 0"):
+        relative_attention(q, q, q, backend="triton", **kw)
+    assert relative_attention(q, q, q, backend="dense", **kw).isfinite().all()
