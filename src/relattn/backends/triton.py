@@ -100,6 +100,12 @@ RAGGED_CONFIGS = {("fwd", 80, 128): (64, 64, 8, 2, 4), ("fwd", 90, 128): (64, 64
 # spill, by arch: the forward at D = 128 on sm_120 (8 bytes at 64 x 64, 2 stages, band / 2, causal; 128 bytes at
 # 1 stage with lengths ending mid-tile and a padding mask, D = 96, N = 1500; Triton 3.9): 1 stage, band / 4.
 DROPOUT_CONFIGS = {("fwd", 120, 128): (64, 64, 8, 1, 4)}
+# Launches with the scalar bias rel_bias (T5's: the key term's scores without a^V, often without a^K) where the entries
+# above spill (Triton 3.9): dkdv at D = 64 on the A100's table, 56 bytes on sm_80 and 72 on sm_120 with an fp16
+# padding mask, 68 on sm_86 and sm_89 packed, 32 on sm_86, sm_89, sm_120 with dropout (32 x 64, 8 warps, 1 stage);
+# the forward at D = 64 on sm_90a, 16 bytes decoding (3 stages). These compile without spills
+# (benchmarks/triton_compile.py).
+BIAS_CONFIGS = {("dkdv", 80, 64): (64, 32, 8, 2, 2), ("fwd", 90, 64): (128, 64, 8, 2, 2)}
 # Which table each served arch uses. The A100's (at most 64 KB of shared memory per launch) fits the 99 KB of
 # sm_86, sm_89 and sm_120; sm_100 (B200) takes it too. sm_100 and sm_120 have their own forward at D = 128
 # (ARCH_CONFIGS). Each pairing
@@ -199,11 +205,12 @@ def _sm_count(device: torch.device) -> int:
 
 def config(kernel: str, dtype: torch.dtype, head_dim: int, arch: int | None, rel_q: bool = False,
            grouped: bool = False, varlen: bool = False, ragged: bool = False,
-           dropout: bool = False) -> tuple[int, int, int, int, int]:
+           dropout: bool = False, bias: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, BAND_SPLIT) of ``kernel`` ("fwd", "dkdv", "dq") for a padded head
     dim on a GPU of compute capability ``arch`` (None: interpreted), with or without the ``rel_q`` term, grouped
     k/v heads, a packed batch (``varlen``), lengths that end mid-tile (``ragged``: :data:`RAGGED_CONFIGS`),
-    dropout (:data:`DROPOUT_CONFIGS`, by arch, first)."""
+    dropout (:data:`DROPOUT_CONFIGS`, by arch, first), the scalar bias without rel_q (``bias``:
+    :data:`BIAS_CONFIGS`)."""
     if arch is None:
         return (*INTERPRETED_TILES, 4, 1, 1)
     if dtype not in LOW_PRECISION:
@@ -216,6 +223,8 @@ def config(kernel: str, dtype: torch.dtype, head_dim: int, arch: int | None, rel
                   (RAGGED_CONFIGS if ragged and not varlen else {})):
         if (kernel, arch, dim) in table or key in table:
             return table.get((kernel, arch, dim), table.get(key))
+    if bias and not rel_q and key in BIAS_CONFIGS:
+        return BIAS_CONFIGS[key]
     if rel_q and grouped and key in GQA_RQ_CONFIGS:
         return GQA_RQ_CONFIGS[key]
     if rel_q and key in RQ_CONFIGS:
@@ -240,17 +249,17 @@ class Packed:
 
 
 def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None, packed: Packed | None = None,
-          dropout: bool = False):
+          dropout: bool = False, bias: bool = False):
     """The constexprs and launch options of one kernel for these inputs (``packed``: of a packed batch, whose
     lengths vary by sequence: the tiles cut to the longest, every tile masked at its sequence's end; ``rel_k``: the
     key term's table or its scores, QA: HAS_RK when not None, as with a rel_bias and no table)."""
     n, m = (q.shape[2], k.shape[2]) if packed is None else (packed.max_q, packed.max_k)
     dp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
     bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device), rel_q is not None,
-                                          k.shape[1] != q.shape[1], packed is not None, dropout=dropout)
+                                          k.shape[1] != q.shape[1], packed is not None, dropout=dropout, bias=bias)
     if packed is None and (n % bm or m % bn):  # the lengths end mid-tile: the ragged entry, if there is one
         bm, bn, warps, stages, split = config(kernel, q.dtype, max(dp, dvp), _arch(q.device), rel_q is not None,
-                                              k.shape[1] != q.shape[1], False, True, dropout)
+                                              k.shape[1] != q.shape[1], False, True, dropout, bias)
     settings = SETTINGS.current
     override = settings.fwd_tiles if kernel == "fwd" else settings.bwd_tiles
     if override is not None:
@@ -465,7 +474,7 @@ def _forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_caus
     rel_k, rel_v, rel_q = _met_tables((rel_k, rel_v, rel_q), q, k, kk, is_causal, query_offset, packed)
     rel_bias = _met_bias(rel_bias, q, k, kk, is_causal, query_offset, packed)
     qa = key_term_scores(q if q_pos is None else q_pos, rel_k, rel_bias, scale, sdt)
-    meta = _meta("fwd", q, k, v, qa, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0)
+    meta = _meta("fwd", q, k, v, qa, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0, rel_bias is not None)
     # programs: (query tile, batch entry * head, split of the keys); a packed batch's entries are its sequences
     rows_n, rows_m, entries = (n, m, b) if packed is None else (packed.max_q, packed.max_k, packed.count)
     q_tiles = math.ceil(rows_n / meta["BLOCK_M"])
@@ -582,10 +591,10 @@ def _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_p
     # programs: (key tile, batch entry * key/value head) and (query tile, batch entry * head); a packed batch's
     # entries are its sequences
     rows_n, rows_m, entries = (n, m, b) if packed is None else (packed.max_q, packed.max_k, packed.count)
-    meta = _meta("dkdv", q, k, v, qa, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0)
+    meta = _meta("dkdv", q, k, v, qa, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0, rel_bias is not None)
     _launch(_kernels()._dkdv_kernel, (math.ceil(rows_m / meta["BLOCK_N"]), entries * hkv), DK=dk, DV_=dv,
             KB=q if kb is None else kb, **_strides("kb", kb, "bhn"), H_KV=hkv, **args, **meta)
-    meta = _meta("dq", q, k, v, qa, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0)
+    meta = _meta("dq", q, k, v, qa, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0, rel_bias is not None)
     _launch(_kernels()._dq_kernel, (math.ceil(rows_n / meta["BLOCK_M"]), entries * h), DQ=dq,
             RK=q if rel_k is None else rel_k,
             PB=q if pb is None else pb, SB=q if sb is None else sb, H=h, **_table_strides("rk", rel_k), **args,
