@@ -18,20 +18,21 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 def test_gpu_tiles_are_at_least_the_floor():
     """Forward tiles at least 64 x 64, backward at least 32 x 64 (either way round), for every arch and head dim,
-    with and without rel_q."""
+    with and without rel_q, with rel_bias."""
     from relattn.backends import triton as tb
 
     assert {a for _, a, _ in tb.CONFIGS} == {80, 90} and {d for *_, d in tb.CONFIGS} == {64, 128}
     assert set(tb.TABLE_OF_ARCH) == {arch for arch, _ in tb.CUDA_ARCHS}  # every served arch has its table
     assert set(tb.TABLE_OF_ARCH.values()) <= {80, 90}
     assert set(tb.RQ_CONFIGS) <= set(tb.CONFIGS) and set(tb.GQA_RQ_CONFIGS) <= set(tb.CONFIGS)
+    assert set(tb.BIAS_CONFIGS) <= set(tb.CONFIGS)
     assert {(kernel, d) for kernel, _, d in tb.ARCH_CONFIGS} <= {(kernel, d) for kernel, _, d in tb.CONFIGS}
     assert {arch for _, arch, _ in tb.ARCH_CONFIGS} <= set(tb.TABLE_OF_ARCH)
     assert {arch for _, arch, _ in (*tb.VARLEN_CONFIGS, *tb.VARLEN_RQ_CONFIGS, *tb.RAGGED_CONFIGS,
                                     *tb.DROPOUT_CONFIGS)} <= set(tb.TABLE_OF_ARCH)
     entries = [*tb.CONFIGS.items(), *tb.RQ_CONFIGS.items(), *tb.GQA_RQ_CONFIGS.items(), *tb.ARCH_CONFIGS.items(),
                *tb.VARLEN_CONFIGS.items(), *tb.VARLEN_RQ_CONFIGS.items(), *tb.RAGGED_CONFIGS.items(),
-               *tb.DROPOUT_CONFIGS.items()]
+               *tb.DROPOUT_CONFIGS.items(), *tb.BIAS_CONFIGS.items()]
     for (kernel, arch, d), (bm, bn, _, _, split) in entries:
         if kernel == "fwd":
             assert bm >= 64 and bn >= 64, (kernel, arch, d)
