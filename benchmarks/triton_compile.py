@@ -61,7 +61,7 @@ class Shape:
     d: int = 64
     causal: bool = False
     tables: str = "both"  # both, keys, per_head; deberta: keys and rel_q per head; all: the three tables, shared;
-    # xl: keys per head
+    # xl: keys per head; none: no table (T5's bias alone)
     mask: bool = False  # a key-padding mask (B, 1, 1, M)
     n: int = 2048
     m: int = 2048
@@ -73,6 +73,7 @@ class Shape:
     varlen: bool = False  # a packed batch (cu_seqlens): 3 sequences, the longest n queries and m keys
     dropout: bool = False  # attention dropout (dropout_p = 0.1: the DROPOUT constexpr)
     b: int = 2
+    bias: bool = False  # rel_bias, T5's scalar bias per head and table row (folded into the key term's scores)
 
 
 SHAPES = [
@@ -135,6 +136,16 @@ SHAPES = [
     Shape("dropout packed bf16 D=64 DeBERTa: keys + rel_q per head", tables="deberta", varlen=True, dropout=True),
     Shape("dropout packed bf16 D=128 GQA 8 / 2 heads causal", d=128, causal=True, kv_heads=2, varlen=True,
           dropout=True),
+    Shape("T5 bf16 D=64: bias per head, no tables, K = 128", tables="none", bias=True, kk=128),
+    Shape("T5 bf16 D=64 causal: bias per head, no tables, K = 128", tables="none", bias=True, kk=128, causal=True),
+    Shape("MPNet fp16 D=64: bias per head, no tables, padding mask, K = 128", dtype=torch.float16, tables="none",
+          bias=True, kk=128, mask=True),
+    Shape("bf16 D=128 bias + keys + values tables causal", d=128, causal=True, bias=True),
+    Shape("bf16 D=64 T5 decoding 1 x 4096: bias, no tables", n=1, m=4096, causal=True, offset=4095, backward=False,
+          tables="none", bias=True, kk=128),
+    Shape("packed bf16 D=64 T5: bias per head, no tables, K = 128", tables="none", bias=True, kk=128, varlen=True),
+    Shape("dropout bf16 D=64 T5: bias per head, no tables, K = 128", tables="none", bias=True, kk=128, dropout=True),
+    Shape("fp32 D=64 T5: bias per head, no tables, K = 128", dtype=torch.float32, tables="none", bias=True, kk=128),
 ]
 # the CI subset: one or two shapes per arch, every kernel, so that each arch and each kind of launch is compiled
 CI_PAIRS = [("bf16 D=64", 80), ("fp16 D=128 padding mask", 90), ("bf16 D=96 padding mask", 86),
@@ -170,14 +181,16 @@ def record(shape: Shape, arch: int) -> list[tuple]:
             k, v = torch.empty(b, heads, shape.m, shape.d, **meta), torch.empty(b, heads, shape.m, shape.d, **meta)
         rows = 2 * shape.kk + 1
         hr = h if shape.tables in ("per_head", "deberta", "xl") else 1
-        rk = torch.empty(hr, rows, shape.d, **meta)
-        rv = None if shape.tables in ("keys", "deberta", "xl") else torch.empty(hr, rows, shape.d, **meta)
+        rk = None if shape.tables == "none" else torch.empty(hr, rows, shape.d, **meta)
+        rv = None if shape.tables in ("keys", "deberta", "xl", "none") else torch.empty(hr, rows, shape.d, **meta)
         rq = torch.empty(hr, rows, shape.d, **meta) if shape.tables in ("deberta", "all") else None
         mask = torch.empty(b, 1, 1, shape.m, **meta) if shape.mask else None
         kw = dict(max_relative_position=shape.kk, is_causal=shape.causal, scale=shape.d ** -0.5,
                   query_offset=shape.offset, rel_q=rq)
         if shape.position_query:
             kw["q_pos"] = torch.empty_like(q)
+        if shape.bias:
+            kw["rel_bias"] = torch.empty(h, rows, **meta)
         seed = torch.zeros((), dtype=torch.int64, device="meta") if shape.dropout else None
         kw["dropout_p"] = 0.1 if shape.dropout else 0.0
         if shape.varlen:

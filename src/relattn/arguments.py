@@ -50,7 +50,7 @@ class AttentionArgs:
     rel_q: Tensor | None = _rule("tensor", default=None)
     content_bias: Tensor | None = _rule("tensor", default=None)
     position_bias: Tensor | None = _rule("tensor", default=None)
-    rel_bias: Tensor | None = _rule("absent", default=None)  # a call with a scalar bias table is not planned
+    rel_bias: Tensor | None = _rule("tensor", default=None)
     beyond: str = _rule("clip", default="clip")
     attn_mask: Tensor | None = _rule("absent", default=None)
     is_causal: bool = _rule("bool", default=False)

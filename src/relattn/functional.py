@@ -149,7 +149,8 @@ def _keep_plan(key: tuple, args: AttentionArgs, chosen: Backend, call: Attention
     if len(_PLANS) >= _PLAN_CAPACITY:
         _PLANS.clear()
     forward = None
-    if chosen.stats is not None and chosen.run == chosen.stats.run and as_served(chosen, call) is call:
+    if (chosen.stats is not None and chosen.run == chosen.stats.run and as_served(chosen, call) is call
+            and call.rel_bias is None):  # with a rel_bias: the assembled call (inference() takes none)
         forward = chosen.stats.inference(call)
     # the call's q, k, v and tables are canonical as they were passed (4-D, no biases, the window not narrowed)
     as_given = (args.q.dim() == 4 and args.content_bias is None and args.position_bias is None
@@ -238,8 +239,10 @@ def attend(args: AttentionArgs) -> torch.Tensor:
             return shaped_like(plan.forward(*tensors, args.query_offset), args.q)
         rk, rv, rq = (t.unsqueeze(0) if shared else t
                       for t, shared in zip((args.rel_k, args.rel_v, args.rel_q), plan.shared, strict=True))
-        checked = args.replace(rel_k=rk, rel_v=rv, rel_q=rq, max_relative_position=plan.kk, is_causal=plan.is_causal,
-                               dropout_p=plan.dropout_p, scale=plan.scale)
+        rb = args.rel_bias
+        rb = rb.unsqueeze(0) if rb is not None and rb.dim() == 1 else rb  # (R,) -> (1, R), as check_call gives it
+        checked = args.replace(rel_k=rk, rel_v=rv, rel_q=rq, rel_bias=rb, max_relative_position=plan.kk,
+                               is_causal=plan.is_causal, dropout_p=plan.dropout_p, scale=plan.scale)
         call = assemble(checked, plan.reach)
         chosen = plan.backend
     else:

@@ -423,9 +423,6 @@ class RelativeMultiheadAttention(nn.Module):
             return out, (weights if batched else weights[0])
         if context_parallel is None:
             return attend(args), None
-        if args.rel_bias is not None:
-            raise ValueError(f"a scalar bias table (rel_bias: {self.positions!r}) is not served under context "
-                             "parallelism (the ring takes no rel_bias yet); run without context_parallel")
         return context_parallel.attend(args), None
 
 

@@ -498,6 +498,88 @@ def test_gradcheck_transformer_xl(backend):
     assert torch.autograd.gradcheck(f, x)
 
 
+# ----------------------------------------------------------------------------------------- T5's scalar bias
+
+# The scalar bias rel_bias (T5's and MPNet's: a scalar per table row, added unscaled) combined pairwise with the op's
+# other options: (b, h, hkv, n, m, d, dv, window, beyond, tables, bias ("shared" (R,) or "per_head" (H, R)), rel_q,
+# Transformer-XL biases, causal, query_offset, mask). T5's buckets (both directions, and the decoder's past only;
+# offsets past max_distance in one) are windows as positions objects; the ints and pairs clip (or zero beyond).
+T5 = {
+    "t5-encoder-padding": (2, 3, 3, 9, 9, 4, 4, ("t5", 8, 12, True), "clip", "none", "per_head", False, "", False, 0,
+                           "padding"),
+    "t5-decoder-causal-gqa": (2, 4, 2, 10, 10, 4, 3, ("t5", 8, 12, False), "clip", "none", "per_head", False, "", True,
+                              0, None),
+    "t5-decode-offset-shared": (1, 2, 2, 3, 11, 4, 4, ("t5", 6, 9, False), "clip", "none", "shared", False, "", True, 8,
+                                None),
+    "tables-rel_q-float-mask": (1, 2, 2, 7, 7, 3, 3, 3, "clip", "per_head", "shared", True, "", False, 0, "float"),
+    "zero-beyond-asym-gqa-bool": (1, 2, 1, 7, 5, 3, 2, (4, 2), "zero", "keys_only", "per_head", False, "", False, -2,
+                                  "bool"),
+    "xl-biases-gqa-causal": (2, 4, 2, 6, 6, 4, 4, 5, "clip", "keys_per_head", "per_head", False, "uv", True, 0, None),
+    "t5-buckets-values-saturated": (1, 2, 2, 12, 12, 3, 4, ("t5", 8, 6, True), "clip", "values_per_head", "shared",
+                                    False, "", False, 0, None),
+}
+
+
+def t5_case(name, *, requires_grad=True, dtype=torch.float64):
+    """Inputs, op keywords (``rel_bias`` among them) and output gradient of scalar-bias case ``name``."""
+    from helpers import TABLES
+    from relattn.positions import T5Buckets, table_rows
+
+    b, h, hkv, n, m, d, dv, window, beyond, tables, bias, with_rel_q, biases, causal, off, mask = T5[name]
+    if isinstance(window, tuple) and window[0] == "t5":
+        window = T5Buckets(*window[1:])
+    rows = table_rows(window)
+    g = torch.Generator().manual_seed(len(name))
+
+    def rnd(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * std).to(dtype).requires_grad_(requires_grad)
+
+    (has_k, k_heads), (has_v, v_heads) = TABLES[tables]
+    q, k, v = rnd(b, h, n, d), rnd(b, hkv, m, d), rnd(b, hkv, m, dv)
+    rk = rnd(*((h,) if k_heads else ()), rows, d, std=0.5) if has_k else None
+    rv = rnd(*((h,) if v_heads else ()), rows, dv, std=0.5) if has_v else None
+    kw = dict(max_relative_position=window, beyond=beyond, is_causal=causal, query_offset=off, enable_gqa=hkv < h,
+              rel_bias=rnd(*((h,) if bias == "per_head" else ()), rows, std=2.0),
+              scale=1.0 if tables == "none" else None)
+    for letter, name_ in (("u", "content_bias"), ("v", "position_bias")):
+        if letter in biases:
+            kw[name_] = rnd(h, d)
+    if with_rel_q:
+        kw["rel_q"] = rnd(h, rows, d, std=0.5)
+    if mask == "padding":  # the last keys of batch entry 1 padded
+        kw["attn_mask"] = (torch.arange(m)[None, :] < torch.tensor([m, m - 3])[:, None])[:, None, None, :]
+    elif mask is not None:
+        kw["attn_mask"] = random_mask(mask, (1, h, n, m), 5)
+    return [q, k, v, rk, rv], kw, output_grad(b, h, n, dv, seed=2, dtype=dtype)
+
+
+@pytest.mark.parametrize("backend", NAMES)
+@pytest.mark.parametrize("name", list(T5))
+def test_scalar_bias_matches_oracle(backend, name):
+    """Outputs against the specification, and every gradient (q, k, v, the tables, rel_q, the Transformer-XL biases
+    and the bias table's) against the float64 oracle; a backend that does not serve the bias (or separate position
+    queries) refuses it by name."""
+    inputs, kw, go = t5_case(name)
+    needs = {"rel_bias": True, "position_query": kw.get("position_bias") is not None}
+    refused = [flag for flag, needed in needs.items() if needed and backend != "auto"
+               and not getattr(BACKENDS[backend].serves, flag)]
+    if refused:
+        with pytest.raises(ValueError, match=rf"backend '{backend}' cannot serve these inputs"):
+            relative_attention(*inputs, backend=backend, **kw)
+        return
+    assert_matches_oracle(backend, inputs, go, **kw)
+
+
+@pytest.mark.parametrize("name", list(T5))
+def test_scalar_bias_cases_say_something(name):
+    """Guard: in every case the bias changes the output (a backend that drops it fails above), and so does its
+    gather (the bias read at the wrong rows, reversed, gives another answer)."""
+    inputs, kw, _ = t5_case(name, requires_grad=False)
+    out = reference_output(*inputs, **kw)
+    assert (out - reference_output(*inputs, **{**kw, "rel_bias": None})).abs().max() > 1e-3
+    assert (out - reference_output(*inputs, **{**kw, "rel_bias": kw["rel_bias"].flip(-1)})).abs().max() > 1e-3
+
+
 # ----------------------------------------------------------------------------------------- scale
 
 

@@ -20,7 +20,8 @@ def test_gpu_tiles_are_at_least_the_floor():
     """One table: every served arch has a plain entry for every kernel, precision and head dim (so every lookup
     ends in one); forward tiles at least 64 x 64 in 16 bits (but sm_120's forward with dropout and lengths that end
     mid-tile, 32 x 64: every 64 x 64 entry spills there under Triton 3.6), backward at least 32 x 64 (either way
-    round); band tiles at least 16 wide (tl.dot's minimum)."""
+    round); band tiles at least 16 wide (tl.dot's minimum); the rel_bias entries (dkdv at D = 64 on the A100's,
+    the forward at D = 64 on sm_90a) among them."""
     from relattn.backends import _triton_tiles as tiles
     from relattn.backends import triton as tb
 
@@ -30,6 +31,8 @@ def test_gpu_tiles_are_at_least_the_floor():
             for precision in (tiles.SIXTEEN, tiles.THIRTY_TWO):
                 assert all((kernel, "plain", arch, precision, d) in tiles.TILES for d in (64, 128)), (kernel, arch)
     assert {variant for _, variant, *_ in tiles.TILES} <= set(tiles.VARIANTS)
+    bias = {key[::2] for key in tiles.TILES if key[1] == "bias"}  # (kernel, arch, padded head dim)
+    assert bias == {("dkdv", arch, 64) for arch in tiles.A100_LIKE} | {("fwd", 90, 64)}
     for (kernel, variant, arch, precision, d), (bm, bn, _, _, split) in tiles.TILES.items():
         key = (kernel, variant, arch, d)
         if kernel == "fwd" and precision == tiles.SIXTEEN and variant != "dropout_ragged":
@@ -40,9 +43,9 @@ def test_gpu_tiles_are_at_least_the_floor():
 
 
 def test_tile_lookup_takes_the_most_specific_variant():
-    """The lookup's order: dropout, then a packed batch with rel_q, packed, ragged lengths, grouped k/v with rel_q,
-    rel_q, plain; a variant the table has no entry for falls through to the next (values a wrong order gets
-    wrong)."""
+    """The lookup's order: dropout, then a packed batch with rel_q, packed, ragged lengths, rel_bias (without
+    rel_q), grouped k/v with rel_q, rel_q, plain; a variant the table has no entry for falls through to the next
+    (values a wrong order gets wrong)."""
     from relattn.backends._triton_tiles import INTERPRETED, config, variants
 
     assert variants(rel_q=True, grouped=True, varlen=True, dropout=True) == [
@@ -63,6 +66,13 @@ def test_tile_lookup_takes_the_most_specific_variant():
     assert config("dq", False, 96, 90, rel_q=True, dropout=True) == (32, 16, 4, 2, 1)  # float32: its own
     assert config("fwd", True, 64, 75) == config("fwd", True, 64, 80)  # an arch not served: sm_80's
     assert config("fwd", True, 64, None) == INTERPRETED
+    assert variants(ragged=True, bias=True) == ["ragged", "bias", "plain"]
+    assert config("dkdv", True, 64, 86, bias=True) == (64, 32, 8, 2, 2)  # the A100's plain entry is 32 x 64
+    assert config("dkdv", True, 64, 120, bias=True, dropout=True, varlen=True) == (64, 32, 8, 2, 2)
+    assert config("fwd", True, 64, 90, bias=True) == (128, 64, 8, 2, 2)  # sm_90a's plain: 3 stages
+    assert config("fwd", True, 64, 80, bias=True) == (128, 64, 8, 2, 2)  # no A100 forward entry: plain
+    assert config("fwd", True, 128, 120, bias=True, ragged=True) == (64, 64, 8, 1, 4)  # ragged first
+    assert config("dkdv", False, 64, 80, bias=True) == (16, 16, 8, 1, 1)  # float32: plain
 
 
 def test_stage_calls_pass_grouped_arguments():

@@ -4,7 +4,8 @@ chunks of query rows, each chunk's per-row table scores and bins holding only th
 
 Interpreted (tests/conftest.py sets ``TRITON_INTERPRET=1`` without CUDA) with small tiles and chunks
 (``window_rows``) so that a call crosses several chunks and every window kind occurs (with and without the table's
-edge rows, clipped or not). Outputs and every gradient against the float64 oracle; with dropout, the same bits as the
+edge rows, clipped or not). Outputs and every gradient against the float64 oracle (T5's scalar bias ``rel_bias`` too:
+each chunk adds its window's rows of the bias, and its gradient lands in those rows); with dropout, the same bits as the
 call whole and as ``blocked`` (one mask of (seed, b, h, i, j)); the memory test records the launches on meta
 tensors as a GPU would make them (no memory, no compute).
 """
@@ -20,6 +21,7 @@ from helpers import assert_close, oracle_grads, random_inputs
 from relattn import functional as fn
 from relattn.backends import triton as tb
 from relattn.backends._triton_args import windows
+from relattn.positions import T5Buckets
 
 CUDA = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -48,7 +50,8 @@ def _check(inputs, kw):
     go = torch.randn(*q.shape[:3], inputs[2].shape[-1], generator=g, dtype=torch.float64)
     want_out, want = oracle_grads(inputs, go, **kw)
     x = [None if t is None else t.to(DEVICE).requires_grad_() for t in inputs]
-    extra = {name: kw[name].to(DEVICE).requires_grad_() for name in ("content_bias", "position_bias") if name in kw}
+    extra = {name: kw[name].to(DEVICE).requires_grad_() for name in ("content_bias", "position_bias", "rel_bias")
+             if name in kw}
     mask = kw.get("attn_mask")
     out = fn.relative_attention(*x, backend="triton", **{**kw, **extra,
                                                           "attn_mask": None if mask is None else mask.to(DEVICE)})
@@ -91,6 +94,40 @@ def test_shaw_tables_in_windows_match_the_oracle(n, m, kk, off, causal):
     if kk == 30:  # windows without table row 0, without row 2K, and with both
         assert {(w.row0 == 0, w.row0 + w.rows == 2 * kk + 1) for w in chunks} >= {(False, True), (True, False)}
     _check([q, k, v, rk, rv], kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("encoder", [True, False], ids=["encoder-key-table-gqa-mask", "decoder-causal"])
+def test_t5_bias_in_windows_matches_the_oracle(encoder, monkeypatch):
+    """T5's scalar bias (``T5Buckets``, one per head, expanded to 2K + 1 rows, K = 33) in a call run in chunks of
+    16 of its 45 rows: each chunk adds only its window's rows of rel_bias (``row0 ... row0 + rows``) to the key
+    term's scores, and d rel_bias gathers each chunk's row sums of dS into those rows. Outputs and every gradient,
+    d rel_bias's included, against the float64 oracle, with windows that hold neither end row of the bias (a chunk
+    that read or wrote the bias's first rows instead would fail); the encoder with a shared key table, grouped k/v
+    and a padding mask, the decoder causal without tables."""
+    n, h, d, buckets = 45, 2, 8, 32 if encoder else 16  # both saturate at K = 33 over 45 rows
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, h, n, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 1 if encoder else h, n, d, generator=g, dtype=torch.float64) for _ in range(2))
+    rk = torch.randn(buckets, d, generator=g, dtype=torch.float64) * 0.5 if encoder else None
+    kw = dict(max_relative_position=T5Buckets(buckets, 40, bidirectional=encoder), is_causal=not encoder,
+              enable_gqa=encoder, scale=None if encoder else 1.0,
+              rel_bias=torch.randn(h, buckets, generator=g, dtype=torch.float64) * 2)
+    if encoder:
+        kw["attn_mask"] = (torch.arange(n)[None, :] < torch.tensor([n, n - 9])[:, None])[:, None, None, :]
+    seen = []
+
+    def spy(run_rows):
+        def run(*args, window=None, rel_bias=None, **kwargs):
+            seen.append((window, rel_bias.shape[-1]))
+            return run_rows(*args, window=window, rel_bias=rel_bias, **kwargs)
+        return run
+
+    monkeypatch.setattr(tb, "_forward_rows", spy(tb._forward_rows))
+    monkeypatch.setattr(tb, "_backward_rows", spy(tb._backward_rows))
+    _check([q, k, v, rk, None], kw)
+    assert len(seen) == 6 and all(w is not None for w, _ in seen), seen  # 3 chunks forward, 3 backward
+    assert any(w.row0 > 0 and w.row0 + w.rows < width for w, width in seen), seen  # windows inside the bias
 
 
 @pytest.mark.slow

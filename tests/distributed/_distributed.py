@@ -63,17 +63,19 @@ N_LOCAL = 6  # positions per rank
 
 
 def _case(window, tables="shared", *, causal=False, layout="contiguous", beyond="clip", mask=None, backend="auto",
-          rel_q=None, heads=(3, 3), offset=0, scale=None, biases=False, dropout=0.0):
-    """One conformance case of the ring: ``tables`` as helpers.TABLES names them, ``rel_q`` None / "shared" /
-    "per_head", ``heads`` (H, Hkv), ``mask`` None / "padding" / "full" (random, one row fully masked) / "float",
-    ``dropout`` the op's dropout_p (the ring draws the single-process op's mask)."""
+          rel_q=None, heads=(3, 3), offset=0, scale=None, biases=False, dropout=0.0, rel_bias=None):
+    """One conformance case of the ring: ``tables`` as helpers.TABLES names them, ``rel_q`` and ``rel_bias`` (the
+    scalar bias) None / "shared" / "per_head", ``heads`` (H, Hkv), ``mask`` None / "padding" / "full" (random, one
+    row fully masked) / "float", ``dropout`` the op's dropout_p (the ring draws the single-process op's mask)."""
     return dict(window=window, tables=tables, causal=causal, layout=layout, beyond=beyond, mask=mask,
-                backend=backend, rel_q=rel_q, heads=heads, offset=offset, scale=scale, biases=biases, dropout=dropout)
+                backend=backend, rel_q=rel_q, heads=heads, offset=offset, scale=scale, biases=biases, dropout=dropout,
+                rel_bias=rel_bias)
 
 
 # The ring's conformance cases: the op's features combined pairwise (tables shared / per head / one side / none,
 # rel_q, grouped heads, windows: K below and above the chunk, K > N, K = 0, asymmetric, zero beyond, LogBuckets;
-# masks, causal, query offsets, both layouts, both CPU backends that serve chunk pairs, dropout).
+# masks, causal, query offsets, both layouts, both CPU backends that serve chunk pairs, dropout; the scalar bias
+# rel_bias with T5's buckets and with tables, dropout, rel_q).
 OP_CASES = {
     "K<chunk shared": _case(2),
     "K<chunk shared causal": _case(2, causal=True),
@@ -95,19 +97,37 @@ OP_CASES = {
     "transformer-xl blocked": _case(23, "keys_per_head", biases=True, backend="blocked", mask="padding"),
     "transformer-xl causal gqa zigzag blocked": _case(40, "per_head", biases=True, causal=True, layout="zigzag",
                                                       heads=(4, 2), backend="blocked"),
-    "blocked gqa rel_q": _case(9, "per_head", backend="blocked", heads=(4, 2), rel_q="shared"),
+    "blocked gqa rel_q bias": _case(9, "per_head", backend="blocked", heads=(4, 2), rel_q="shared",
+                                    rel_bias="per_head"),
     "blocked causal zigzag mask log": _case(("log", 3, 4, 12), causal=True, layout="zigzag", mask="full",
                                             backend="blocked"),
-    "dropout zigzag causal gqa rel_q": _case(5, "per_head", causal=True, layout="zigzag", heads=(4, 2),
-                                             rel_q="shared", dropout=0.3),
+    "dropout zigzag causal gqa rel_q bias": _case(5, "per_head", causal=True, layout="zigzag", heads=(4, 2),
+                                                  rel_q="shared", dropout=0.3, rel_bias="shared"),
     "dropout blocked transformer-xl mask": _case(9, "keys_per_head", biases=True, backend="blocked", mask="padding",
                                                  dropout=0.2),
+    "t5 buckets bias causal zigzag": _case(("t5", 8, 12, False), "none", causal=True, layout="zigzag", scale=1.0,
+                                           rel_bias="per_head"),
+    "t5 buckets bias mask gqa offset": _case(("t5", 8, 20, True), "none", mask="full", heads=(4, 2), offset=2,
+                                             scale=1.0, rel_bias="shared"),
 }
+
+
+def _triton_here() -> bool:
+    """Whether the "triton" backend runs in these processes (interpreted on the CPU: tests/conftest.py sets
+    TRITON_INTERPRET=1 without CUDA, and the spawned processes inherit it)."""
+    from helpers import unavailable_here
+
+    return unavailable_here("triton") is None
+
+
+if _triton_here():  # the ring's chunk pairs on triton's ops: the bias, its edge rows, rel_q, grouped heads
+    OP_CASES["triton t5 bias keys rel_q gqa"] = _case(("t5", 8, 12, True), "keys_per_head", heads=(4, 2),
+                                                      rel_q="shared", rel_bias="per_head", backend="triton")
 
 # The cases 3 ranks also run (a third process costs more than the cases).
 OP_CASES_3 = ("K<chunk shared causal", "K>chunk per-head causal rel_q", "K>N shared causal gqa",
               "asymmetric causal rel_q", "log buckets causal gqa zigzag", "full mask causal zigzag offset",
-              "blocked causal zigzag mask log", "dropout zigzag causal gqa rel_q")
+              "blocked causal zigzag mask log", "dropout zigzag causal gqa rel_q bias", "t5 buckets bias causal zigzag")
 
 
 def cases_for(world: int) -> tuple[str, ...]:
@@ -115,9 +135,11 @@ def cases_for(world: int) -> tuple[str, ...]:
 
 
 def _window(spec):
-    from relattn.positions import LogBuckets
+    from relattn.positions import LogBuckets, T5Buckets
 
-    return LogBuckets(*spec[1:]) if isinstance(spec, tuple) and spec[0] == "log" else spec
+    if isinstance(spec, tuple) and spec[0] in ("log", "t5"):
+        return (LogBuckets if spec[0] == "log" else T5Buckets)(*spec[1:])
+    return spec
 
 
 def _case_inputs(name: str, world: int):
@@ -138,6 +160,7 @@ def _case_inputs(name: str, world: int):
     rel_k = rnd(*((h,) if k_heads else ()), rows, d) if has_k else None
     rel_v = rnd(*((h,) if v_heads else ()), rows, dv) if has_v else None
     rel_q = None if c["rel_q"] is None else rnd(*((h,) if c["rel_q"] == "per_head" else ()), rows, d)
+    rel_bias = None if c["rel_bias"] is None else rnd(*((h,) if c["rel_bias"] == "per_head" else ()), rows)
     grad_out = rnd(2, h, n, dv)
     mask = None
     if c["mask"] == "padding":
@@ -153,7 +176,7 @@ def _case_inputs(name: str, world: int):
               scale=c["scale"], enable_gqa=hkv != h, dropout_p=c["dropout"])
     if c["biases"]:
         kw.update(content_bias=rnd(h, d), position_bias=rnd(h, d))
-    return (q, k, v, rel_k, rel_v, rel_q, grad_out, mask), kw, c["layout"], c["backend"]
+    return (q, k, v, rel_k, rel_v, rel_q, rel_bias, grad_out, mask), kw, c["layout"], c["backend"]
 
 
 def _err(got, want) -> float:
@@ -179,7 +202,7 @@ WALK = {
     "attn_mask": ("mask", "served"), "is_causal": (True, "served"), "dropout_p": (0.1, "served"),
     "scale": (0.3, "served"), "query_offset": (3, "served"), "enable_gqa": (True, "served"),
     "backend": ("dense", "refused"), "content_bias": ("bias", "served"), "position_bias": ("bias", "served"),
-    "rel_bias": ("scalars", "refused"),
+    "rel_bias": ("scalars", "served"),
 }
 
 
@@ -247,7 +270,7 @@ def _module_cases(rank: int, world: int) -> dict:
     n = N_LOCAL * world
     results = {}
     configs = {
-        "rel_q gqa": dict(positions=Shaw(3, position_to_content=True), num_kv_heads=2),
+        "rel_q gqa bias": dict(positions=Shaw(3, position_to_content=True, bias=True), num_kv_heads=2),
         "log buckets per-head": dict(positions=Shaw(LogBuckets(3, 4, 12), share_heads=False,
                                                     position_to_content=True)),
         "window tied": dict(positions=Shaw((2, 5), tie=True)),
@@ -289,32 +312,34 @@ def op_worker(rank: int, world: int, out_dir: str) -> None:
 
     results = {}
     for name in cases_for(world):
-        (q, k, v, rel_k, rel_v, rel_q, grad_out, mask), kw, layout, backend = _case_inputs(name, world)
-        full = [t.clone().requires_grad_() if t is not None else None for t in (q, k, v, rel_k, rel_v, rel_q)]
+        (q, k, v, rel_k, rel_v, rel_q, rel_bias, grad_out, mask), kw, layout, backend = _case_inputs(name, world)
+        full = [t.clone().requires_grad_() if t is not None else None for t in (q, k, v, rel_k, rel_v, rel_q,
+                                                                                 rel_bias)]
         torch.manual_seed(11)  # dropout: the op's seed; the ring's is its first rank's, seeded alike below
-        want = relative_attention(*full[:5], rel_q=full[5], attn_mask=mask, backend="dense", **kw)
+        want = relative_attention(*full[:5], rel_q=full[5], rel_bias=full[6], attn_mask=mask, backend="dense", **kw)
         want.backward(grad_out)
 
         def local(t, layout=layout):
             return shard(t, rank, world, dim=2, layout=layout)
 
         mine = [local(t).clone().requires_grad_() for t in (q, k, v)]
-        mine += [t.clone().requires_grad_() if t is not None else None for t in (rel_k, rel_v, rel_q)]
+        mine += [t.clone().requires_grad_() if t is not None else None for t in (rel_k, rel_v, rel_q, rel_bias)]
         local_mask = None if mask is None or mask.shape[2] == 1 else local(mask)
         torch.manual_seed(11 + rank)  # every rank's generator its own: rank 0's draw is broadcast
-        got = context_parallel_attention(*mine[:5], rel_q=mine[5], attn_mask=mask if local_mask is None else local_mask,
-                                         layout=layout, backend=backend, **kw)
+        got = context_parallel_attention(*mine[:5], rel_q=mine[5], rel_bias=mine[6],
+                                         attn_mask=mask if local_mask is None else local_mask, layout=layout,
+                                         backend=backend, **kw)
         got.backward(local(grad_out))
         errors = {"out": _err(got, local(want)), "dq": _err(mine[0].grad, local(full[0].grad)),
                   "dk": _err(mine[1].grad, local(full[1].grad)), "dv": _err(mine[2].grad, local(full[2].grad))}
-        for i, table in ((3, "d_rel_k"), (4, "d_rel_v"), (5, "d_rel_q")):
+        for i, table in ((3, "d_rel_k"), (4, "d_rel_v"), (5, "d_rel_q"), (6, "d_rel_bias")):
             if mine[i] is not None:
                 share = mine[i].grad.clone()
                 dist.all_reduce(share)
                 errors[table] = _err(share, full[i].grad)
         results[name] = errors
 
-    (q, k, v, rel_k, rel_v, _, grad_out, _), kw, _, _ = _case_inputs("K<chunk shared causal", world)
+    (q, k, v, rel_k, rel_v, _, _, grad_out, _), kw, _, _ = _case_inputs("K<chunk shared causal", world)
     runs = []
     for _ in range(2):
         mine = [shard(t, rank, world, dim=2).requires_grad_() for t in (q, k, v)]

@@ -41,14 +41,16 @@ def ring_results(request, ring_runs):
 @pytest.mark.parametrize(("world", "case"), [(w, c) for w in (2, 3) for c in cases_for(w)],
                          ids=[f"{w} ranks-{c}" for w in (2, 3) for c in cases_for(w)])
 def test_ring_equals_single_process_op(ring_runs, world, case):
-    """Each conformance case (features combined pairwise; a fully masked row met by several chunk pairs among
-    them) gives the single-process op's output and every gradient on every rank."""
+    """Each conformance case (features combined pairwise, the scalar bias rel_bias among them, with T5's buckets; a
+    fully masked row met by several chunk pairs among them) gives the single-process op's output and every gradient
+    on every rank."""
     from helpers import TABLES
 
     results = ring_runs(world)
     c = OP_CASES[case]
     (has_k, _), (has_v, _) = TABLES[c["tables"]]
-    present = {"d_rel_k": has_k, "d_rel_v": has_v, "d_rel_q": c["rel_q"] is not None}
+    present = {"d_rel_k": has_k, "d_rel_v": has_v, "d_rel_q": c["rel_q"] is not None,
+               "d_rel_bias": c["rel_bias"] is not None}
     expected = {"out", "dq", "dk", "dv"} | {name for name, given in present.items() if given}
     for rank, result in enumerate(results):
         errors = result["cases"][case]
@@ -70,9 +72,9 @@ def test_every_keyword_of_the_op_is_served_or_refused(ring_runs):
 
 
 def test_the_module_runs_its_own_forward_under_context_parallelism(ring_runs):
-    """``RelativeMultiheadAttention(...)(x, context_parallel=cp)``: the module's options (rel_q, grouped heads,
-    LogBuckets, per-head and tied tables, asymmetric windows, Transformer-XL's projected table and biases, padding,
-    causal) as in one process."""
+    """``RelativeMultiheadAttention(...)(x, context_parallel=cp)``: the module's options (rel_q, rel_bias, grouped
+    heads, LogBuckets, per-head and tied tables, asymmetric windows, Transformer-XL's projected table and biases,
+    padding, causal) as in one process."""
     for rank, result in enumerate(ring_runs(2)):
         for config, errors in result["modules"].items():
             assert {"out", "q_proj.weight"} <= set(errors) and ({"rel_k"} & set(errors) or "pos_proj.weight" in errors)

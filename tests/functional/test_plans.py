@@ -45,6 +45,8 @@ DECODE = {
     "grouped heads, scale": dict(hkv=2, scale=0.3),
     "rel_q": dict(rel_q=True),
     "Transformer-XL biases": dict(biases=True),
+    "scalar bias per head, causal": dict(rel_bias=(4, 5), is_causal=True),
+    "shared scalar bias, blocked": dict(rel_bias=(5,), backend="blocked"),
     "3-D inputs": dict(three_d=True),
     "blocked": dict(backend="blocked"),
     "dense, two queries a step": dict(backend="dense", n=2),
@@ -56,7 +58,7 @@ DECODE = {
 def test_decoding_steps_hit_the_plan_and_match_the_oracle(case, validations):
     opts = dict(DECODE[case])
     backend, n, three_d = opts.pop("backend", "auto"), opts.pop("n", 1), opts.pop("three_d", False)
-    rel_q, biases = opts.pop("rel_q", False), opts.pop("biases", False)
+    rel_q, biases, bias_shape = opts.pop("rel_q", False), opts.pop("biases", False), opts.pop("rel_bias", None)
     kk, steps = 2, 7
     q, k, v, rk, rv = _inputs(n=n * steps, m=n * steps, hkv=opts.pop("hkv", None),
                               heads_table=opts.pop("heads_table", False))
@@ -65,6 +67,8 @@ def test_decoding_steps_hit_the_plan_and_match_the_oracle(case, validations):
         extra["rel_q"] = torch.randn_like(rk)
     if biases:
         extra.update(content_bias=torch.randn(4, 5, dtype=q.dtype), position_bias=torch.randn(4, 5, dtype=q.dtype))
+    if bias_shape is not None:  # the scalar bias: a step that dropped it, or read it at other rows, fails the oracle
+        extra["rel_bias"] = torch.randn(*bias_shape, dtype=q.dtype) * 2
     for step in range(steps):
         rows, keys = slice(step * n, (step + 1) * n), slice(0, (step + 1) * n)
         args = [q[:, :, rows], k[:, :, keys], v[:, :, keys]]
@@ -122,6 +126,7 @@ def _changes():
         "no rel_v": tensor(4, lambda t: None),
         "rel_q": option(rel_q=torch.zeros(5, 5, dtype=torch.float64)),
         "content_bias": option(content_bias=torch.zeros(4, 5, dtype=torch.float64)),
+        "rel_bias": option(rel_bias=torch.zeros(5, dtype=torch.float64)),
         "attn_mask": option(attn_mask=torch.ones(1, 9, dtype=torch.bool)),
         "is_causal": option(is_causal=True),
         "window": lambda a, kw: ([t[:3] if j in (3, 4) else t for j, t in enumerate(a)],

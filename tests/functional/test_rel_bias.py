@@ -3,7 +3,7 @@ scores at the key term's row) and T5's bucket map :class:`relattn.positions.T5Bu
 transformers' own functions, the numpy reference's loop against its vectorised form and against an independent torch
 formula, and every backend that serves the term against the reference (outputs and every gradient, the bias's
 included), combined with tables or none, windows and buckets, masks, causal, grouped heads, query offsets, packed
-sequences and decoding step by step; dropout with the bias one mask on native, blocked and dense; gradcheck in
+sequences and decoding step by step; dropout with the bias one mask on native, blocked, triton and dense; gradcheck in
 float64, the bias's gradient the same bits run to run, bfloat16 within twice plain PyTorch's error, and the backends
 that do not serve it refusing it by declaration."""
 
@@ -273,13 +273,11 @@ def test_bfloat16_within_twice_plain_pytorch(backend):
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("t5-decoder-causal", "mpnet-shaped-mask",
                                                               "keys-gqa-causal-float-mask", "window-decoding",
                                                               "buckets-offset-negative")], ids=lambda c: c[0])
-def test_dropout_with_the_bias_is_one_mask_on_every_backend(case, small_tiles):
-    """Dropout with ``rel_bias`` (the bias is part of the scores the weights come from): native, blocked and dense
-    draw the same mask for the same ``torch.manual_seed`` and give the same outputs and gradients (the bias's
+@pytest.mark.parametrize("backend", backend_params(["native", "blocked", "triton"]))
+def test_dropout_with_the_bias_is_one_mask_on_every_backend(backend, case, small_tiles):
+    """Dropout with ``rel_bias`` (the bias is part of the scores the weights come from): native, blocked, triton and
+    dense draw the same mask for the same ``torch.manual_seed`` and give the same outputs and gradients (the bias's
     included) in float64 to 1e-12; dropout and the bias each change the output (a backend ignoring either fails)."""
-    for name in ("native", "blocked"):
-        if unavailable_here(name):
-            pytest.skip(unavailable_here(name))
     name, h, hkv, n, m, positions, rows, tables, per_head, causal, offset, mask_kind = case
     small_tiles()
     inputs, bias = _inputs(2, h, hkv, n, m, 5, rows, tables=tables, bias_heads=per_head, seed=3)
@@ -297,11 +295,10 @@ def test_dropout_with_the_bias_is_one_mask_on_every_backend(case, small_tiles):
         return float((a - b).detach().abs().max() / (b.detach().abs().max() + 1e-300))
 
     want, want_grads = run("dense")
-    for backend in ("native", "blocked"):
-        got, got_grads = run(backend)
-        assert rel_err(got, want) <= 1e-12, backend
-        for i, (a, w) in enumerate(zip(got_grads, want_grads, strict=True)):
-            assert rel_err(a, w) <= 1e-12, (backend, i)
+    got, got_grads = run(backend)
+    assert rel_err(got, want) <= 1e-12, backend
+    for i, (a, w) in enumerate(zip(got_grads, want_grads, strict=True)):
+        assert rel_err(a, w) <= 1e-12, (backend, i)
     assert want_grads[-1].abs().max() > 0  # the bias gets a gradient through the dropped weights
     assert rel_err(want, run("dense", p=0.0)[0]) > 1e-2  # dropout did something
     assert rel_err(want, run("dense", rel_bias=None)[0]) > 1e-2  # and so did the bias
@@ -400,3 +397,14 @@ def test_module_bias_options_checked():
             pytest.skip("every backend serves rel_bias")
     shared = RelativeMultiheadAttention(8, 2, Shaw(T5Buckets(), bias=True))
     assert shared.rel_bias.shape == (32,) and shared.rel_k.shape == (32, 4)
+
+
+@pytest.mark.skipif(unavailable_here("triton") is not None, reason=str(unavailable_here("triton")))
+def test_triton_needs_a_nonzero_scale_with_the_bias():
+    """triton folds the bias into the key term's scores as rel_bias / scale: scale = 0 is refused by name (the other
+    backends serve it)."""
+    q = torch.randn(1, 2, 4, 3, dtype=torch.float64)
+    kw = dict(max_relative_position=2, rel_bias=torch.randn(5, dtype=torch.float64), scale=0.0)
+    with pytest.raises(ValueError, match="scale != 0"):
+        relative_attention(q, q, q, backend="triton", **kw)
+    assert relative_attention(q, q, q, backend="dense", **kw).isfinite().all()

@@ -152,37 +152,43 @@ def test_the_compiled_module_gives_eager_zeros_and_gradients_at_padding(config):
 
 
 def _nan_table_case(where: str, *, nan: bool):
-    """q, k, v (1, 2, 6, 4), per-head rel_k and shared rel_v and rel_q (K = 2) float64 leaves; with ``nan``, row
-    ``K + 1`` (offset +1, met only by pairs that is_causal masks) of table ``where`` is NaN, else zero."""
+    """q, k, v (1, 2, 6, 4), per-head rel_k and rel_bias, shared rel_v and rel_q (K = 2) float64 leaves; with
+    ``nan``, row ``K + 1`` (offset +1, met only by pairs that is_causal masks) of table ``where`` is NaN, else
+    zero."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(3))
     tables = {"rel_k": torch.randn(2, 5, 4, generator=g, dtype=torch.float64),
               "rel_v": torch.randn(5, 4, generator=g, dtype=torch.float64),
-              "rel_q": torch.randn(5, 4, generator=g, dtype=torch.float64)}
+              "rel_q": torch.randn(5, 4, generator=g, dtype=torch.float64),
+              "rel_bias": torch.randn(2, 5, 1, generator=g, dtype=torch.float64)}
     tables[where][..., 3, :] = float("nan") if nan else 0.0
-    return [t.requires_grad_() for t in (q, k, v, tables["rel_k"], tables["rel_v"], tables["rel_q"])]
+    tables["rel_bias"] = tables["rel_bias"][..., 0]
+    return [t.requires_grad_() for t in (q, k, v, tables["rel_k"], tables["rel_v"], tables["rel_q"],
+                                         tables["rel_bias"])]
 
 
 @pytest.mark.parametrize("backend", backend_params(list(BACKENDS)))
-@pytest.mark.parametrize("where", ["rel_k", "rel_v", "rel_q"])
+@pytest.mark.parametrize("where", ["rel_k", "rel_v", "rel_q", "rel_bias"])
 def test_a_nan_in_a_table_row_only_masked_pairs_meet_reaches_nothing(backend, where):
-    """is_causal=True with a NaN in row K + 1 (offset +1: only future keys meet it): on every backend, and in the
-    reference, the answer of that row at zero, outputs and gradients; the row's own gradient is zero."""
+    """is_causal=True with a NaN in row K + 1 (offset +1: only future keys meet it) of a table or of the scalar bias
+    rel_bias: on every backend, and in the reference, the answer of that row at zero, outputs and gradients; the
+    row's own gradient is zero."""
     kw = dict(max_relative_position=2, is_causal=True)
     clean = _nan_table_case(where, nan=False)
-    want = relative_attention(*clean[:5], rel_q=clean[5], backend="dense", **kw)
+    want = relative_attention(*clean[:5], rel_q=clean[5], rel_bias=clean[6], backend="dense", **kw)
     want_grads = torch.autograd.grad(want.square().sum(), clean)
-    spec = reference_output(*clean[:5], rel_q=clean[5], **kw)
+    spec = reference_output(*clean[:5], rel_q=clean[5], rel_bias=clean[6], **kw)
     assert_close(want, spec, torch.float64, "dense, no NaN")
     x = _nan_table_case(where, nan=True)
-    assert_close(reference_output(*x[:5], rel_q=x[5], **kw), spec, torch.float64, "reference")
-    out = relative_attention(*x[:5], rel_q=x[5], backend=backend, **kw)
+    assert_close(reference_output(*x[:5], rel_q=x[5], rel_bias=x[6], **kw), spec, torch.float64, "reference")
+    out = relative_attention(*x[:5], rel_q=x[5], rel_bias=x[6], backend=backend, **kw)
     assert_close(out, want, torch.float64, f"{backend} out")
     got = torch.autograd.grad(out.square().sum(), x)
-    for name, a, w in zip(("q", "k", "v", "rel_k", "rel_v", "rel_q"), got, want_grads, strict=True):
+    names = ("q", "k", "v", "rel_k", "rel_v", "rel_q", "rel_bias")
+    for name, a, w in zip(names, got, want_grads, strict=True):
         assert_close(a, w, torch.float64, f"{backend} d{name}")
-    table = x[("rel_k", "rel_v", "rel_q").index(where) + 3]
-    assert not got[("rel_k", "rel_v", "rel_q").index(where) + 3][..., 3, :].any(), table.shape
+    row = got[names.index(where)]
+    assert not (row[..., 3] if where == "rel_bias" else row[..., 3, :]).any(), row.shape
 
 
 # ------------------------------------------------------------------------------ stale compile caches

@@ -1,6 +1,7 @@
 """What the "triton" backend's launches take (:mod:`relattn.backends.triton`): strides, masks, the dropout's
-arguments, a packed batch's sequences, the compact windows of a call with wide tables, and the reductions that turn
-the kernels' bins into table gradients. Plain torch; no kernel is launched here."""
+arguments, a packed batch's sequences, the compact windows of a call with wide tables, the tables' met rows, the
+scalar bias folded into the key term's scores, and the reductions that turn the kernels' bins into table and bias
+gradients. Plain torch; no kernel is launched here."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..positions import met_rows
+from ..positions import met_rows, unmet_rows_zeroed
 from ._common import stats_dtype
 
 LOG2E = 1.4426950408889634
@@ -107,6 +108,41 @@ def window_of(table: Tensor | None, w: Window | None) -> Tensor | None:
     return table if table is None or w is None else table[:, w.row0:w.row0 + w.rows]
 
 
+def met_tables(tables, q, k, kk: int, is_causal: bool, query_offset: int, packed: Packed | None) -> tuple:
+    """The tables with zeros in the rows no pair the call may attend meets (a sequence's queries at the end of its
+    keys in a packed call): the kernels read a tile's whole window of rows, and a NaN there must reach nothing. The
+    last of ``tables`` is rel_bias (Hr, 2K+1) or None, zeroed as a table of one column."""
+    n, m = (q.shape[2], k.shape[2]) if packed is None else (packed.max_k, packed.max_q)
+    *tables, bias = tables
+    tables = (*tables, None if bias is None else bias[..., None])
+    *met, bias = (unmet_rows_zeroed(t, n, m, kk, query_offset=query_offset, is_causal=is_causal) for t in tables)
+    return (*met, None if bias is None else bias[..., 0])
+
+
+def contiguous_rows(t: Tensor) -> Tensor:
+    """``t`` as it is when its rows are contiguous and a row apart (a packed batch's (1, H, T, D) view), else
+    contiguous (an ``expand()``ed row, stride 0: its gradient, laid out as it, would overlap)."""
+    return t if t.stride(-1) == 1 and t.stride(-2) >= max(1, t.shape[-1]) else t.contiguous()
+
+
+def with_bias(qa: Tensor | None, x: Tensor, rel_bias: Tensor | None, scale: float,
+              dtype: torch.dtype) -> Tensor | None:
+    """The key term's scores ``qa`` (B, H, N, R) or None, plus ``rel_bias / scale`` (Hr, R: the same table rows,
+    a window's when the call runs in windows) in ``dtype`` when given (the bias is unscaled: ``scale * QA`` then adds
+    it once; the kernels, and SB, the per-row bins of dS the backward forms for a^K, serve it unchanged, and its
+    gradient is SB summed over rows, :func:`bias_grad`); x: the queries the key table reads (its B, H, N). None
+    without either."""
+    if rel_bias is None:
+        return qa
+    if scale == 0.0:
+        raise ValueError("triton: rel_bias is folded into the key term's scores as rel_bias / scale, so it needs "
+                         "scale != 0; got scale = 0.0 (use backend='native', 'blocked' or 'dense')")
+    bias = (rel_bias.to(dtype) / scale)[:, None, :]  # (Hr, 1, R) against (B, H, N, R)
+    if qa is None:
+        return bias.expand(x.shape[0], x.shape[1], x.shape[2], -1).contiguous()
+    return qa.add_(bias)
+
+
 def strides(prefix: str, t: Tensor | None, names: str) -> dict:
     """``{stride_<prefix><name>: t.stride(i)}`` (zeros for a missing tensor)."""
     return {f"stride_{prefix}{c}": (0 if t is None else t.stride(i)) for i, c in enumerate(names)}
@@ -193,36 +229,53 @@ def key_table_grads(kb: Tensor, k: Tensor, rel_q: Tensor, scale: float) -> tuple
     return dk, (grad * scale).to(rel_q.dtype)
 
 
-def zero_grads(q, k, v, rel_k, rel_v, rel_q, q_pos, sdt, window: Window | None) -> tuple:
+def zero_grads(q, k, v, rel_k, rel_v, rel_q, q_pos, rel_bias, sdt, window: Window | None) -> tuple:
     """The gradients' buffers, zeros: dq, dk, dv (dk in the statistics' dtype with rel_q, until the table's share is
-    added; dk and dv in it in a window, summed over the windows), d_rel_k, d_rel_v, and the rest (d_rel_q, d_q_pos)
-    as the call returns them."""
+    added; dk and dv in it in a window, summed over the windows), d_rel_k, d_rel_v, d_rel_q, d_q_pos, d_rel_bias
+    (d_rel_k, d_rel_v and d_rel_bias in the statistics' dtype in a window); None for a tensor not given."""
     wide = window is not None
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k, dtype=sdt if rel_q is not None or wide else k.dtype)
     dv = torch.zeros_like(v, dtype=sdt if wide else v.dtype)
-    d_rel_k, d_rel_v = (None if t is None else torch.zeros_like(t, dtype=sdt if wide else t.dtype)
-                        for t in (rel_k, rel_v))
-    more = () if rel_q is None else (torch.zeros_like(rel_q),)
-    if q_pos is not None:
-        more = (None if rel_q is None else more[0], torch.zeros_like(q_pos))
-    return dq, dk, dv, d_rel_k, d_rel_v, more
+    d_rel_k, d_rel_v, d_rel_bias = (None if t is None else torch.zeros_like(t, dtype=sdt if wide else t.dtype)
+                                    for t in (rel_k, rel_v, rel_bias))
+    d_rel_q, d_q_pos = (None if t is None else torch.zeros_like(t) for t in (rel_q, q_pos))
+    return dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos, d_rel_bias
+
+
+def trimmed(grads: tuple, rel_q, q_pos, rel_bias) -> tuple:
+    """``grads`` (dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos, d_rel_bias) as the ops return them: the first five,
+    then the rest up to the last one given (None for one not given before it)."""
+    given = max((i + 1 for i, t in enumerate((rel_q, q_pos, rel_bias)) if t is not None), default=0)
+    return grads[:5 + given]
 
 
 def table_grads(pb, sb, grad_out, reader, rel_k, rel_v, d_rel_k, d_rel_v, q_pos, scale: float,
                  window: Window | None) -> tuple:
-    """(d_rel_k, d_rel_v) from the row bins, into the window's rows of the zeros given (in their dtype), and with
-    q_pos (None for d_rel_q, d_q_pos): the key table's share of the position queries' gradient, ``scale * SB a^K``
-    per head."""
+    """(d_rel_k, d_rel_v, d_q_pos) from the row bins, d_rel_k and d_rel_v into the window's rows of the zeros given
+    (in their dtype); d_q_pos (None without q_pos): the key table's share of the position queries' gradient,
+    ``scale * SB a^K`` per head."""
     rows = slice(None) if window is None else slice(window.row0, window.row0 + window.rows)
     if rel_k is not None:
         d_rel_k[:, rows] = table_grad(sb, reader, rel_k.shape[0], d_rel_k.dtype, scale)
     if rel_v is not None:
         d_rel_v[:, rows] = table_grad(pb, grad_out, rel_v.shape[0], d_rel_v.dtype)
     if q_pos is None:
-        return d_rel_k, d_rel_v
+        return d_rel_k, d_rel_v, None
     if rel_k is not None:
         share = torch.matmul(sb, window_of(rel_k, window).to(sb.dtype)) * scale
     else:
         share = torch.zeros_like(q_pos, dtype=stats_dtype(q_pos.dtype))
-    return d_rel_k, d_rel_v, None, share.to(q_pos.dtype)
+    return d_rel_k, d_rel_v, share.to(q_pos.dtype)
+
+
+def bias_grad(sb: Tensor | None, d_rel_bias: Tensor | None, window: Window | None) -> Tensor | None:
+    """``d rel_bias`` (None without the bias): SB (B, H, N, R), the per-row bins of dS, summed over batch and rows
+    (and heads when the bias is shared), in a fixed order (no atomics), into the window's rows of the zeros given
+    (Hr, 2K+1), in their dtype."""
+    if d_rel_bias is None:
+        return None
+    rows = slice(None) if window is None else slice(window.row0, window.row0 + window.rows)
+    g = sb.sum((0, 2))
+    d_rel_bias[:, rows] = (g.sum(0, keepdim=True) if d_rel_bias.shape[0] == 1 else g).to(d_rel_bias.dtype)
+    return d_rel_bias

@@ -5,7 +5,8 @@ A launch's tiles, warps, pipeline stages and band split are decided by the kerne
 compute capability, the precision (16-bit inputs, or float32/float64), the padded head dim (up to 64, or up to 128)
 and the launch's variant: what it adds to the plain tile body in registers (``rel_q``'s gathers and per-key bins,
 grouped k/v heads with ``rel_q``, a packed batch's or a dense call's lengths that end mid-tile, dropout's hashes,
-dropout with lengths that end mid-tile, a compact window's launches).
+dropout with lengths that end mid-tile, a compact window's launches, the scalar bias ``rel_bias`` without
+``rel_q``).
 :func:`variants` lists the variants a launch may take, most specific first; :func:`config` takes the first the table
 holds for its (kernel, arch, precision, dim), else the plain entry. Every entry compiles without spills for its arch
 under Triton 3.6 and 3.9 (``benchmarks/triton_compile.py``); why each entry is what it is, and the compile table,
@@ -46,6 +47,7 @@ VARIANTS = {
     "varlen_rq": {"varlen", "rel_q"},
     "varlen": {"varlen"},
     "ragged": {"ragged"},
+    "bias": {"bias"},
     "gqa_rq": {"grouped", "rel_q"},
     "rq": {"rel_q"},
     "plain": set(),
@@ -84,6 +86,8 @@ _ROWS = [  # kernel, variant, archs, precision, padded head dims, tiles
     ("fwd", "window", (100,), SIXTEEN, (128,), Tiles(64, 64, 8, 1, 2)),
     ("dkdv", "window", (100,), SIXTEEN, (128,), Tiles(32, 64, 8, 1, 2)),
     ("fwd", "dropout_window", (100,), SIXTEEN, (128,), Tiles(64, 64, 8, 1, 4)),
+    ("fwd", "bias", H100, SIXTEEN, (64,), Tiles(128, 64, 8, 2, 2)),
+    ("dkdv", "bias", A100_LIKE, SIXTEEN, (64,), Tiles(64, 32, 8, 2, 2)),
     ("fwd", "plain", EVERY_ARCH, THIRTY_TWO, (64, 128), Tiles(32, 32, 8, 1, 2)),
     ("dkdv", "plain", EVERY_ARCH, THIRTY_TWO, (64, 128), Tiles(16, 16, 8, 1, 1)),
     ("dq", "plain", EVERY_ARCH, THIRTY_TWO, (64, 128), Tiles(32, 16, 4, 2, 1)),
@@ -97,10 +101,11 @@ INTERPRETED = Tiles(128, 128, 4, 1, 1)
 
 
 def variants(rel_q: bool = False, grouped: bool = False, varlen: bool = False, ragged: bool = False,
-             dropout: bool = False, window: bool = False) -> list[str]:
-    """The variants a launch with these flags may take, most specific first (the last is "plain")."""
+             dropout: bool = False, window: bool = False, bias: bool = False) -> list[str]:
+    """The variants a launch with these flags may take, most specific first (the last is "plain"); ``bias``: the
+    launch adds rel_bias without rel_q (with rel_q it takes rel_q's entries)."""
     flags = {name for name, on in (("rel_q", rel_q), ("grouped", grouped), ("varlen", varlen), ("ragged", ragged),
-                                   ("dropout", dropout), ("window", window)) if on}
+                                   ("dropout", dropout), ("window", window), ("bias", bias)) if on}
     return [name for name, needs in VARIANTS.items() if needs <= flags]
 
 

@@ -96,6 +96,17 @@ class _Tile:
         return bins.scatter_add_(-1, self.key_rows(kk).expand(b, h, -1), x.reshape(b, h, -1)).view(b, h, width, -1)
 
 
+def _met_rows(q, k, kk, query_offset, is_causal, *tables):
+    """The tables (the last, rel_bias, a table of one column) with zeros in the rows no allowed pair meets."""
+    *tables, bias = tables
+    tables = [unmet_rows_zeroed(t, q.shape[2], k.shape[2], kk, query_offset=query_offset, is_causal=is_causal)
+              for t in tables]
+    if bias is not None:
+        bias = unmet_rows_zeroed(bias[..., None], q.shape[2], k.shape[2], kk, query_offset=query_offset,
+                                 is_causal=is_causal)[..., 0]
+    return (*tables, bias)
+
+
 def _prepare(*tensors):
     sdt = stats_dtype(tensors[0].dtype)
     return [t.to(sdt) if t is not None else None for t in tensors]
@@ -110,8 +121,7 @@ def blocked_forward(q, k, v, rel_k, rel_v, mask, seed, *, max_relative_position:
     dtype = q.dtype
     q, k, v, rel_k, rel_v, mask, rel_q, q_pos, rel_bias = _prepare(q, k, v, rel_k, rel_v, mask, rel_q, q_pos,
                                                                    rel_bias)
-    rel_k, rel_v, rel_q = (unmet_rows_zeroed(t, q.shape[2], k.shape[2], kk, query_offset=query_offset,
-                                             is_causal=is_causal) for t in (rel_k, rel_v, rel_q))
+    rel_k, rel_v, rel_q, rel_bias = _met_rows(q, k, kk, query_offset, is_causal, rel_k, rel_v, rel_q, rel_bias)
     b, h, n, _ = q.shape
     m, dv = k.shape[2], v.shape[3]
     reader = q if q_pos is None else q_pos
@@ -174,8 +184,7 @@ def blocked_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, m
     dtype = q.dtype
     q, k, v, rel_k, rel_v, mask, rel_q, q_pos, rel_bias = _prepare(q, k, v, rel_k, rel_v, mask, rel_q, q_pos,
                                                                    rel_bias)
-    rel_k, rel_v, rel_q = (unmet_rows_zeroed(t, q.shape[2], k.shape[2], kk, query_offset=query_offset,
-                                             is_causal=is_causal) for t in (rel_k, rel_v, rel_q))
+    rel_k, rel_v, rel_q, rel_bias = _met_rows(q, k, kk, query_offset, is_causal, rel_k, rel_v, rel_q, rel_bias)
     grad_out, out = grad_out.to(q.dtype), out.to(q.dtype)
     b, h, n, _ = q.shape
     m = k.shape[2]

@@ -38,6 +38,9 @@ def dense_weights(q, k, rel_k, *, max_relative_position, mask, is_causal, scale,
     idx = relative_position_index(n, m, max_relative_position, query_offset=query_offset, device=q.device)
     rel_k, rel_q = (unmet_rows_zeroed(t, n, m, max_relative_position, query_offset=query_offset,
                                       is_causal=is_causal) for t in (rel_k, rel_q))
+    if rel_bias is not None:  # as a table of one column
+        rel_bias = unmet_rows_zeroed(rel_bias[..., None], n, m, max_relative_position, query_offset=query_offset,
+                                     is_causal=is_causal)[..., 0]
     # Softmax statistics in at least float32: bf16/fp16 (or autocast) scores are upcast once, here.
     stats = torch.promote_types(q.dtype, torch.float32)
     scores = (q @ k.transpose(-1, -2)).to(stats)

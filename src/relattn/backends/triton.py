@@ -21,8 +21,10 @@ the kernels are first imported), also CPU tensors (the same kernels, interpreted
 "auto" never picks it on the CPU). float16 and bfloat16 (float32 statistics, 16-bit matmul inputs as in flash
 attention: the weights rounded to 16 bits on their way into a matmul), float32 (IEEE float32 matmuls, no
 TF32) and float64 (gradcheck); head dims up to 128 (D != Dv allowed); any K; the tables a^K, a^V, a^Q (rel_q),
-each optional, shared or per head; any mask that needs no gradient; dropout (the one mask of every backend, a hash
-of (seed, batch entry, query head, row, key), regenerated tile by tile in the backward, never stored).
+each optional, shared or per head; the scalar bias rel_bias (T5's), folded into the key term's scores ``QA`` as
+``rel_bias / scale`` (its gradient the per-row bins of dS summed over rows: no atomics); any mask that needs no
+gradient; dropout (the one mask of every backend, a hash of (seed, batch entry, query head, row, key), regenerated
+tile by tile in the backward, never stored).
 
 Tiles, warps and pipeline stages per kernel come from one table (:mod:`._triton_tiles`: by kernel, GPU
 architecture, precision, head dim and the launch's variant); ``benchmarks/triton_compile.py`` compiles every
@@ -39,7 +41,6 @@ import os
 import torch
 from torch import Tensor
 
-from ..positions import unmet_rows_zeroed
 from ._common import (
     LOW_PRECISION,
     Backend,
@@ -51,16 +52,21 @@ from ._common import (
 from ._triton_args import (
     Packed,
     Window,
+    bias_grad,
     common_args,
+    contiguous_rows,
     key_table_grads,
     mask_args,
     mask_kind,
+    met_tables,
     rows_of,
     strides,
     table_grads,
     table_strides,
+    trimmed,
     window_of,
     windows,
+    with_bias,
     zero_grads,
 )
 from ._triton_tiles import EVERY_ARCH, SETTINGS, config
@@ -126,13 +132,14 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _meta(kernel, q, k, v, rel_k, rel_v, mask, is_causal, rel_q=None, packed: Packed | None = None,
-          dropout: bool = False, window: Window | None = None):
+          dropout: bool = False, window: Window | None = None, bias: bool = False):
     """The constexprs and launch options of one kernel for these inputs (``packed``: of a packed batch, whose
-    lengths vary by sequence: the tiles cut to the longest, every tile masked at its sequence's end)."""
+    lengths vary by sequence: the tiles cut to the longest, every tile masked at its sequence's end; ``rel_k``: the
+    key term's table or its scores, QA: HAS_RK when not None, as with a rel_bias and no table)."""
     n, m = (q.shape[2], k.shape[2]) if packed is None else (packed.max_q, packed.max_k)
     dp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
     flags = dict(rel_q=rel_q is not None, grouped=k.shape[1] != q.shape[1], varlen=packed is not None,
-                 dropout=dropout, window=window is not None)
+                 dropout=dropout, window=window is not None, bias=bias and rel_q is None)
     tiles = config(kernel, q.dtype in LOW_PRECISION, max(dp, dvp), _arch(q.device), **flags)
     if packed is None and (n % tiles.block_m or m % tiles.block_n):  # lengths that end mid-tile
         tiles = config(kernel, q.dtype in LOW_PRECISION, max(dp, dvp), _arch(q.device), **flags, ragged=True)
@@ -198,20 +205,30 @@ def key_scores(k: Tensor, rel_q: Tensor | None, heads: int, dtype: torch.dtype) 
     return table_scores(k, rel_q, dtype, heads), 1
 
 
+def key_term_scores(x: Tensor, rel_k: Tensor | None, rel_bias: Tensor | None, scale: float, dtype: torch.dtype,
+                    window: Window | None = None) -> Tensor | None:
+    """``QA``, what the kernels add per (row, table row) to ``q k^T`` before the scale: ``x a^K^T`` (B, H, N, R) over
+    the window's table rows (all 2K+1 without one) plus the same rows of ``rel_bias / scale`` (:func:`with_bias`)."""
+    qa = table_scores(x, window_of(rel_k, window), dtype) if rel_k is not None else None
+    return with_bias(qa, x, window_of(rel_bias, window), scale, dtype)
+
+
 def forward(q, k, v, rel_k, rel_v, mask, seed=None, *, max_relative_position: int, is_causal: bool, scale: float,
-            query_offset: int, dropout_p: float = 0.0, rel_q=None, q_pos=None) -> tuple[Tensor, Tensor]:
+            query_offset: int, dropout_p: float = 0.0, rel_q=None, q_pos=None, rel_bias=None) -> tuple[Tensor, Tensor]:
     """(out (B,H,N,Dv) in q's dtype, lse (B,H,N), float32 for 16-bit q); rows with no key give zeros and lse -inf.
     k, v: (B, Hkv, M, D|Dv) with H % Hkv == 0; rel_q: the position-to-content table (Hr, 2K+1, D) or None; q_pos:
-    the queries the key table reads (q's shape; None: q). ``dropout_p > 0``: the weights that multiply v and a^V
-    dropped by the mask of ``seed`` (int64, a bare seed or ``(seed, b0, i0, j0)``: the mask's ``(b0 + b, h, i0 + i,
-    j0 + j)``), the kept ones scaled by ``1 / (1 - p)``; lse is the undropped one."""
+    the queries the key table reads (q's shape; None: q); rel_bias (Hr, 2K+1): the scalar bias, added unscaled at
+    the key term's row (folded into the key term's scores, :func:`key_term_scores`). ``dropout_p > 0``: the weights
+    that multiply v and a^V dropped by the mask of ``seed`` (int64, a bare seed or ``(seed, b0, i0, j0)``: the
+    mask's ``(b0 + b, h, i0 + i, j0 + j)``), the kept ones scaled by ``1 / (1 - p)``; lse is the undropped one."""
     return _forward(q, k, v, rel_k, rel_v, mask, max_relative_position=max_relative_position, is_causal=is_causal,
-                    scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos, seed=seed, dropout_p=dropout_p)
+                    scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos, seed=seed, dropout_p=dropout_p,
+                    rel_bias=rel_bias)
 
 
 def varlen_forward(q, k, v, rel_k, rel_v, mask, seed, cu_seqlens_q, cu_seqlens_k, *, max_relative_position: int,
                    is_causal: bool, scale: float, query_offset: int, max_seqlen_q: int, max_seqlen_k: int,
-                   dropout_p: float = 0.0, rel_q=None, q_pos=None) -> tuple[Tensor, Tensor]:
+                   dropout_p: float = 0.0, rel_q=None, q_pos=None, rel_bias=None) -> tuple[Tensor, Tensor]:
     """A packed batch's (out (1,H,T,Dv), laid out as the packed (T, H, Dv), lse (1,H,T)): q (1,H,T,D), k, v
     (1,Hkv,T_k,D|Dv), sequence ``s`` its rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` and keys likewise, each the
     dense call with ``query_offset + m_s - n_s`` (:class:`~relattn.backends._common.AttentionCall`); one launch of
@@ -221,14 +238,8 @@ def varlen_forward(q, k, v, rel_k, rel_v, mask, seed, cu_seqlens_q, cu_seqlens_k
         raise ValueError("triton varlen_forward: a packed call takes no mask")
     return _forward(q, k, v, rel_k, rel_v, None, max_relative_position=max_relative_position, is_causal=is_causal,
                     scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos, seed=seed, dropout_p=dropout_p,
+                    rel_bias=rel_bias,
                     packed=Packed(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k))
-
-
-def _met_tables(tables, q, k, kk: int, is_causal: bool, query_offset: int, packed: Packed | None):
-    """The tables with zeros in the rows no pair the call may attend meets (a sequence's queries at the end of its
-    keys in a packed call): the kernels read a tile's whole window of rows, and a NaN there must reach nothing."""
-    n, m = (q.shape[2], k.shape[2]) if packed is None else (packed.max_k, packed.max_q)
-    return [unmet_rows_zeroed(t, n, m, kk, query_offset=query_offset, is_causal=is_causal) for t in tables]
 
 
 def _windows(q, k, kk: int, query_offset, is_causal: bool, rel_q, packed: Packed | None) -> list[Window] | None:
@@ -240,16 +251,16 @@ def _windows(q, k, kk: int, query_offset, is_causal: bool, rel_q, packed: Packed
 
 def _forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
              query_offset: int, rel_q=None, q_pos=None, packed: Packed | None = None, seed: Tensor | None = None,
-             dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+             dropout_p: float = 0.0, rel_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     kw = dict(max_relative_position=max_relative_position, is_causal=is_causal, scale=scale, rel_q=rel_q,
-              packed=packed, dropout_p=dropout_p)
+              packed=packed, dropout_p=dropout_p, rel_bias=rel_bias)
     chunks = _windows(q, k, max_relative_position, query_offset, is_causal, rel_q, packed)
     if chunks is None or q.shape[0] * q.shape[1] == 0:
         return _forward_rows(q, k, v, rel_k, rel_v, mask, query_offset=query_offset, q_pos=q_pos, seed=seed, **kw)
     b, h, n, _ = q.shape
     out = q.new_empty(b, h, n, v.shape[3])
     lse = q.new_empty(b, h, n, dtype=stats_dtype(q.dtype))
-    for w in chunks:  # one chunk of query rows at a time, each reading its window of the tables
+    for w in chunks:  # one chunk of query rows at a time, each reading its window of the tables (and of rel_bias)
         part = rows_of(w, q, q_pos, mask, seed, query_offset, dropout_p)
         out[:, :, w.i0:w.i1], lse[:, :, w.i0:w.i1] = _forward_rows(
             part.q, k, v, rel_k, rel_v, part.mask, query_offset=part.query_offset, q_pos=part.q_pos, seed=part.seed,
@@ -259,14 +270,18 @@ def _forward(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_caus
 
 def _forward_rows(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is_causal: bool, scale: float,
                   query_offset: int, rel_q=None, q_pos=None, packed: Packed | None = None, seed: Tensor | None = None,
-                  dropout_p: float = 0.0, window: Window | None = None) -> tuple[Tensor, Tensor]:
+                  dropout_p: float = 0.0, window: Window | None = None,
+                  rel_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     b, h, n, _ = q.shape
     m, dv, kk = k.shape[2], v.shape[3], max_relative_position
     sdt = stats_dtype(q.dtype)
     if b * h * n == 0:
         return q.new_zeros(b, h, n, dv), q.new_full((b, h, n), float("-inf"), dtype=sdt)
-    rel_k, rel_v, rel_q = _met_tables((rel_k, rel_v, rel_q), q, k, kk, is_causal, query_offset, packed)
-    meta = _meta("fwd", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0, window)
+    rel_k, rel_v, rel_q, rel_bias = met_tables((rel_k, rel_v, rel_q, rel_bias), q, k, kk, is_causal, query_offset,
+                                                packed)
+    qa = key_term_scores(q if q_pos is None else q_pos, rel_k, rel_bias, scale, sdt, window)
+    meta = _meta("fwd", q, k, v, qa, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0, window,
+                 rel_bias is not None)
     # programs: (query tile, batch entry * head, split of the keys); a packed batch's entries are its sequences
     rows_n, rows_m, entries = (n, m, b) if packed is None else (packed.max_q, packed.max_k, packed.count)
     q_tiles = math.ceil(rows_n / meta["BLOCK_M"])
@@ -279,7 +294,6 @@ def _forward_rows(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is
         out, lse = q.new_empty(1, b, h, n, dv), q.new_empty(1, b, h, n, dtype=sdt)
     else:  # each split's normalised output, in the statistics' dtype, merged below
         out, lse = q.new_empty(splits, b, h, n, dv, dtype=sdt), q.new_empty(splits, b, h, n, dtype=sdt)
-    qa = table_scores(q if q_pos is None else q_pos, window_of(rel_k, window), sdt) if rel_k is not None else None
     ka, ka_group = key_scores(k, rel_q, h, sdt)
     width = 2 * kk + 1 if window is None else window.rows
     bins = q.new_empty(b, h, n, width, dtype=sdt) if rel_v is not None else None
@@ -299,44 +313,41 @@ def _forward_rows(q, k, v, rel_k, rel_v, mask, *, max_relative_position: int, is
 
 
 def backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, max_relative_position: int, is_causal: bool,
-             scale: float, query_offset: int, dropout_p: float = 0.0, rel_q=None, q_pos=None) -> tuple[Tensor, ...]:
-    """(dq, dk, dv, d_rel_k | None, d_rel_v | None), d_rel_q when rel_q is given, and (with q_pos) d_rel_q | None
-    and d_q_pos, in their inputs' dtypes; dq, dk, dv contiguous; dk, dv of a key/value head summed over its group of
-    query heads. With q_pos, dq is the content term's share and d_q_pos the key table's, ``scale * SB a^K``.
+             scale: float, query_offset: int, dropout_p: float = 0.0, rel_q=None, q_pos=None,
+             rel_bias=None) -> tuple[Tensor, ...]:
+    """(dq, dk, dv, d_rel_k | None, d_rel_v | None), then d_rel_q, d_q_pos, d_rel_bias up to the last one given
+    (None for one not given before it), in their inputs' dtypes; dq, dk, dv contiguous; dk, dv of a key/value head
+    summed over its group of query heads; d_rel_bias the per-row bins of dS summed over rows. With q_pos, dq is
+    the content term's share and d_q_pos the key table's, ``scale * SB a^K``.
     Dropout: the forward's mask regenerated from ``seed`` (never stored)."""
     return _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, max_relative_position=max_relative_position,
                      is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos, seed=seed,
-                     dropout_p=dropout_p)
+                     dropout_p=dropout_p, rel_bias=rel_bias)
 
 
 def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, cu_seqlens_q, cu_seqlens_k, out, lse, *,
                     max_relative_position: int, is_causal: bool, scale: float, query_offset: int, max_seqlen_q: int,
-                    max_seqlen_k: int, dropout_p: float = 0.0, rel_q=None, q_pos=None) -> tuple[Tensor, ...]:
+                    max_seqlen_k: int, dropout_p: float = 0.0, rel_q=None, q_pos=None,
+                    rel_bias=None) -> tuple[Tensor, ...]:
     """The gradients of :func:`varlen_forward`, as :func:`backward`'s (dq, dk, dv laid out as q, k, v: the packed
     layout); one launch of each kernel for the whole batch."""
     if mask is not None:
         raise ValueError("triton varlen_backward: a packed call takes no mask")
     return _backward(grad_out, q, k, v, rel_k, rel_v, None, out, lse, max_relative_position=max_relative_position,
                      is_causal=is_causal, scale=scale, query_offset=query_offset, rel_q=rel_q, q_pos=q_pos,
-                     seed=seed, dropout_p=dropout_p,
+                     seed=seed, dropout_p=dropout_p, rel_bias=rel_bias,
                      packed=Packed(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k))
-
-
-def _rows(t: Tensor) -> Tensor:
-    """``t`` as it is when its rows are contiguous and a row apart (a packed batch's (1, H, T, D) view), else
-    contiguous (an ``expand()``ed row, stride 0: its gradient, laid out as it, would overlap)."""
-    return t if t.stride(-1) == 1 and t.stride(-2) >= max(1, t.shape[-1]) else t.contiguous()
 
 
 def _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
               scale: float, query_offset: int, rel_q=None, q_pos=None, packed: Packed | None = None,
-              seed: Tensor | None = None, dropout_p: float = 0.0) -> tuple[Tensor, ...]:
+              seed: Tensor | None = None, dropout_p: float = 0.0, rel_bias: Tensor | None = None) -> tuple[Tensor, ...]:
     kw = dict(max_relative_position=max_relative_position, is_causal=is_causal, scale=scale, rel_q=rel_q,
-              packed=packed, dropout_p=dropout_p)
+              packed=packed, dropout_p=dropout_p, rel_bias=rel_bias)
     chunks = _windows(q, k, max_relative_position, query_offset, is_causal, rel_q, packed)
     if chunks is None or q.shape[0] * q.shape[1] * k.shape[2] == 0:
-        return _backward_rows(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, query_offset=query_offset,
-                              q_pos=q_pos, seed=seed, **kw)
+        return trimmed(_backward_rows(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, query_offset=query_offset,
+                                      q_pos=q_pos, seed=seed, **kw), rel_q, q_pos, rel_bias)
     dq, d_q_pos, sums = [], [], None
     for w in chunks:  # one chunk of query rows at a time: its dq and d_q_pos rows, its shares of the others
         part, rows = rows_of(w, q, q_pos, mask, seed, query_offset, dropout_p), slice(w.i0, w.i1)
@@ -344,39 +355,44 @@ def _backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_p
                            lse[:, :, rows], query_offset=part.query_offset, q_pos=part.q_pos, seed=part.seed,
                            window=w, **kw)
         dq.append(g[0])
-        d_q_pos.extend(g[6:])
-        sums = g[1:5] if sums is None else [None if a is None else a + b for a, b in zip(sums, g[1:5], strict=True)]
-    dk, dv, d_rel_k, d_rel_v = (None if t is None else t.to(like.dtype)
-                                for t, like in zip(sums, (k, v, rel_k, rel_v), strict=True))
-    grads = (torch.cat(dq, 2), dk, dv, d_rel_k, d_rel_v)
-    return grads if q_pos is None else (*grads, None, torch.cat(d_q_pos, 2))
+        d_q_pos.append(g[6])
+        share = (*g[1:5], g[7])  # dk, dv, d_rel_k, d_rel_v, d_rel_bias: summed over the chunks in order
+        sums = share if sums is None else [None if a is None else a + b for a, b in zip(sums, share, strict=True)]
+    dk, dv, d_rel_k, d_rel_v, d_rel_bias = (None if t is None else t.to(like.dtype)
+                                            for t, like in zip(sums, (k, v, rel_k, rel_v, rel_bias), strict=True))
+    grads = (torch.cat(dq, 2), dk, dv, d_rel_k, d_rel_v, None, None if q_pos is None else torch.cat(d_q_pos, 2),
+             d_rel_bias)
+    return trimmed(grads, rel_q, q_pos, rel_bias)
 
 
 def _backward_rows(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relative_position: int, is_causal: bool,
                    scale: float, query_offset: int, rel_q=None, q_pos=None, packed: Packed | None = None,
-                   seed: Tensor | None = None, dropout_p: float = 0.0, window: Window | None = None) -> tuple:
+                   seed: Tensor | None = None, dropout_p: float = 0.0, window: Window | None = None,
+                   rel_bias: Tensor | None = None) -> tuple:
+    """(dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos, d_rel_bias), None for a tensor not given."""
     b, h, n, _ = q.shape
     hkv, m, kk = k.shape[1], k.shape[2], max_relative_position
-    q, k, v = (q.contiguous(), k.contiguous(), v.contiguous()) if packed is None else (_rows(q), _rows(k), _rows(v))
+    q, k, v = (t.contiguous() if packed is None else contiguous_rows(t) for t in (q, k, v))
     sdt = stats_dtype(q.dtype)
-    dq, dk, dv, d_rel_k, d_rel_v, more = zero_grads(q, k, v, rel_k, rel_v, rel_q, q_pos, sdt, window)
+    dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos, d_rel_bias = zero_grads(q, k, v, rel_k, rel_v, rel_q, q_pos,
+                                                                            rel_bias, sdt, window)
     if b * h == 0 or n == 0 or m == 0:
-        return dq, dk.to(k.dtype), dv, d_rel_k, d_rel_v, *more
-    rel_k, rel_v, rel_q = _met_tables((rel_k, rel_v, rel_q), q, k, kk, is_causal, query_offset, packed)
+        return dq, dk.to(k.dtype), dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos, d_rel_bias
+    rel_k, rel_v, rel_q, rel_bias = met_tables((rel_k, rel_v, rel_q, rel_bias), q, k, kk, is_causal, query_offset,
+                                                packed)
     grad_out = grad_out.to(q.dtype)
-    grad_out = grad_out.contiguous() if packed is None else _rows(grad_out)
+    grad_out = grad_out.contiguous() if packed is None else contiguous_rows(grad_out)
     delta = (grad_out.to(sdt) * out.to(sdt)).sum(-1)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse).contiguous()  # empty rows: P = 0
     reader = q if q_pos is None else q_pos.contiguous()  # the queries the key table reads
-    qa = table_scores(reader, window_of(rel_k, window), sdt) if rel_k is not None else None
+    qa = key_term_scores(reader, rel_k, rel_bias, scale, sdt, window)
     doa = table_scores(grad_out, window_of(rel_v, window), sdt) if rel_v is not None else None
     ka, ka_group = key_scores(k, rel_q, h, sdt)
     # per key, per table row: dS (for a^Q), written by the dk/dv kernel; zeros where no pair falls
     kb = torch.zeros(b, h, m, 2 * kk + 1, dtype=sdt, device=q.device) if rel_q is not None else None
-    # per row, per table row (of the window): P (for a^V) and dS (for a^K); zeros where no pair falls
+    # per row, per table row (of the window): P (for a^V) and dS (for a^K and rel_bias); zeros where no pair falls
     width = 2 * kk + 1 if window is None else window.rows
-    pb, sb = (torch.zeros(b, h, n, width, dtype=sdt, device=q.device) if t is not None else None
-              for t in (rel_v, rel_k))
+    pb, sb = (torch.zeros(b, h, n, width, dtype=sdt, device=q.device) if t is not None else None for t in (rel_v, qa))
     scratch = next((t for t in (qa, doa, pb, sb) if t is not None), None)
     args = dict(Q=q, K=k, V=v, QA=q if qa is None else qa, KA=q if ka is None else ka,
                 DOA=q if doa is None else doa, **mask_args(q, k, mask), DO=grad_out, LSE=lse, DELTA=delta,
@@ -387,18 +403,21 @@ def _backward_rows(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, *, max_relat
     # programs: (key tile, batch entry * key/value head) and (query tile, batch entry * head); a packed batch's
     # entries are its sequences
     rows_n, rows_m, entries = (n, m, b) if packed is None else (packed.max_q, packed.max_k, packed.count)
-    meta = _meta("dkdv", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0, window)
+    flags = (is_causal, rel_q, packed, dropout_p > 0.0, window, rel_bias is not None)
+    meta = _meta("dkdv", q, k, v, qa, rel_v, mask, *flags)
     _launch(_kernels()._dkdv_kernel, (math.ceil(rows_m / meta["BLOCK_N"]), entries * hkv), DK=dk, DV_=dv,
             KB=q if kb is None else kb, **strides("kb", kb, "bhn"), H_KV=hkv, **args, **meta)
-    meta = _meta("dq", q, k, v, rel_k, rel_v, mask, is_causal, rel_q, packed, dropout_p > 0.0, window)
+    meta = _meta("dq", q, k, v, qa, rel_v, mask, *flags)
     _launch(_kernels()._dq_kernel, (math.ceil(rows_n / meta["BLOCK_M"]), entries * h), DQ=dq,
             RK=q if rel_k is None else rel_k, PB=q if pb is None else pb, SB=q if sb is None else sb, H=h,
             **table_strides("rk", rel_k), **args, KEY_TABLE_DQ=rel_k is not None and q_pos is None, **meta)
-    tables = table_grads(pb, sb, grad_out, reader, rel_k, rel_v, d_rel_k, d_rel_v, q_pos, scale, window)
-    if rel_q is None:
-        return dq, dk, dv, *tables
-    dk_q, d_rel_q = key_table_grads(kb, k, rel_q, scale)
-    return dq, (dk + dk_q).to(k.dtype), dv, *tables[:2], d_rel_q, *tables[3:]
+    d_rel_k, d_rel_v, d_q_pos = table_grads(pb, sb, grad_out, reader, rel_k, rel_v, d_rel_k, d_rel_v, q_pos, scale,
+                                            window)
+    d_rel_bias = bias_grad(sb, d_rel_bias, window)
+    if rel_q is not None:
+        dk_q, d_rel_q = key_table_grads(kb, k, rel_q, scale)
+        dk = (dk + dk_q).to(k.dtype)
+    return dq, dk, dv, d_rel_k, d_rel_v, d_rel_q, d_q_pos, d_rel_bias
 
 
 # relattn::triton_fwd_{version} / _bwd_{version}, the eager path and the ring's pair calls, and
@@ -414,7 +433,7 @@ def interpreted() -> bool:
 
 _DECLARATIONS = {interpret: Serves(devices=frozenset({"cuda", "cpu"} if interpret else {"cuda"}),
                                    cuda_archs=CUDA_ARCHS, max_head_dim=MAX_HEAD_DIM, dropout=True, grouped_kv=True,
-                                   pos_to_content=True, position_query=True,
+                                   pos_to_content=True, position_query=True, rel_bias=True,
                                    chunk_pairs=True, varlen=True) for interpret in (False, True)}
 
 

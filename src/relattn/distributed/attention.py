@@ -64,7 +64,6 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor | 
 
             * ``attn_mask``: bool (True = may attend) or float, broadcastable to (B, H, n, N): the local queries'
               rows, every key's column in global position order; needs no gradient.
-            * ``rel_bias``: must be None (the ring takes no scalar bias table yet: a ValueError otherwise).
             * ``backend``: ``"auto"`` or a backend that serves context-parallel chunk pairs
               (``Serves(chunk_pairs=True)``: ``native``, ``triton``, ``blocked``); refused by its declaration
               otherwise.
@@ -105,9 +104,6 @@ def _ring_attention(args: AttentionArgs | None, group, layout: str, refused: Exc
                 k.shape[-3] if k.dim() > 2 else 1, q.shape[-1], v.shape[-1]]
         if k.shape[-2] != n:
             raise ValueError(f"k and v must hold the same {n} local positions as q; got k {tuple(k.shape)}")
-        if args.rel_bias is not None:
-            raise ValueError("rel_bias (a scalar bias table) is not served under context parallelism: the ring's "
-                             "chunk pairs take no bias table yet; call relative_attention on the whole sequence")
         total = world * n
         offset = args.query_offset
         call = check_call(args.replace(attn_mask=None),
@@ -134,7 +130,8 @@ def _ring_attention(args: AttentionArgs | None, group, layout: str, refused: Exc
                 groups=1 if chosen.serves.grouped_kv else groups, max_relative_position=call.max_relative_position,
                 is_causal=call.is_causal, scale=call.scale, query_offset=call.query_offset,
                 dropout_p=call.dropout_p, seed=seed)
-    out = RingAttention.apply(call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, ring, call.rel_q, call.q_pos)
+    out = RingAttention.apply(call.q, call.k, call.v, call.rel_k, call.rel_v, call.mask, ring, call.rel_q, call.q_pos,
+                              call.rel_bias)
     return out if q.dim() == 4 else out.reshape(*q.shape[:-2], *out.shape[-2:])
 
 

@@ -9,7 +9,8 @@ At step ``s`` rank ``r`` computes its queries against the chunk of rank ``r - s`
 log-sum-exp in step order (deterministic). A chunk's keys lie at known positions, so each (query segment, key
 segment) pair is one call of the backend's pair ops (:meth:`relattn.backends.StatsOps.pair_forward`) with
 ``query_offset`` placing the queries: keys farther than ``K`` from every query meet only the edge rows ``a[0]`` /
-``a[2K]``, which every rank holds, so no table rows travel, only k and v (with their ``Hkv`` heads). Under
+``a[2K]``, which every rank holds, so no table rows travel, only k and v (with their ``Hkv`` heads); the scalar
+bias ``rel_bias`` (T5's) is one more table, of one column: whole, or its edge row, per pair. Under
 ``is_causal`` a pair wholly in the future is skipped. The backward runs the ring again with the k/v chunk, and the
 chunk's dK/dV accumulator follows it home; each pair's gradients come from the backend's backward called with the
 merged output and log-sum-exp, which makes them the exact contributions of that pair. With dropout every pair
@@ -176,14 +177,16 @@ def _head_sums(g: Tensor, groups: int) -> Tensor:
 # ------------------------------------------------------------------------------------------------------ the ring
 
 
-def _pair_tables(pair: Pair, rel_k, rel_v, rel_q, q_pos):
-    """The tables a pair's call takes (the whole tables, or their edge row) and the rows of ``q_pos`` its queries
-    are."""
-    tables = (rel_k, rel_v, rel_q) if pair.rows is None else tuple(_table_rows(pair, t) for t in (rel_k, rel_v, rel_q))
-    return (*tables, None if q_pos is None else _rows(q_pos, pair.qs))
+def _pair_tables(pair: Pair, rel_k, rel_v, rel_q, q_pos, rel_bias):
+    """The tables a pair's call takes (the whole tables, or their edge row), the rows of ``q_pos`` its queries
+    are, and the bias (whole, or its edge row)."""
+    tables = (rel_k, rel_v, rel_q, rel_bias)
+    if pair.rows is not None:
+        tables = tuple(_table_rows(pair, t) for t in tables)
+    return (*tables[:3], None if q_pos is None else _rows(q_pos, pair.qs), tables[3])
 
 
-def ring_forward(q, k, v, rel_k, rel_v, mask, ring: Ring, rel_q, q_pos):
+def ring_forward(q, k, v, rel_k, rel_v, mask, ring: Ring, rel_q, q_pos, rel_bias=None):
     """(out (B,H,n,Dv) in q's dtype, lse (B,H,n)) of the local queries against the whole sequence."""
     d = k.shape[-1]
     stats = stats_dtype(q.dtype)
@@ -198,10 +201,10 @@ def ring_forward(q, k, v, rel_k, rel_v, mask, ring: Ring, rel_q, q_pos):
         for pair in ring.pairs(src):
             qs, ks = pair.qs, pair.ks
             pair_kv = _rows(kv, ks)
-            pk, pv, pq, pqp = _pair_tables(pair, rel_k, rel_v, rel_q, q_pos)
+            pk, pv, pq, pqp, pb = _pair_tables(pair, rel_k, rel_v, rel_q, q_pos, rel_bias)
             o, lo = ring.ops.pair_forward(_rows(q, qs), _repeat_kv(pair_kv[..., :d], ring.groups),
                                           _repeat_kv(pair_kv[..., d:], ring.groups), pk, pv, _mask_for(mask, qs, ks),
-                                          (pq, pqp), **ring.scalars(pair))
+                                          (pq, pqp, pb), **ring.scalars(pair))
             acc[qs] = _merge(*acc[qs], o.to(stats), lo)
         _mark("forward", step, "compute_end")
         works.wait()
@@ -212,8 +215,9 @@ def ring_forward(q, k, v, rel_k, rel_v, mask, ring: Ring, rel_q, q_pos):
     return torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2)
 
 
-def ring_backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, ring: Ring, rel_q, q_pos):
-    """(dq, dk, dv, d_rel_k share, d_rel_v share, d_rel_q share, d_q_pos) of the local positions."""
+def ring_backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, ring: Ring, rel_q, q_pos, rel_bias=None):
+    """(dq, dk, dv, d_rel_k share, d_rel_v share, d_rel_q share, d_q_pos, d_rel_bias share) of the local
+    positions."""
     d = k.shape[-1]
     acc_dtype = stats_dtype(q.dtype)
     grad_out = grad_out.contiguous()
@@ -221,7 +225,7 @@ def ring_backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, ring: Ring, r
     spare = torch.empty_like(kv) if ring.world > 1 else None
     dq = torch.zeros_like(q, dtype=acc_dtype)
     d_q_pos = None if q_pos is None else torch.zeros_like(q_pos, dtype=acc_dtype)
-    d_tables = [None if t is None else torch.zeros_like(t, dtype=acc_dtype) for t in (rel_k, rel_v, rel_q)]
+    d_tables = [None if t is None else torch.zeros_like(t, dtype=acc_dtype) for t in (rel_k, rel_v, rel_q, rel_bias)]
     arriving = torch.empty_like(kv, dtype=acc_dtype) if ring.world > 1 else None  # dK|dV of the chunk now held
     pending, sent = Transfers(), None  # the previous step's send of the gradient accumulator, and what it sends
     for step in range(ring.world):
@@ -234,12 +238,12 @@ def ring_backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, ring: Ring, r
         for pair in ring.pairs(src):
             qs, ks = pair.qs, pair.ks
             pair_kv = _rows(kv, ks)
-            pk, pv, pq, pqp = _pair_tables(pair, rel_k, rel_v, rel_q, q_pos)
-            gq, gk, gv, grk, grv, grq, gqp = ring.ops.pair_backward(
+            pk, pv, pq, pqp, pb = _pair_tables(pair, rel_k, rel_v, rel_q, q_pos, rel_bias)
+            gq, gk, gv, grk, grv, grq, gqp, grb = ring.ops.pair_backward(
                 _rows(grad_out, qs), _rows(q, qs), _repeat_kv(pair_kv[..., :d], ring.groups),
-                _repeat_kv(pair_kv[..., d:], ring.groups), pk, pv, _mask_for(mask, qs, ks), (pq, pqp),
+                _repeat_kv(pair_kv[..., d:], ring.groups), pk, pv, _mask_for(mask, qs, ks), (pq, pqp, pb),
                 _rows(out, qs), _rows(lse, qs), **ring.scalars(pair))
-            g_tables = (grk, grv, grq)
+            g_tables = (grk, grv, grq, grb)
             _rows(dq, qs).add_(gq)
             if d_q_pos is not None:
                 _rows(d_q_pos, qs).add_(gqp)
@@ -264,10 +268,10 @@ def ring_backward(grad_out, q, k, v, rel_k, rel_v, mask, out, lse, ring: Ring, r
         pending.wait()
         del sent
         dkv = arriving
-    grads = (dq, dkv[..., :d], dkv[..., d:], *d_tables, d_q_pos)
+    grads = (dq, dkv[..., :d], dkv[..., d:], *d_tables[:3], d_q_pos, d_tables[3])
     return tuple(None if g is None else g.to(t.dtype).contiguous()
-                 for g, t in zip(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos), strict=True))
+                 for g, t in zip(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos, rel_bias), strict=True))
 
 
 # The ring's autograd: the same wiring as every backend's custom op (relattn.backends.StatsAutograd), around the ring.
-RingAttention = StatsAutograd(ring_backward, leading=6, scalars=1, trailing=2).function(ring_forward)
+RingAttention = StatsAutograd(ring_backward, leading=6, scalars=1, trailing=3).function(ring_forward)
