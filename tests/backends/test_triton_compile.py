@@ -81,12 +81,14 @@ def test_stage_calls_pass_grouped_arguments():
     places silently."""
     import ast
 
-    path = os.path.join(ROOT, "src", "relattn", "backends", "_triton_kernels.py")
-    tree = ast.parse(open(path, encoding="utf-8").read())
-    groups = {node.targets[0].id for node in tree.body if isinstance(node, ast.Assign)
+    folder = os.path.join(ROOT, "src", "relattn", "backends")
+    trees = [ast.parse(open(os.path.join(folder, f"_triton_{name}.py"), encoding="utf-8").read())
+             for name in ("device", "forward", "kernels")]
+    groups = {node.targets[0].id for node in trees[0].body if isinstance(node, ast.Assign)
               and isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "namedtuple"}
     assert {"Mat", "Terms", "Sizes", "Meta"} <= groups, groups
-    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)]
+    calls = [node for tree in trees for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)]
     stages = [c for c in calls if c.func.id in ("_fwd_inner", "_dkdv_inner", "_dq_inner")]
     assert len(stages) == 9
     for call in calls:
