@@ -15,9 +15,13 @@ and always takes the full checks):
 * ``"keys"``: a plain tensor of at least 2 dims; the same without its length ``M`` (``shape[-2]``), which only decides
   the narrowed window and ``"auto"``'s size class (both in the key): a decoding step's growing cache keeps its plan.
 * ``"int"``, ``"bool"``, ``"number"``, ``"scale"``, ``"name"``: a value of that type, in the key as it is.
+* ``"positions"``: an int ``K`` or a bucket map (:data:`relattn.positions.BUCKET_MAPS`, hashable), in the key as it is;
+  a window ``(left, right)`` is never planned.
+* ``"mask"``: None, or a plain tensor whose last dim is 1 or the keys' ``M``: its shape but that dim (and whether it
+  is 1), dtype, device and requires_grad are in the key (a decoding step's mask grows with the cache).
 * ``"clip"``: must be ``"clip"``.
 * ``"offset"``: an int, not in the key (it decides only what the ``"keys"`` length decides).
-* ``"absent"``: must be None (a mask, a packed call's lengths: such calls are not planned).
+* ``"absent"``: must be None (a packed call's lengths: such calls are not planned).
 """
 
 from __future__ import annotations
@@ -46,13 +50,13 @@ class AttentionArgs:
     rel_k: Tensor | None = _rule("tensor", default=None)
     rel_v: Tensor | None = _rule("tensor", default=None)
     _: KW_ONLY
-    max_relative_position: object = _rule("int")  # int K, (left, right), a LogBuckets or a T5Buckets
+    max_relative_position: object = _rule("positions")  # int K, (left, right), a LogBuckets or a T5Buckets
     rel_q: Tensor | None = _rule("tensor", default=None)
     content_bias: Tensor | None = _rule("tensor", default=None)
     position_bias: Tensor | None = _rule("tensor", default=None)
     rel_bias: Tensor | None = _rule("tensor", default=None)
     beyond: str = _rule("clip", default="clip")
-    attn_mask: Tensor | None = _rule("absent", default=None)
+    attn_mask: Tensor | None = _rule("mask", default=None)
     is_causal: bool = _rule("bool", default=False)
     dropout_p: float = _rule("number", default=0.0)
     scale: float | None = _rule("scale", default=None)

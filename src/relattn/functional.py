@@ -22,14 +22,17 @@ from . import backends as _backends
 from .arguments import PLAN_RULES, AttentionArgs
 from .backends import AttentionCall, Backend, Serves, dense_max_scores, priority, resolve
 from .backends._common import call_seed, traced
+from .positions import BUCKET_MAPS
 from .validation import (  # the checks' public names, here too: the op's layer is where callers find them
     additive_mask,
     as_served,
     assemble,
     canonical,
+    canonical_mask,
     check_call,
     check_mask,
     shaped_like,
+    symmetric_tables,
     validate,
     validate_varlen,
 )
@@ -42,8 +45,9 @@ from .validation import (  # the checks' public names, here too: the op's layer 
 # read (the types, shapes, dtypes, devices and requires_grad of the tensors, every option, grad mode, and from the
 # key length M and the query offset only what they decide: the narrowed window and "auto"'s size class), so a call
 # that differs in any of them misses, and its full validation raises what it always did. Calls are planned only
-# where the checks are cheap to key: no attn_mask, a symmetric clipped window (an int K), plain tensors, no
-# autocast, nothing tracing; the others always take the full path.
+# where the checks are cheap to key: a symmetric clipped window (an int K) or a bucket map (whose tables a planned
+# call expands for its offsets as validate does), an attn_mask keyed by its shape but the key length, plain tensors,
+# no packed lengths, no autocast, nothing tracing; the others always take the full path.
 
 _PLAN_CAPACITY = 512  # distinct keys kept (a model's layers share theirs); the cache is emptied when it is full
 _PLAN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -61,8 +65,9 @@ class _Plan:
     direct: bool  # forward takes the call's arguments as they are (no reshaping, biases or narrowing to do)
     registry: dict
     entries: tuple  # ((name, backend, unavailable()), ...): the name asked for, or "auto"'s candidates up to its choice
-    kk: int  # the window K as given
+    kk: int  # the window K as given (a bucket map's: the K its tables expand to, which is reach)
     reach: int  # the window the calls of this key are narrowed to (validate's K)
+    positions: object  # the bucket map whose tables each call expands for its offsets, or None (an int K)
     shared: tuple[bool, bool, bool]  # rel_k, rel_v, rel_q given as (2K+1, d): unsqueezed to (1, 2K+1, d)
     is_causal: bool
     dropout_p: float
@@ -93,7 +98,10 @@ _PLAN_READS = {
             "s = x.shape; shapes.append(s)\n"
             "if len(s) < 2: return None\n"
             "part = (s[:-2], s[-1], x.dtype, x.device, x.requires_grad)",
-    "int": "if type(x) is not int: return None\npart = x",
+    "positions": "if type(x) is not int and type(x) not in maps: return None\npart = x",
+    "mask": "if x is None: part = None\n"
+            "elif type(x) not in plain or x.dim() < 1 or x.shape[-1] not in (1, shapes[1][-2]): return None\n"
+            "else: s = x.shape; part = (s[:-1], s[-1] == 1, x.dtype, x.device, x.requires_grad)",
     "bool": "if type(x) is not bool: return None\npart = x",
     "number": "if type(x) not in numbers: return None\npart = x",
     "scale": "if type(x) not in scales: return None\npart = x",
@@ -114,7 +122,7 @@ def _plan_fields():
         lines += ["    " + line for line in _PLAN_READS[rule].replace("part", f"p{i}").splitlines()]
         parts.append(f"p{i}")
     lines.append(f"    return ({', '.join(parts)},), shapes")
-    scope = {"plain": _PLAN_TENSORS, "numbers": _PLAN_NUMBERS, "scales": _PLAN_SCALES}
+    scope = {"plain": _PLAN_TENSORS, "numbers": _PLAN_NUMBERS, "scales": _PLAN_SCALES, "maps": BUCKET_MAPS}
     exec("\n".join(lines), scope)  # noqa: S102 - written from the declared rules above
     return scope["fields"]
 
@@ -133,6 +141,8 @@ def plan_key(args: AttentionArgs) -> tuple | None:
     if ks[-2] != vs[-2] or torch._C._is_any_autocast_enabled() or traced():
         return None
     kk, offset, n, m = args.max_relative_position, args.query_offset, qs[-2], ks[-2]
+    if type(kk) is not int:  # a bucket map: the K its tables expand to for this call's offsets (validate's)
+        kk = kk.max_relative_position(-(n - 1) - offset, m - 1 - offset)
     reach = min(kk, max(n - 1 + offset, m - 1 - offset, 0))  # the window validate narrows K to
     return (*key, reach, n * m <= dense_max_scores(reach), torch.is_grad_enabled())
 
@@ -148,17 +158,18 @@ def _keep_plan(key: tuple, args: AttentionArgs, chosen: Backend, call: Attention
     entries = tuple((name, registry[name], registry[name].unavailable()) for name in names)
     if len(_PLANS) >= _PLAN_CAPACITY:
         _PLANS.clear()
+    positions = None if type(args.max_relative_position) is int else args.max_relative_position
     forward = None
     if (chosen.stats is not None and chosen.run == chosen.stats.run and as_served(chosen, call) is call
-            and call.rel_bias is None):  # with a rel_bias: the assembled call (inference() takes none)
-        forward = chosen.stats.inference(call)
+            and call.rel_bias is None and call.mask is None and positions is None):
+        forward = chosen.stats.inference(call)  # else the assembled call (inference() takes no bias nor mask)
     # the call's q, k, v and tables are canonical as they were passed (4-D, no biases, the window not narrowed)
     as_given = (args.q.dim() == 4 and args.content_bias is None and args.position_bias is None
                 and call.max_relative_position == args.max_relative_position)
     shared = tuple(t is not None and t.dim() == 2 for t in (args.rel_k, args.rel_v, args.rel_q))
+    kk = call.max_relative_position if positions is not None else args.max_relative_position
     _PLANS[key] = _Plan(chosen, forward, as_given and forward is not None, registry, entries,
-                        args.max_relative_position, call.max_relative_position, shared, call.is_causal,
-                        call.dropout_p, call.scale)
+                        kk, call.max_relative_position, positions, shared, call.is_causal, call.dropout_p, call.scale)
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -241,8 +252,15 @@ def attend(args: AttentionArgs) -> torch.Tensor:
                       for t, shared in zip((args.rel_k, args.rel_v, args.rel_q), plan.shared, strict=True))
         rb = args.rel_bias
         rb = rb.unsqueeze(0) if rb is not None and rb.dim() == 1 else rb  # (R,) -> (1, R), as check_call gives it
+        qs, m, offset = args.q.shape, args.k.shape[-2], args.query_offset
+        if plan.positions is not None:  # a bucket map's tables, expanded for this call's offsets as check_call does
+            _, (rk, rv, rq, rb) = symmetric_tables(plan.positions, "clip", (rk, rv, rq, rb),
+                                                   (-(qs[-2] - 1) - offset, m - 1 - offset))
+        mask = args.attn_mask
+        if mask is not None:
+            mask = canonical_mask(mask, (*qs[:-2], qs[-2], m), args.q.dtype)
         checked = args.replace(rel_k=rk, rel_v=rv, rel_q=rq, rel_bias=rb, max_relative_position=plan.kk,
-                               is_causal=plan.is_causal, dropout_p=plan.dropout_p, scale=plan.scale)
+                               attn_mask=mask, is_causal=plan.is_causal, dropout_p=plan.dropout_p, scale=plan.scale)
         call = assemble(checked, plan.reach)
         chosen = plan.backend
     else:

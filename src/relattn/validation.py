@@ -82,12 +82,19 @@ def check_mask(attn_mask, *, target, like) -> torch.Tensor | None:
     if len(shape) > len(target) or any(s not in (1, t) for s, t in zip(shape[::-1], target[::-1], strict=False)):
         names = "(B, H, N, M)" if len(target) == 4 else "(..., N, M)"
         raise ValueError(f"attn_mask of shape {_shape(attn_mask)} does not broadcast to {names} = {tuple(target)}")
+    return canonical_mask(attn_mask, target, like.dtype)
+
+
+def canonical_mask(attn_mask: torch.Tensor, target, dtype: torch.dtype) -> torch.Tensor:
+    """A mask that broadcasts to ``target`` = (*lead, N, M) as (B or 1, H or 1, N, M), additive in ``dtype``: what
+    :func:`check_mask` returns once it has checked the mask (and a planned call, whose key says it would pass)."""
+    shape = tuple(attn_mask.shape)
     mask = attn_mask.reshape((1,) * (len(target) - len(shape)) + shape)
     if len(target) > 4:  # several batch dims: broadcast them, then flatten them into B
         mask = mask.expand(*target[:-3], *mask.shape[-3:]).flatten(0, -4)
     elif len(target) < 4:
         mask = mask.reshape((1,) * (4 - len(target)) + tuple(mask.shape))
-    return additive_mask(mask, like.dtype)
+    return additive_mask(mask, dtype)
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -226,11 +233,25 @@ def _checked_tables(args: AttentionArgs, q, v, tables, offsets, *, h: int, n: in
     if not symmetric:
         if offsets is None:
             offsets = (-(n - 1) - query_offset, m - 1 - query_offset) if isinstance(query_offset, int) else (0, 0)
-        (rel_k, kk), (rel_v, _), (rel_q, _) = (symmetric_table(t, window, beyond, offsets=offsets)
-                                               for t in (rel_k, rel_v, rel_q))
-        if rel_bias is not None:  # as a table of one column
-            rel_bias = symmetric_table(rel_bias.unsqueeze(-1), window, beyond, offsets=offsets)[0][..., 0]
+        kk, (rel_k, rel_v, rel_q, rel_bias) = symmetric_tables(window, beyond, (rel_k, rel_v, rel_q, rel_bias),
+                                                               offsets)
     return kk, (rel_k, rel_v, rel_q, rel_bias), offsets
+
+
+def symmetric_tables(window, beyond: str, tables, offsets: tuple[int, int]):
+    """``(K, (rel_k, rel_v, rel_q, rel_bias))``: checked tables of a window that is not symmetric and clipped (or of
+    a bucket map) as the symmetric clipped ones the kernels take (:func:`relattn.positions.symmetric_table`), for
+    the offsets ``(lowest, highest)``; ``rel_bias`` (Hr, R) as a table of one column."""
+    *tables, rel_bias = tables
+    tables.append(None if rel_bias is None else rel_bias.unsqueeze(-1))
+    kk, out = None, []
+    for t in tables:  # each table given expanded, K found once per table (a decoding step pays for each)
+        t, kk = (None, kk) if t is None else symmetric_table(t, window, beyond, offsets=offsets)
+        out.append(t)
+    if kk is None:
+        kk = symmetric_table(None, window, beyond, offsets=offsets)[1]
+    rel_k, rel_v, rel_q, rel_bias = out
+    return kk, (rel_k, rel_v, rel_q, None if rel_bias is None else rel_bias[..., 0])
 
 
 def canonical(args: AttentionArgs, kk: int, reach: int) -> tuple:

@@ -10,6 +10,7 @@ from helpers import assert_close, attention_ref, require_backend
 from helpers.bad_calls import CASES, KW_CASES, base
 from relattn import backends, relative_attention
 from relattn.backends import BACKENDS, Backend, Serves, native
+from relattn.positions import LogBuckets, T5Buckets
 
 
 @pytest.fixture
@@ -82,6 +83,91 @@ def test_decoding_steps_hit_the_plan_and_match_the_oracle(case, validations):
     # the full path while the window is wider than the offsets reached (K narrowed to 0, 1, ... up to kk), then plans
     narrowed = sum(1 for step in range(steps) if max(n - 1 + step * n, n - 1) < kk)
     assert validations() == narrowed + 1
+
+
+# Decoding loops with a bucket map (its tables expanded per step for the step's offsets) and a mask whose values
+# change every step: each step against the float64 oracle. The map's K grows with the offsets until it saturates
+# (T5's max_distance, DeBERTa's buckets), each new K a new key; past it every step hits the plan.
+MAP_DECODE = {
+    "T5 buckets (causal), a bias per head, a float mask": dict(
+        positions=T5Buckets(8, 12, bidirectional=False), tables=False, bias=(4, 8), mask="float"),
+    "T5 buckets (bidirectional), tables and a shared bias, a bool mask per head, grouped heads": dict(
+        positions=T5Buckets(8, 12), tables=True, bias=(8,), mask="bool", hkv=2),
+    "LogBuckets, tables, rel_q, a float mask over the batch, causal": dict(
+        positions=LogBuckets(3, 8, 10), tables=True, rel_q=True, mask="float", is_causal=True),
+    "a clipped window, a bool mask, rel_bias, blocked": dict(
+        positions=2, tables=True, bias=(5,), mask="bool", backend="blocked"),
+}
+
+
+@pytest.mark.parametrize("case", MAP_DECODE, ids=list(MAP_DECODE))
+@torch.no_grad()
+def test_decoding_steps_with_a_bucket_map_and_a_mask_hit_the_plan_and_match_the_oracle(case, validations):
+    opts = dict(MAP_DECODE[case])
+    positions, mask_kind, steps = opts.pop("positions"), opts.pop("mask"), 20
+    rows = positions.rows if not isinstance(positions, int) else 2 * positions + 1
+    q, k, v, rk, rv = _inputs(b=2, n=steps, m=steps, hkv=opts.pop("hkv", None), rows=rows)
+    g = torch.Generator().manual_seed(1)
+    extra = dict(is_causal=opts.pop("is_causal", False))
+    if not opts.pop("tables"):
+        rk = rv = None
+    if opts.pop("rel_q", False):
+        extra["rel_q"] = torch.randn(rows, 5, generator=g, dtype=q.dtype)
+    if (bias := opts.pop("bias", None)) is not None:
+        extra["rel_bias"] = torch.randn(*bias, generator=g, dtype=q.dtype) * 2
+    backend = opts.pop("backend", "auto")
+    assert not opts
+    seen = []
+    for step in range(steps):
+        keys = slice(0, step + 1)
+        if mask_kind == "float":  # (B, 1, 1, M): new values every step, a plan that kept a step's mask fails
+            mask = torch.randn(2, 1, 1, step + 1, generator=g, dtype=q.dtype)
+        else:  # (1, H, 1, M), the last key always allowed
+            mask = torch.rand(1, 4, 1, step + 1, generator=g) > 0.4
+            mask[..., -1] = True
+        got = relative_attention(q[:, :, step:step + 1], k[:, :, keys], v[:, :, keys], rk, rv,
+                                 max_relative_position=positions, attn_mask=mask, query_offset=step,
+                                 enable_gqa=True, backend=backend, **extra)
+        want = attention_ref(q[:, :, step:step + 1], k[:, :, keys], v[:, :, keys], rk, rv,
+                             max_relative_position=positions, attn_mask=mask, query_offset=step, **extra)
+        assert_close(got, want, torch.float64, f"step {step}")
+        seen.append(validations())
+    assert seen[-1] < steps // 2, seen  # most steps were planned
+    assert seen[-1] == seen[-6], seen  # and the last ones all were
+
+
+def test_a_plan_with_a_mask_serves_no_call_whose_mask_differs_in_what_its_key_holds(validations):
+    """A planned masked call: another mask of the same key (shape but the key length, dtype, device) is read as
+    it is; a mask of another dtype, shape or map takes the full path; each gives its unplanned bits."""
+    q, k, v, rk, rv = _inputs(m=9, rows=8)
+    base_kw = dict(max_relative_position=T5Buckets(8, 12), query_offset=8)
+    mask = torch.randn(1, 1, 1, 9, dtype=torch.float64)
+    with torch.no_grad():
+        relative_attention(q, k, v, rk, rv, attn_mask=mask, **base_kw)
+        same_key = relative_attention(q, k, v, rk, rv, attn_mask=mask * 3, **base_kw)
+    assert validations() == 1
+    changes = {
+        "mask dtype": dict(attn_mask=mask > 0),
+        "mask over heads": dict(attn_mask=mask.expand(1, 4, 1, 9)),
+        "mask broadcast over the keys": dict(attn_mask=mask[..., :1]),
+        "mask requires grad": dict(attn_mask=mask.clone().requires_grad_()),
+        "no mask": dict(attn_mask=None),
+        "another map": dict(attn_mask=mask, max_relative_position=T5Buckets(8, 13)),
+        "the causal map": dict(attn_mask=mask, max_relative_position=T5Buckets(8, 12, bidirectional=False)),
+    }
+    for name, change in changes.items():
+        kw, before = {**base_kw, **change}, validations()
+        with torch.no_grad():
+            got = relative_attention(q, k, v, rk, rv, **kw)
+        assert validations() == before + 1, f"{name}: a plan served a call it does not stand for"
+        plans = dict(fn._PLANS)
+        fn._PLANS.clear()
+        with torch.no_grad():
+            assert torch.equal(got, relative_attention(q, k, v, rk, rv, **kw)), name
+        fn._PLANS.update(plans)
+    fn._PLANS.clear()
+    with torch.no_grad():
+        assert torch.equal(same_key, relative_attention(q, k, v, rk, rv, attn_mask=mask * 3, **base_kw))
 
 
 @pytest.mark.parametrize("keys", [40, 3], ids=["K as given", "K narrowed"])
@@ -248,6 +334,18 @@ def test_a_bad_call_raises_as_ever_after_a_good_one_has_its_plan(over, kw, exc, 
     t = base(**over)
     with pytest.raises(exc, match=match):
         relative_attention(t["q"], t["k"], t["v"], t["rel_k"], t["rel_v"], **{"max_relative_position": 2, **kw})
+
+
+@pytest.mark.parametrize(("over", "exc", "match"), [case for case in KW_CASES if "attn_mask" in case[0]])
+def test_a_bad_mask_raises_as_ever_after_a_masked_call_has_its_plan(over, exc, match, validations):
+    good = base()
+    for _ in range(2):
+        relative_attention(good["q"], good["k"], good["v"], good["rel_k"], good["rel_v"], max_relative_position=2,
+                           attn_mask=torch.ones(5, 6, dtype=torch.bool))
+    assert validations() == 1 and len(fn._PLANS) == 1
+    with pytest.raises(exc, match=match):
+        relative_attention(good["q"], good["k"], good["v"], good["rel_k"], good["rel_v"], max_relative_position=2,
+                           attn_mask=over["attn_mask"])
 
 
 @pytest.mark.parametrize("heads_table", [False, True], ids=["shared tables", "per-head tables"])
