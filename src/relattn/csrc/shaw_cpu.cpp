@@ -313,12 +313,20 @@ T transform_reduce(T* s, int64_t n, T init, T identity, F f, R reduce) {
   T acc = init;
   if constexpr (std::is_same_v<T, float>) {
     const int64_t w = Vec<T>::size();
-    Vec<T> lanes(identity);
-    for (; x + w <= n; x += w) {
-      const Vec<T> y = f(Vec<T>::loadu(s + x), x);
-      y.store(s + x);
+    Vec<T> l0(identity), l1(identity), l2(identity), l3(identity);
+    const auto step = [&](int64_t at, Vec<T>& lanes) {
+      const Vec<T> y = f(Vec<T>::loadu(s + at), at);
+      y.store(s + at);
       lanes = reduce(lanes, y);
+    };
+    for (; x + 4 * w <= n; x += 4 * w) {  // four chains of reduce: one would wait on its latency every vector
+      step(x, l0);
+      step(x + w, l1);
+      step(x + 2 * w, l2);
+      step(x + 3 * w, l3);
     }
+    for (; x + w <= n; x += w) step(x, l0);
+    const Vec<T> lanes = reduce(reduce(l0, l1), reduce(l2, l3));
     T buf[Vec<T>::size()];
     lanes.store(buf);
     for (int64_t u = 0; u < w; ++u) acc = reduce(acc, buf[u]);
@@ -340,52 +348,57 @@ bool row_is_nan(T row_max) {
   return !(row_max <= std::numeric_limits<T>::max());
 }
 
-// s[0:n] += b[0:n] (kVec) or c; returns max(running, max s[0:n]), NaN if one is NaN. The max of the scores is on
-// every row's path, so it costs what std::max's (which drops a NaN) did: float rows run vectorized (ATen's maximum
-// keeps a NaN) and their lanes meet by shuffles; the scalar tail keeps std::max's chain and notes a NaN beside it.
-// Double rows (tests only) as scalars.
+// The running max of a row's scores, NaN if one is NaN: float rows keep it in vector lanes (ATen's maximum keeps a
+// NaN), met by shuffles once per row in value(); double rows (tests only) as a scalar.
+template <typename T>
+struct RowMax {
+  static constexpr bool kLanes = std::is_same_v<T, float>;
+  std::conditional_t<kLanes, Vec<float>, T> acc{neg_inf<T>};
+
+  T value() const {
+    if constexpr (kLanes) {
+      return at::vec::vec_reduce_all<T>([](Vec<T>& a, Vec<T>& b) { return at::vec::maximum(a, b); }, acc);
+    } else {
+      return acc;
+    }
+  }
+};
+
+// s[0:n] += b[0:n] (kVec) or c, the new values folded into the row's max m. Float rows run four chains of maxima
+// (one would wait on its latency every vector: the adds are cheap), and the tail as one partial vector (its unused
+// lanes -inf in the max), so the runs of a row cost one reduction, in m.value(), not one each with a scalar tail.
 template <typename T, bool kVec>
-T add_max(T* s, const T* b, T c, int64_t n, T running) {
-  if constexpr (std::is_same_v<T, float>) {
+void add_max(T* s, const T* b, T c, int64_t n, RowMax<T>& m) {
+  if constexpr (RowMax<T>::kLanes) {
     const int64_t w = Vec<T>::size();
-    const Vec<T> cv(c);
-    Vec<T> lanes(neg_inf<T>);
-    int64_t x = 0;
-    for (; x + w <= n; x += w) {
-      const Vec<T> y = Vec<T>::loadu(s + x) + (kVec ? Vec<T>::loadu(b + x) : cv);
-      y.store(s + x);
+    const Vec<T> cv(c), low(neg_inf<T>);
+    Vec<T> l0 = m.acc, l1 = low, l2 = low, l3 = low;  // locals: the stores to s may alias m
+    const auto step = [&](int64_t at, Vec<T>& lanes) {
+      const Vec<T> y = Vec<T>::loadu(s + at) + (kVec ? Vec<T>::loadu(b + at) : cv);
+      y.store(s + at);
       lanes = at::vec::maximum(lanes, y);
+    };
+    int64_t x = 0;
+    for (; x + 4 * w <= n; x += 4 * w) {
+      step(x, l0);
+      step(x + w, l1);
+      step(x + 2 * w, l2);
+      step(x + 3 * w, l3);
     }
-    T tail = neg_inf<T>;
-    bool nan = false;
-    for (; x < n; ++x) {
-      const T y = s[x] + (kVec ? b[x] : c);
-      s[x] = y;
-      tail = std::max(tail, y);
-      nan |= y != y;
+    for (; x + w <= n; x += w) step(x, l0);
+    if (x < n) {
+      const int64_t rest = n - x;
+      const Vec<T> y = Vec<T>::loadu(s + x, rest) + (kVec ? Vec<T>::loadu(b + x, rest) : cv);
+      y.store(s + x, rest);
+      l1 = at::vec::maximum(l1, Vec<T>::set(low, y, rest));
     }
-    const auto vmax = [](Vec<T>& a, Vec<T>& b) { return at::vec::maximum(a, b); };
-    const T m = max(max(running, at::vec::vec_reduce_all<T>(vmax, lanes)), tail);
-    return nan ? std::numeric_limits<T>::quiet_NaN() : m;
+    m.acc = at::vec::maximum(at::vec::maximum(l0, l1), at::vec::maximum(l2, l3));
   } else {
     for (int64_t x = 0; x < n; ++x) {
       s[x] += kVec ? b[x] : c;
-      running = max(running, s[x]);
+      m.acc = max(m.acc, s[x]);
     }
-    return running;
   }
-}
-
-// s[0:n] += c; returns max(running, max s[0:n]).
-template <typename T>
-T add_const_max(T* s, int64_t n, T c, T running) {
-  return add_max<T, false>(s, nullptr, c, n, running);
-}
-
-// s[0:n] += b[0:n]; returns max(running, max s[0:n]).
-template <typename T>
-T add_vec_max(T* s, const T* b, int64_t n, T running) {
-  return add_max<T, true>(s, b, T(0), n, running);
 }
 
 // s[0:n] = exp(s[0:n] - m); returns the sum.
@@ -614,10 +627,15 @@ void add_mask(T* s, const T* row, int64_t n, int64_t key_stride) {
 // exists only where first == 0, a right one only where the window holds row `last` = 2K (Window).
 template <typename T>
 T add_key_term(T* s, const Runs& r, const T* qa, int64_t first, int64_t last) {
-  if (qa == nullptr) return add_const_max(s, r.valid, T(0), neg_inf<T>);
-  T mx = add_const_max(s, r.left, r.left > 0 ? qa[0] : T(0), neg_inf<T>);
-  if (r.right > r.left) mx = add_vec_max(s + r.left, qa + (r.left + r.band0 - first), r.right - r.left, mx);
-  return add_const_max(s + r.right, r.valid - r.right, r.valid > r.right ? qa[last - first] : T(0), mx);
+  RowMax<T> m;
+  if (qa == nullptr) {
+    add_max<T, false>(s, nullptr, T(0), r.valid, m);
+    return m.value();
+  }
+  add_max<T, false>(s, nullptr, r.left > 0 ? qa[0] : T(0), r.left, m);
+  if (r.right > r.left) add_max<T, true>(s + r.left, qa + (r.left + r.band0 - first), T(0), r.right - r.left, m);
+  add_max<T, false>(s + r.right, nullptr, r.valid > r.right ? qa[last - first] : T(0), r.valid - r.right, m);
+  return m.value();
 }
 
 // The band of the position-to-content term over a tile of rows against keys n0 .. n0+width-1, chunk by chunk of KA:
