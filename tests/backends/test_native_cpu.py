@@ -45,6 +45,21 @@ def test_the_choice_follows_the_features(name):
     assert cls in choice.describe() and CPUS[name].model in CPUS[name].describe()
 
 
+# the build's vector flags follow torch's dispatch level, and AVX512_BF16's rounding instruction the CPU's features
+FLAGS = {"zen3": {"-mavx2"}, "skylake-sp": {"-mavx512f"}, "zen4": {"-mavx512f", "-mavx512bf16"},
+         "sapphire-rapids": {"-mavx512f", "-mavx512bf16"}, "no-avx2": set()}
+
+
+@pytest.mark.parametrize("name", list(CPUS))
+def test_the_build_flags_follow_the_features(monkeypatch, name):
+    monkeypatch.setattr(cpu, "features", lambda: CPUS[name])
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: CPUS[name].capability)
+    flags = native._capability_flags()
+    assert {f for f in flags if f.startswith("-mavx")} == FLAGS[name] | ({"-mavx512bw", "-mavx512vl", "-mavx512dq"}
+                                                                         if "-mavx512f" in FLAGS[name] else set())
+    assert f"-DCPU_CAPABILITY={CPUS[name].capability}" in flags
+
+
 def test_features_read_from_torch_and_proc_cpuinfo(monkeypatch):
     caps = {"avx2": True, "fma3": True, "avx512_f": True, "avx512_bf16": True, "amx_bf16": False, "sse2": True,
             "l1d_cache_size": 32768, "l2_cache_size": 1048576, "cpu_name": "from torch"}

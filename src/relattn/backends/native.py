@@ -144,11 +144,11 @@ _state: dict[str, str | None] = {}  # "error": None once loaded, else the reason
 
 
 def _capability_flags() -> list[str]:
-    """Compiler flags for ATen's vectorized types at the CPU capability torch itself dispatches to."""
-    cap = torch.backends.cpu.get_cpu_capability()
+    """Compiler flags for ATen's vectors at torch's dispatch level (and AVX512_BF16's rounding where the CPU has it)."""
+    cap, bf16 = torch.backends.cpu.get_cpu_capability(), ["-mavx512bf16"] if "avx512_bf16" in cpu.features().isa else []
     if cap == "AVX512":
-        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX512",
-                "-DCPU_CAPABILITY_AVX512"]
+        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", *bf16, "-mfma", "-mf16c",
+                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
     if cap == "AVX2":
         return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return ["-DCPU_CAPABILITY=DEFAULT"]
