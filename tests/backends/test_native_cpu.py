@@ -41,6 +41,7 @@ def test_the_choice_follows_the_features(name):
     choice = cpu.choose(CPUS[name])
     cls, gemm16 = WANT[name]
     assert (choice.cpu_class, set(choice.gemm16), choice.tile_q, choice.tile_k) == (cls, gemm16, 256, 512)
+    assert choice.wide_table_tile == (256 if cls == "amx" else 64)  # measured on the Xeon AMX and the Zen 3
     assert ("reasoned, not measured" in choice.why) == (cls == "avx512_bf16")  # no Zen 4 was measured
     assert cls in choice.describe() and CPUS[name].model in CPUS[name].describe()
 
@@ -107,6 +108,11 @@ def test_tile_q_takes_the_cpus_tile(monkeypatch):
         assert [native.tile_q(n, False) for n in (1, 4096)] == [128, 128]
         assert [native.tile_q(n, True) for n in (100, 500, 4096)] == [32, 64, 128]
         assert native.tile_q(512, False, 1013, 512) == 64
+    monkeypatch.setattr(native, "choice", lambda: cpu.NativeChoice("test", 128, 512, frozenset(), "a test",
+                                                                   wide_table_tile=32))
+    with native.SETTINGS.override(tile_q=0):
+        assert native.tile_q(512, False, 1013, 512) == 32 and native.tile_q(512, False, 100, 512) == 128
+        assert native.tile_q(16, False, 1013, 16) == 128  # no narrower than the queries
     with native.SETTINGS.override(tile_q=9):
         assert native.tile_q(4096, False) == 9
 

@@ -9,10 +9,12 @@ function of them (the tests hand it made-up CPUs): the CPU falls in one of four 
 ========================  =======================  ====================================================================
 class                     example                  choices
 ========================  =======================  ====================================================================
-``amx``                   Intel Xeon (Sapphire     256-query tiles, 512-key blocks; bfloat16 (and float16 with
-                          Rapids and later)        AMX-FP16 or ``avx512_fp16``) through 16-bit GEMMs (measured)
-``avx512_bf16``           AMD EPYC Zen 4, Intel    the same tiles; bfloat16 through 16-bit GEMMs (reasoned, not
-                          Cooper Lake              measured: SDPA's own bfloat16 path is fast there, and float32
+``amx``                   Intel Xeon (Sapphire     256-query tiles, 512-key blocks, long tables too; bfloat16 (and
+                          Rapids and later)        float16 with AMX-FP16 or ``avx512_fp16``) through 16-bit GEMMs
+                                                   (measured)
+``avx512_bf16``           AMD EPYC Zen 4, Intel    the same tiles, 64-query ones for long tables (as every class
+                          Cooper Lake              below); bfloat16 through 16-bit GEMMs (reasoned, not
+                                                   measured: SDPA's own bfloat16 path is fast there, and float32
                                                    copies run float32 GEMMs at half a 16-bit GEMM's rate at best)
 ``avx512``                Intel Skylake-SP         the same tiles; 16-bit inputs as float32 copies
 ``avx2`` (and older)      AMD EPYC Zen 2/3         the same tiles; 16-bit inputs as float32 copies (measured: MKL's
@@ -66,19 +68,23 @@ class CpuFeatures:
 @dataclass(frozen=True)
 class NativeChoice:
     """The kernel's choices for one CPU (:func:`choose`): ``tile_q`` queries per tile (the not-causal tile:
-    ``native.tile_q`` narrows it for causal calls and long tables), ``tile_k`` keys per block, ``gemm16`` the
-    16-bit dtypes (names) that run 16-bit GEMMs rather than float32 copies; ``cpu_class`` and ``why`` say why."""
+    ``native.tile_q`` narrows it for causal calls), ``tile_k`` keys per block, ``gemm16`` the 16-bit dtypes (names)
+    that run 16-bit GEMMs rather than float32 copies, ``wide_table_tile`` the queries per tile of a call whose table
+    is longer than a full tile reaches (Transformer-XL's, DeBERTa's: a tile computes only the table rows it meets,
+    so smaller tiles compute fewer, and pack each key block for their GEMMs more often); ``cpu_class`` and ``why``
+    say why."""
 
     cpu_class: str
     tile_q: int
     tile_k: int
     gemm16: frozenset[str]
     why: str
+    wide_table_tile: int = 64
 
     def describe(self) -> str:
         g16 = ", ".join(sorted(self.gemm16)) or "none"
-        return (f"class {self.cpu_class}: {self.tile_q}-query tiles, {self.tile_k}-key blocks, 16-bit GEMMs for "
-                f"{g16} (other 16-bit inputs as float32 copies); {self.why}")
+        return (f"class {self.cpu_class}: {self.tile_q}-query tiles ({self.wide_table_tile} for long tables), "
+                f"{self.tile_k}-key blocks, 16-bit GEMMs for {g16} (other 16-bit inputs as float32 copies); {self.why}")
 
 
 def _proc_cpuinfo() -> dict[str, str]:
@@ -115,7 +121,8 @@ def choose(cpu: CpuFeatures) -> NativeChoice:
     """The kernel's choices for ``cpu``, from its features alone (module docstring: the four classes)."""
     gemm16 = frozenset(dtype for dtype, needs in GEMM16_FEATURES.items() if any(f in cpu.isa for f in needs))
     if "amx_bf16" in cpu.isa:
-        return NativeChoice("amx", 256, 512, gemm16, "measured on an Intel Xeon with AMX (benchmarks/README.md)")
+        return NativeChoice("amx", 256, 512, gemm16, "measured on an Intel Xeon with AMX (benchmarks/README.md)",
+                            wide_table_tile=256)
     if "avx512_bf16" in cpu.isa:
         return NativeChoice("avx512_bf16", 256, 512, gemm16,
                             "reasoned, not measured (no such CPU measured yet): SDPA's own bfloat16 GEMMs use "

@@ -295,14 +295,14 @@ def tile_q(n: int, causal: bool, rows: int = 0, keys: int = 0) -> int:
     PyTorch's own CPU flash attention): a tile's rows meet the keys up to its last row only, so smaller tiles skip more
     of the masked half (at N = 512, 1 thread: forward 15 ms at 64 against 22 ms at 256, backward 55 against 65;
     without causal, 64 and 256 within noise). A table of ``rows`` rows longer than a full tile reaches against
-    ``keys`` keys (DeBERTa-v3's 1013 rows at N = 512) takes 64-query tiles: a tile computes only the
-    ``tile + keys - 1`` table rows it meets (DeBERTa-v3's attention at N = 512, one thread, CPU time:
-    forward+backward about 0.9x of 256-query tiles)."""
+    ``keys`` keys (DeBERTa-v3's 1013 rows at N = 512) takes the CPU's ``wide_table_tile``: a tile computes only the
+    ``tile + keys - 1`` table rows it meets (64 on the Zen 3: DeBERTa-v3's attention at N = 512, one thread, about
+    0.9x the time of 256-query tiles; 256 on the Xeon AMX, whose 2 MiB of L2 favour packing each key block less)."""
     if (fixed := SETTINGS.current.tile_q) > 0:
         return fixed
-    full = choice().tile_q
+    full, wide = choice().tile_q, choice().wide_table_tile
     if not causal:
-        return 64 if rows > full + keys - 1 and n > 64 else full
+        return wide if rows > full + keys - 1 and n > wide else full
     return 32 if n < 192 else 64 if n < 768 else full
 
 
