@@ -70,7 +70,9 @@
 #include <type_traits>
 #include <vector>
 
-#include <immintrin.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>  // x86 only: the bfloat16 rounding instruction (round_to)
+#endif
 
 extern "C" {
 void sgemm(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* alpha,
