@@ -798,14 +798,20 @@ void round_to(const float* src, I* dst, int64_t n) {
   at::vec::convert(src, dst, n);
 }
 
-// The (rows, width) block at S (row stride ld) as the operand of a GEMM over keys: S itself when I is T, else
-// rounded to I in buf (same row stride).
+// A block's row s[0:width] as the GEMM operand's row `a` in buf (rows ld apart): rounded to I right after the row's
+// pass has written it (still in L1, where a pass over the whole block would read it back from L2); nothing when I is
+// T (the block itself is the operand: operand()).
 template <typename I, typename T>
-const I* block_as(const T* S, int64_t rows, int64_t width, int64_t ld, std::vector<I>& buf) {
+void round_row(const T* s, int64_t a, int64_t ld, int64_t width, std::vector<I>& buf) {
+  if constexpr (!std::is_same_v<I, T>) round_to(s, buf.data() + a * ld, width);
+}
+
+// The GEMM operand of a block at S whose rows round_row has rounded into buf: S itself when I is T, else buf.
+template <typename I, typename T>
+const I* operand(const T* S, const std::vector<I>& buf) {
   if constexpr (std::is_same_v<I, T>) {
     return S;
   } else {
-    for (int64_t a = 0; a < rows; ++a) round_to(S + a * ld, buf.data() + a * ld, width);
     return buf.data();
   }
 }
@@ -1176,12 +1182,14 @@ void forward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Dropou
     block_scores(geom, in, b, h, hkv, m0, rows, n0, width, scale, geom.has_qa() ? ws.key_rows.data() : nullptr, win,
                  geom.has_q ? &ws.pos.rows : nullptr, ws.scores.data(), ld, ws.runs.data(), ws.block_max.data());
     if (drop.on) drop.cols(drop_key, n0, width, ws.key_hashes.data());
-    for (int64_t a = 0; a < rows; ++a)
+    for (int64_t a = 0; a < rows; ++a) {
       softmax_block_row(ws.scores.data() + a * ld, ws.runs[a], ws.block_max[a], ws.row_max[a], ws.row_sum[a],
                         ws.acc.data() + a * geom.Dv, geom.Dv,
                         geom.has_v ? ws.value_weights.data() + a * win.cols : nullptr, win, last,
                         row_mask<T>(drop, drop_key, m0 + a, ws.key_hashes.data()));
-    const I* weights = block_as<I>(ws.scores.data(), rows, width, ld, ws.weights16);
+      round_row(ws.scores.data() + a * ld, a, ld, width, ws.weights16);
+    }
+    const I* weights = operand<I>(ws.scores.data(), ws.weights16);
     gemm_io<I, T>(false, false, rows, geom.Dv, width, T(1), weights, ld, v + n0 * in.vs[2], in.vs[2], T(1),
                   ws.acc.data(), geom.Dv);
   }
@@ -1380,24 +1388,28 @@ void backward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Segme
     block_scores(geom, in, b, h, hkv, m0, rows, n0, width, scale, geom.has_qa() ? ws.key_rows.data() : nullptr, win,
                  geom.has_q ? &ws.pos.rows : nullptr, P, ld, ws.runs.data(), ws.block_max.data());
     if (drop.on) drop.cols(drop_key, n0, width, ws.key_hashes.data());
-    for (int64_t a = 0; a < rows; ++a)  // P = exp(S - lse); with dropout the dropped weights PZ in G's rows
+    for (int64_t a = 0; a < rows; ++a) {  // P = exp(S - lse); with dropout the dropped weights PZ in G's rows
       weights_row(P + a * ld, drop.on ? ws.keep.data() + a * ld : nullptr, G + a * ld, ws.runs[a], width,
                   ws.block_max[a], tile.lse[a], geom.has_v ? ws.value_weights.data() + a * wc : nullptr, win, last,
                   row_mask<T>(drop, drop_key, m0 + a, ws.key_hashes.data()));
+      round_row((drop.on ? G : P) + a * ld, a, ld, width, ws.block16);
+    }
     // dv += PZ.T @ dO (PZ: the weights as dropped, P without dropout);  dP = dO @ v.T (+ the value term)
-    gemm_io<I, T>(true, false, width, geom.Dv, rows, T(1), block_as<I>(drop.on ? G : P, rows, width, ld, ws.block16),
-                  ld, tile.dout, tile.dout_ld, T(1), keys.dv + n0 * geom.Dv, geom.Dv);
+    gemm_io<I, T>(true, false, width, geom.Dv, rows, T(1), operand<I>(drop.on ? G : P, ws.block16), ld, tile.dout,
+                  tile.dout_ld, T(1), keys.dv + n0 * geom.Dv, geom.Dv);
     gemm_io<I, T>(false, true, rows, width, geom.Dv, T(1), tile.dout, tile.dout_ld, keys.v + n0 * in.vs[2], in.vs[2],
                   T(0), G, ld);
-    for (int64_t a = 0; a < rows; ++a)
+    for (int64_t a = 0; a < rows; ++a) {
       score_grad_row(G + a * ld, P + a * ld, drop.on ? ws.keep.data() + a * ld : nullptr, ws.runs[a], width,
                      ws.out_dot[a], geom.has_v ? ws.value_rows.data() + a * wc : nullptr,
                      geom.has_qa() ? ws.key_rows_grad.data() + a * wc : nullptr, win, last);
+      round_row(G + a * ld, a, ld, width, ws.block16);  // dS (bin_pos_term below reads G only)
+    }
     if (geom.has_q)
       bin_pos_term(G, ld, ws.runs.data(), rows, n0, width, ws.pos_grad.data(), ws.pos_grad_lo.data(),
                    ws.pos_grad_hi.data(), ws.pos.rows);
     // dq += scale dS @ k;  dk += scale dS.T @ q
-    const I* dS = block_as<I>(G, rows, width, ld, ws.block16);
+    const I* dS = operand<I>(G, ws.block16);
     gemm_io<I, T>(false, false, rows, geom.D, width, scale, dS, ld, keys.k + n0 * in.ks[2], in.ks[2], T(1),
                   tile.dq + m0 * geom.D, geom.D);
     gemm_io<I, T>(true, false, width, geom.D, rows, scale, dS, ld, q, in.qs[2], T(1), keys.dk + n0 * geom.D, geom.D);
