@@ -390,7 +390,7 @@ class StatsOps:
                 return kernel(q, k, v, rel_k, rel_v, *pad, query_offset=query_offset, **scalars)[0]
         else:
             def forward(q, k, v, rel_k, rel_v, rel_q, q_pos, query_offset):
-                trailing = {"rel_q": rel_q, "q_pos": q_pos}  # a call with a rel_bias is never planned
+                trailing = {"rel_q": rel_q, "q_pos": q_pos}  # a rel_bias call's plan runs the assembled call
                 return kernel(q, k, v, rel_k, rel_v, *pad, query_offset=query_offset, **scalars,
                               **{n: trailing[n] for n in named})[0]
         return forward
