@@ -136,6 +136,31 @@ def test_decoding_steps_with_a_bucket_map_and_a_mask_hit_the_plan_and_match_the_
     assert seen[-1] == seen[-6], seen  # and the last ones all were
 
 
+@pytest.mark.parametrize("backend", ["auto", "blocked"])
+def test_a_planned_masked_call_with_dropout_and_a_bucket_map_draws_the_unplanned_calls_mask(backend, validations):
+    """Dropout on a planned call (a T5 map, a bias, a float mask, grouped heads, causal): the same seed gives the
+    unplanned call's output and gradients, and the plan was used."""
+    q, k, v, _, _ = _inputs(b=2, n=6, m=9, hkv=2)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    bias = torch.randn(4, 8, dtype=q.dtype).requires_grad_()
+    kw = dict(max_relative_position=T5Buckets(8, 12, bidirectional=False), rel_bias=bias, is_causal=True,
+              attn_mask=torch.randn(2, 1, 6, 9, dtype=q.dtype), dropout_p=0.3, query_offset=3, enable_gqa=True,
+              backend=backend)
+
+    def run():
+        torch.manual_seed(7)
+        out = relative_attention(q, k, v, **kw)
+        return (out, *torch.autograd.grad(out.sum(), (q, k, v, bias)))
+
+    run()
+    planned = run()
+    assert validations() == 1
+    fn._PLANS.clear()
+    for got, want in zip(planned, run(), strict=True):
+        assert torch.equal(got, want)
+    assert validations() == 2
+
+
 def test_a_plan_with_a_mask_serves_no_call_whose_mask_differs_in_what_its_key_holds(validations):
     """A planned masked call: another mask of the same key (shape but the key length, dtype, device) is read as
     it is; a mask of another dtype, shape or map takes the full path; each gives its unplanned bits."""
