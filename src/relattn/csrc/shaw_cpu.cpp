@@ -405,10 +405,54 @@ void add_max(T* s, const T* b, T c, int64_t n, RowMax<T>& m) {
   }
 }
 
-// s[0:n] = exp(s[0:n] - m); returns the sum.
+// A row's partial sums: vector lanes for float rows (met once per row, in lanes_sum), a scalar for double rows.
 template <typename T>
-T exp_sum(T* s, int64_t n, T m) {
-  return transform_reduce(s, n, T(0), T(0), [m](auto y, int64_t) { return exp_of(y - decltype(y)(m)); }, add);
+using Lanes = std::conditional_t<std::is_same_v<T, float>, Vec<float>, T>;
+
+template <typename T>
+T lanes_sum(const Lanes<T>& acc) {
+  if constexpr (std::is_same_v<T, float>) {
+    return at::vec::vec_reduce_all<T>([](Vec<T>& a, Vec<T>& b) { return a + b; }, acc);
+  } else {
+    return acc;
+  }
+}
+
+// s[0:n] = exp(s[0:n] - m), their sum added into acc. Float rows run four chains of sums and end in one partial
+// vector, not a scalar tail, and leave their sum in lanes: a row's runs (left, band, right) each end in a tail, and
+// 15 scalar exps, or a reduction of 16 lanes, each cost about as much as the row's 32 vectors of a 512-key block.
+template <typename T>
+void exp_into(T* s, int64_t n, T m, Lanes<T>& acc) {
+  if constexpr (std::is_same_v<T, float>) {
+    const int64_t w = Vec<T>::size();
+    const Vec<T> mv(m), zero(0);
+    Vec<T> l1 = zero, l2 = zero, l3 = zero;
+    const auto step = [&](int64_t at, Vec<T>& lanes) {
+      const Vec<T> y = exp_of(Vec<T>::loadu(s + at) - mv);
+      y.store(s + at);
+      lanes = lanes + y;
+    };
+    int64_t x = 0;
+    for (; x + 4 * w <= n; x += 4 * w) {
+      step(x, acc);
+      step(x + w, l1);
+      step(x + 2 * w, l2);
+      step(x + 3 * w, l3);
+    }
+    for (; x + w <= n; x += w) step(x, acc);
+    if (x < n) {
+      const int64_t rest = n - x;
+      const Vec<T> y = exp_of(Vec<T>::loadu(s + x, rest) - mv);
+      y.store(s + x, rest);
+      l1 = l1 + Vec<T>::set(zero, y, rest);
+    }
+    acc = (acc + l1) + (l2 + l3);
+  } else {
+    for (int64_t x = 0; x < n; ++x) {
+      s[x] = std::exp(s[x] - m);
+      acc += s[x];
+    }
+  }
 }
 
 // s[0:n] = exp(s[0:n] + shift).
@@ -1115,8 +1159,14 @@ inline void softmax_block_row(T* s, const Runs& r, T block_max, T& row_max, T& r
   }
   const T new_max = std::max(row_max, block_max);
   const T alpha = std::exp(row_max - new_max);
-  const T lo = exp_sum(s, r.left, new_max), mid = exp_sum(s + r.left, r.right - r.left, new_max);
-  const T hi = exp_sum(s + r.right, r.valid - r.right, new_max);
+  // one sum of lanes for the row; the left and right runs' own where the value term folds them undropped
+  const bool runs_apart = pw != nullptr && !mask.on;
+  Lanes<T> lanes_lo(0), lanes_hi(0), lanes(0);
+  exp_into(s, r.left, new_max, runs_apart ? lanes_lo : lanes);
+  exp_into(s + r.left, r.right - r.left, new_max, lanes);
+  exp_into(s + r.right, r.valid - r.right, new_max, runs_apart ? lanes_hi : lanes);
+  const T lo = runs_apart ? lanes_sum<T>(lanes_lo) : T(0), hi = runs_apart ? lanes_sum<T>(lanes_hi) : T(0);
+  const T mid = lanes_sum<T>(lanes);
   // dropout: the weights that meet v and a^V are dropped, the normaliser is the undropped sum
   if (mask.on) drop_row(s, r.valid, mask.row, mask.cols, mask.thresh, mask.inv);
   if (pw != nullptr) {
