@@ -42,6 +42,7 @@ def test_the_choice_follows_the_features(name):
     cls, gemm16 = WANT[name]
     assert (choice.cpu_class, set(choice.gemm16), choice.tile_q, choice.tile_k) == (cls, gemm16, 256, 512)
     assert choice.wide_table_tile == (256 if cls == "amx" else 64)  # measured on the Xeon AMX and the Zen 3
+    assert choice.brgemm == (cls == "amx")  # measured on the Xeon AMX only
     assert ("reasoned, not measured" in choice.why) == (cls == "avx512_bf16")  # no Zen 4 was measured
     assert cls in choice.describe() and CPUS[name].model in CPUS[name].describe()
 
@@ -101,6 +102,26 @@ def test_gemm16_follows_the_features(monkeypatch, name):
         native.gemm16_here.cache_clear()
 
 
+@needs_native
+@pytest.mark.parametrize("name", list(CPUS))
+def test_brgemm_follows_the_choice(monkeypatch, name):
+    """The forward's brgemm where the CPU's class chooses it (AMX), 16-bit GEMMs run and torch runs brgemm for the
+    dtype (mocked: it does); the ``brgemm`` setting overrides the class, never the other two."""
+    choice = cpu.choose(CPUS[name])
+    monkeypatch.setattr(native, "choice", lambda: choice)
+    monkeypatch.setattr(native, "brgemm_here", lambda dtype: True)
+    with native.SETTINGS.override(gemm16=True, brgemm=None):
+        assert native.uses_brgemm(torch.bfloat16) == (WANT[name][0] == "amx")
+        assert not native.uses_brgemm(torch.float32)
+    with native.SETTINGS.override(gemm16=True, brgemm=True):
+        assert native.uses_brgemm(torch.bfloat16)
+    with native.SETTINGS.override(gemm16=False, brgemm=True):
+        assert not native.uses_brgemm(torch.bfloat16)  # float32 copies: no 16-bit GEMM at all
+    monkeypatch.setattr(native, "brgemm_here", lambda dtype: False)
+    with native.SETTINGS.override(gemm16=True, brgemm=True):
+        assert not native.uses_brgemm(torch.bfloat16)
+
+
 def test_tile_q_takes_the_cpus_tile(monkeypatch):
     """The rule narrows the CPU's tile (causal calls, long tables); an explicit setting wins."""
     monkeypatch.setattr(native, "choice", lambda: cpu.NativeChoice("test", 128, 512, frozenset(), "a test"))
@@ -123,9 +144,11 @@ def test_settings_from_env_text():
     got = native.settings_from_env("tile_q=128, tile_k=256,kv_splits=2,gemm16=0", base)
     assert got == native.NativeSettings(tile_q=128, tile_k=256, kv_splits=2, gemm16=False)
     assert native.settings_from_env("gemm16=auto", native.NativeSettings(gemm16=True)).gemm16 is None
-    for text, match in [("tile_q", "name=value pairs of gemm16, kv_splits, tile_k, tile_q"),
+    assert native.settings_from_env("brgemm=0", base).brgemm is False
+    for text, match in [("tile_q", "name=value pairs of brgemm, gemm16, kv_splits, tile_k, tile_q"),
                         ("tile=3", "name=value pairs"), ("tile_k=0", "tile_k must be an int >= 1; got 0"),
-                        ("tile_q=a", "tile_q must be an int; got 'a'"), ("gemm16=maybe", "gemm16 must be 1, 0")]:
+                        ("tile_q=a", "tile_q must be an int; got 'a'"), ("gemm16=maybe", "gemm16 must be 1, 0"),
+                        ("brgemm=2", "brgemm must be 1, 0")]:
         with pytest.raises(ValueError, match=match):
             native.settings_from_env(text, base)
 

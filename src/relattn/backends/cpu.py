@@ -10,8 +10,9 @@ function of them (the tests hand it made-up CPUs): the CPU falls in one of four 
 class                     example                  choices
 ========================  =======================  ====================================================================
 ``amx``                   Intel Xeon (Sapphire     256-query tiles, 512-key blocks, long tables too; bfloat16 (and
-                          Rapids and later)        float16 with AMX-FP16 or ``avx512_fp16``) through 16-bit GEMMs
-                                                   (measured)
+                          Rapids and later)        float16 with AMX-FP16 or ``avx512_fp16``) through 16-bit GEMMs,
+                                                   the forward's through torch's brgemm (oneDNN's micro-kernel on
+                                                   AMX tiles) where torch runs it (measured)
 ``avx512_bf16``           AMD EPYC Zen 4, Intel    the same tiles, 64-query ones for long tables (as every class
                           Cooper Lake              below); bfloat16 through 16-bit GEMMs (reasoned, not
                                                    measured: SDPA's own bfloat16 path is fast there, and float32
@@ -29,6 +30,7 @@ Every choice can be overridden: for a block of code with ``native.SETTINGS.overr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -80,11 +82,14 @@ class NativeChoice:
     gemm16: frozenset[str]
     why: str
     wide_table_tile: int = 64
+    brgemm: bool = False
 
     def describe(self) -> str:
         g16 = ", ".join(sorted(self.gemm16)) or "none"
+        via = "torch's brgemm forward where it runs, else MKL's" if self.brgemm else "MKL's"
         return (f"class {self.cpu_class}: {self.tile_q}-query tiles ({self.wide_table_tile} for long tables), "
-                f"{self.tile_k}-key blocks, 16-bit GEMMs for {g16} (other 16-bit inputs as float32 copies); {self.why}")
+                f"{self.tile_k}-key blocks, 16-bit GEMMs ({via}) for {g16} (other 16-bit inputs as float32 copies); "
+                f"{self.why}")
 
 
 def _proc_cpuinfo() -> dict[str, str]:
@@ -122,7 +127,7 @@ def choose(cpu: CpuFeatures) -> NativeChoice:
     gemm16 = frozenset(dtype for dtype, needs in GEMM16_FEATURES.items() if any(f in cpu.isa for f in needs))
     if "amx_bf16" in cpu.isa:
         return NativeChoice("amx", 256, 512, gemm16, "measured on an Intel Xeon with AMX (benchmarks/README.md)",
-                            wide_table_tile=256)
+                            wide_table_tile=256, brgemm=True)
     if "avx512_bf16" in cpu.isa:
         return NativeChoice("avx512_bf16", 256, 512, gemm16,
                             "reasoned, not measured (no such CPU measured yet): SDPA's own bfloat16 GEMMs use "
@@ -131,3 +136,58 @@ def choose(cpu: CpuFeatures) -> NativeChoice:
         return NativeChoice("avx512", 256, 512, gemm16, "as on AVX2 CPUs (no 16-bit GEMM instructions)")
     return NativeChoice("avx2" if "avx2" in cpu.isa else "older", 256, 512, gemm16,
                         "measured on an AMD EPYC Zen 3 (benchmarks/README.md)")
+
+
+@dataclass(frozen=True)
+class NativeSettings:
+    """The native kernel's settings (``native.SETTINGS``; the tests set small tiles with ``SETTINGS.override(...)``).
+    Their defaults are this CPU's choices (``native.choice()``), then ``RELATTN_NATIVE_SETTINGS``
+    (:func:`settings_from_env`)."""
+
+    tile_q: int = 0  # queries per tile (0: by the number of queries and the CPU's tile, see tile_q)
+    tile_k: int = 512  # keys per block (benchmarks/fast_vs_sdpa.py: 128 and 1024 within a few percent at N = 2048)
+    kv_splits: int = 0  # backward: key segments per head (0: more than 1 only when batch * heads leaves threads idle)
+    gemm16: bool | None = None  # 16-bit inputs: True 16-bit GEMMs, False float32 copies, None the CPU's choice
+    brgemm: bool | None = None  # 16-bit GEMMs forward: True torch's brgemm where it runs, False MKL's, None the CPU's
+
+    def __post_init__(self):
+        for name, low in (("tile_q", 0), ("tile_k", 1), ("kv_splits", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"native setting {name} must be an int >= {low}; got {value!r}")
+        for name in _SWITCHES:
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"native setting {name} must be None, True or False; got {getattr(self, name)!r}")
+
+
+ENV = "RELATTN_NATIVE_SETTINGS"
+_BOOLS = {"1": True, "true": True, "0": False, "false": False, "none": None, "auto": None}
+_SWITCHES = ("gemm16", "brgemm")  # the settings _BOOLS spells
+
+
+def settings_from_env(text: str | None, base: NativeSettings) -> NativeSettings:
+    """``base`` with the settings ``text`` names (``RELATTN_NATIVE_SETTINGS``'s form: ``"tile_q=128,tile_k=256,
+    gemm16=0"``; gemm16 and brgemm take 1/0/true/false/auto); None or empty: ``base``. Bad text: a ValueError naming
+    it."""
+    if not text or not text.strip():
+        return base
+    changes: dict[str, int | bool | None] = {}
+    fields = set(base.__dataclass_fields__)
+    for item in text.split(","):
+        name, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or name not in fields:
+            raise ValueError(f"{ENV} must be name=value pairs of {', '.join(sorted(fields))} separated by commas; "
+                             f"got {text!r}")
+        if name in _SWITCHES:
+            if value.lower() not in _BOOLS:
+                raise ValueError(f"{ENV}: {name} must be 1, 0, true, false or auto; got {value!r}")
+            changes[name] = _BOOLS[value.lower()]
+        else:
+            try:
+                changes[name] = int(value)
+            except ValueError:
+                raise ValueError(f"{ENV}: {name} must be an int; got {value!r}") from None
+    try:
+        return dataclasses.replace(base, **changes)
+    except ValueError as exc:
+        raise ValueError(f"{ENV}={text!r}: {exc}") from None

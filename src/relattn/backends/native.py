@@ -40,7 +40,9 @@ come from the CPU's features (:func:`choice`, :mod:`relattn.backends.cpu`); ``RE
 * **16-bit GEMMs** where the CPU has instructions for them (``avx512_bf16`` or AMX for bfloat16; ``avx512_fp16``
   or AMX-FP16 for float16) and libtorch exports MKL's 16-bit GEMMs: q, k, v, dO stay 16-bit, the GEMMs over keys
   accumulate in float32, P and dS are rounded to 16 bits for theirs (as PyTorch's own CPU flash attention does);
-  softmax statistics, relative terms and accumulators are float32.
+  softmax statistics, relative terms and accumulators are float32. On the ``amx`` class the forward's (q k^T, P v)
+  go to torch's brgemm (oneDNN's micro-kernel, AMX tiles) on keys and values packed once per call, where torch runs
+  it (:func:`uses_brgemm`; the ``brgemm`` setting): a third to a half of MKL's time on a tile's shapes.
 * **float32 copies** elsewhere: the inputs are converted to float32 and the float32 kernel runs (one rounding of
   the output). On a CPU without 16-bit instructions this is the faster of the two (MKL's 16-bit GEMMs convert
   inside there, and run slower than its float32 GEMM).
@@ -49,7 +51,6 @@ come from the CPU's features (:func:`choice`, :mod:`relattn.backends.cpu`); ``RE
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import logging
@@ -59,7 +60,6 @@ import shutil
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -74,65 +74,16 @@ from ._common import (
     StatsOps,
 )
 from ._settings import Settings
+from .cpu import ENV, NativeSettings, settings_from_env
 
 log = logging.getLogger("relattn")
 
-
-
-@dataclass(frozen=True)
-class NativeSettings:
-    """The kernel's settings (:data:`SETTINGS`; the tests set small tiles with ``SETTINGS.override(...)``). Their
-    defaults are this CPU's choices (:func:`choice`), then ``RELATTN_NATIVE_SETTINGS`` (:func:`settings_from_env`)."""
-
-    tile_q: int = 0  # queries per tile (0: by the number of queries and the CPU's tile, see tile_q)
-    tile_k: int = 512  # keys per block (benchmarks/fast_vs_sdpa.py: 128 and 1024 within a few percent at N = 2048)
-    kv_splits: int = 0  # backward: key segments per head (0: more than 1 only when batch * heads leaves threads idle)
-    gemm16: bool | None = None  # 16-bit inputs: True 16-bit GEMMs, False float32 copies, None the CPU's choice
-
-    def __post_init__(self):
-        for name, low in (("tile_q", 0), ("tile_k", 1), ("kv_splits", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"native setting {name} must be an int >= {low}; got {value!r}")
-        if self.gemm16 not in (None, True, False):
-            raise ValueError(f"native setting gemm16 must be None, True or False; got {self.gemm16!r}")
-
-
-ENV = "RELATTN_NATIVE_SETTINGS"
-_BOOLS = {"1": True, "true": True, "0": False, "false": False, "none": None, "auto": None}
 
 
 @functools.cache
 def choice() -> cpu.NativeChoice:
     """This CPU's choices (:func:`relattn.backends.cpu.choose` of its features), made once per process."""
     return cpu.choose(cpu.features())
-
-
-def settings_from_env(text: str | None, base: NativeSettings) -> NativeSettings:
-    """``base`` with the settings ``text`` names (``RELATTN_NATIVE_SETTINGS``'s form: ``"tile_q=128,tile_k=256,
-    gemm16=0"``; gemm16 takes 1/0/true/false/auto); None or empty: ``base``. Bad text: a ValueError naming it."""
-    if not text or not text.strip():
-        return base
-    changes: dict[str, int | bool | None] = {}
-    fields = set(base.__dataclass_fields__)
-    for item in text.split(","):
-        name, eq, value = (part.strip() for part in item.partition("="))
-        if not eq or name not in fields:
-            raise ValueError(f"{ENV} must be name=value pairs of {', '.join(sorted(fields))} separated by commas; "
-                             f"got {text!r}")
-        if name == "gemm16":
-            if value.lower() not in _BOOLS:
-                raise ValueError(f"{ENV}: gemm16 must be 1, 0, true, false or auto; got {value!r}")
-            changes[name] = _BOOLS[value.lower()]
-        else:
-            try:
-                changes[name] = int(value)
-            except ValueError:
-                raise ValueError(f"{ENV}: {name} must be an int; got {value!r}") from None
-    try:
-        return dataclasses.replace(base, **changes)
-    except ValueError as exc:
-        raise ValueError(f"{ENV}={text!r}: {exc}") from None
 
 
 SETTINGS = Settings(settings_from_env(os.environ.get(ENV), NativeSettings(tile_k=choice().tile_k)))
@@ -289,6 +240,22 @@ def uses_gemm16(dtype: torch.dtype) -> bool:
     return gemm16_here(dtype) if forced is None else forced
 
 
+@functools.cache
+def brgemm_here(dtype: torch.dtype) -> bool:
+    """Whether torch runs brgemm (oneDNN's micro-kernel, :func:`relattn.backends.cpu.choose`'s ``brgemm``) for
+    ``dtype`` on this CPU (``cpublas::could_pack``, as PyTorch's own CPU flash attention asks)."""
+    _require()
+    return torch.ops.relattn_native.has_brgemm(dtype)
+
+
+def uses_brgemm(dtype: torch.dtype) -> bool:
+    """Whether the forward's 16-bit GEMMs of ``dtype`` go to torch's brgemm on packed keys and values rather than
+    MKL's: 16-bit GEMMs (:func:`uses_gemm16`), the ``brgemm`` setting (None: the CPU's choice), torch runs it. The
+    kernel also needs an even head dim, value heads a multiple of 16 wide and 64 queries per key/value head."""
+    forced = SETTINGS.current.brgemm
+    return uses_gemm16(dtype) and (choice().brgemm if forced is None else forced) and brgemm_here(dtype)
+
+
 def tile_q(n: int, causal: bool, rows: int = 0, keys: int = 0) -> int:
     """Queries per tile for ``n`` queries: the ``tile_q`` setting when set; else the CPU's tile (:func:`choice`,
     256 on every CPU class so far), and for causal calls 32 below 192 queries and 64 below 768 (the split of
@@ -349,6 +316,7 @@ def forward(q, k, v, rel_k, rel_v, mask, seed=None, *, max_relative_position: in
     normaliser's."""
     _require()
     dtype = q.dtype
+    brgemm = dtype in LOW_PRECISION and uses_brgemm(dtype)
     if dtype in LOW_PRECISION:
         q, k, v, q_pos = _data(uses_gemm16(dtype), q, k, v, q_pos)
         tables = _tables_and_mask(rel_k, rel_v, mask, rel_q)
@@ -357,7 +325,7 @@ def forward(q, k, v, rel_k, rel_v, mask, seed=None, *, max_relative_position: in
                   None if rel_q is None else rel_q.contiguous())
     tiles = _tiles(q.shape[-2], k.shape[-2], is_causal, max_relative_position)
     out, lse = torch.ops.relattn_native.fwd.default(q, k, v, *tables, q_pos, _table(rel_bias), max_relative_position,
-                                                    is_causal, scale, query_offset, *tiles, seed, dropout_p)
+                                                    is_causal, scale, query_offset, *tiles, seed, dropout_p, brgemm)
     return (out if out.dtype == dtype else out.to(dtype)), lse
 
 
@@ -397,7 +365,7 @@ def varlen_forward(q, k, v, rel_k, rel_v, mask, seed, cu_seqlens_q, cu_seqlens_k
     rel_k, rel_v, _, rel_q = _tables_and_mask(rel_k, rel_v, None, rel_q)
     out, lse = torch.ops.relattn_native.varlen_fwd(q_, k_, v_, rel_k, rel_v, rel_q, qp, _table(rel_bias), cu_seqlens_q,
                                                    cu_seqlens_k, max_relative_position, is_causal, scale, query_offset,
-                                                   *tiles, seed, dropout_p)
+                                                   *tiles, seed, dropout_p, uses_brgemm(q.dtype))
     return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
 
 

@@ -55,13 +55,18 @@
 // with float32 accumulation, as PyTorch's own CPU flash kernel does: MKL's cblas_gemm_bf16bf16f32 /
 // cblas_gemm_f16f16f32, which libtorch_cpu exports on x86 (weak references: null where absent, and the caller
 // converts to float32 instead). P and dS are rounded to 16 bits for their GEMMs; scores, softmax statistics, the
-// relative terms (2K+1 per row, with float32 tables) and every accumulator stay float32.
+// relative terms (2K+1 per row, with float32 tables) and every accumulator stay float32. Where the caller asks
+// (brgemm: the CPU's choice) and torch runs it, the forward's two go to torch's batch-reduce GEMM instead (oneDNN's
+// micro-kernel, AMX tiles where the CPU has them) on keys and values packed once per call (PackedKV).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
+#if __has_include(<ATen/native/CPUBlas.h>)
+#include <ATen/native/CPUBlas.h>  // oneDNN's batch-reduce GEMM (brgemm) and its packing, where torch has them
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -98,6 +103,16 @@ bool has_gemm16(at::ScalarType dtype) {
   if (dtype == at::kBFloat16) return cblas_gemm_bf16bf16f32 != nullptr;
   if (dtype == at::kHalf) return cblas_gemm_f16f16f32 != nullptr;
   return false;
+}
+
+// Whether torch's brgemm (oneDNN's micro-kernel: AMX where the CPU has it) takes `dtype` on this CPU, as PyTorch's own
+// CPU flash attention asks (cpublas::could_pack): PackedKV.
+bool has_brgemm(at::ScalarType dtype) {
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32)
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) && at::native::cpublas::could_pack(dtype);
+#else
+  return false;
+#endif
 }
 
 // ----------------------------------------------------------------------------------------------- dropout
@@ -265,6 +280,33 @@ void gemm_io(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const I
     gemm16<I>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 }
+
+// brgemm's operands: k^T packed in blocks of kPackCols keys, v in blocks of kPackCols columns (oneDNN packs 16, 32, 48
+// or 64 columns at a time).
+constexpr int64_t kPackCols = 64;
+
+// Row-major C[m, n] (+= where `add`) A[m, k] @ B[k, n]: 16-bit A (rows lda apart), B packed for brgemm (PackedKV: n <=
+// kPackCols columns, k even), float32 C (rows ldc apart).
+template <typename I, typename T>
+void brgemm_packed(int64_t m, int64_t n, int64_t k, const I* a, int64_t lda, const I* b, T* c, int64_t ldc,
+                   bool add) {
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32)
+  if constexpr (is_16_bit<I> && std::is_same_v<T, float>)
+    at::native::cpublas::brgemm(m, n, k, lda, n, ldc, add, a, b, c, true);
+#endif
+}
+
+// One (sequence, key/value head)'s keys and values as PackedKV holds them: k^T in blocks of kPackCols keys, (dp,
+// kPackCols) each, dp = D rounded up to even; v in blocks of kPackCols columns (the last dv % kPackCols), (mp, cols)
+// each, mp = m rounded up to even. oneDNN packs pairs of rows together (VNNI), so v's rows from an even key n0 on are
+// those of v[n0:] packed.
+template <typename I>
+struct PackedHead {
+  const I *k, *v;
+  int64_t dp, mp, dv;
+  const I* keys(int64_t n0) const { return k + n0 / kPackCols * kPackCols * dp; }  // n0: a multiple of kPackCols
+  const I* values(int64_t c0, int64_t n0) const { return v + c0 * mp + n0 * std::min(kPackCols, dv - c0); }
+};
 
 // rows x cols of src (row stride ld) as T: src itself when I is T, else a dense copy in buf (row stride cols).
 // Returns the rows and sets ld_out to their stride.
@@ -809,14 +851,23 @@ void tile_key_rows(const Geometry& g, const Views<I, T>& w, int64_t h, const T* 
 template <typename I, typename T>
 void block_scores(const Geometry& g, const Views<I, T>& w, int64_t b, int64_t h, int64_t hkv, int64_t m0, int64_t tq,
                   int64_t n0, int64_t width, T scale, const T* QA, const Window& win, const PosRows<T>* pos, T* S,
-                  int64_t ld, Runs* runs, T* rmax) {
-  gemm_io<I, T>(false, true, tq, width, g.D, scale, w.qh(b, h) + m0 * w.qs[2], w.qs[2],
-                w.kh(b, hkv) + n0 * w.ks[2], w.ks[2], T(0), S, ld);
+                  int64_t ld, Runs* runs, T* rmax, const PackedHead<I>* packed = nullptr) {
+  const I* q = w.qh(b, h) + m0 * w.qs[2];
+  if (packed != nullptr) {  // brgemm on packed keys, kPackCols at a time (ld and n0 are multiples of it): unscaled
+    for (int64_t x = 0; x < width; x += kPackCols)
+      brgemm_packed<I, T>(tq, kPackCols, packed->dp, q, w.qs[2], packed->keys(n0 + x), S + x, ld, false);
+  } else {
+    gemm_io<I, T>(false, true, tq, width, g.D, scale, q, w.qs[2], w.kh(b, hkv) + n0 * w.ks[2], w.ks[2], T(0), S, ld);
+  }
   for (int64_t a = 0; a < tq; ++a) runs[a] = runs_of(m0 + a + g.off, n0, width, g.kk, g.causal);
+  const bool unscaled = packed != nullptr;
+  if (unscaled && pos != nullptr)
+    for (int64_t a = 0; a < tq; ++a) scale_row(S + a * ld, runs[a].valid, scale);
   if (pos != nullptr) add_pos_term(S, ld, runs, tq, n0, width, *pos);
   for (int64_t a = 0; a < tq; ++a) {
     T* s = S + a * ld;
     const Runs& r = runs[a];
+    if (unscaled && pos == nullptr) scale_row(s, r.valid, scale);  // in L1 for the passes below
     add_mask(s, w.mask_row(b, h, m0 + a, n0), r.valid, w.ms[3]);
     rmax[a] = add_key_term(s, r, QA == nullptr ? nullptr : QA + a * win.cols, win.first, 2 * g.kk);
     std::fill(s + r.valid, s + width, T(0));
@@ -1049,6 +1100,77 @@ std::vector<int64_t> backward_schedule(const Geometry& geom, const Batch& batch,
 
 // ------------------------------------------------------------------ workspace
 
+// The keys and values of every (sequence, key/value head) of a 16-bit call, packed once per call for brgemm
+// (PackedHead's layout; rows past a sequence's last key zero): its GEMMs over keys run on oneDNN's micro-kernel (AMX
+// tiles where the CPU has them), which reads B packed, in a third to a half of the time MKL's 16-bit GEMMs take on
+// the per-tile shapes (benchmarks/README.md). `on` false: not packed (the GEMMs go to MKL).
+template <typename I>
+struct PackedKV {
+  bool on = false;
+  int64_t dp = 0, dv = 0, hkv = 0;
+  std::vector<int64_t> k_at, v_at, chunk_at, mp;  // per sequence: where its keys and values start, its first chunk
+  at::Tensor keys, values;
+  PackedHead<I> head(int64_t s, int64_t h) const {
+    const int64_t kb = (chunk_at[s + 1] - chunk_at[s]) / hkv;
+    return {keys.data_ptr<I>() + k_at[s] + h * kb * kPackCols * dp, values.data_ptr<I>() + v_at[s] + h * mp[s] * dv,
+            dp, mp[s], dv};
+  }
+};
+
+// Packs k^T and v of every sequence and key/value head, in parallel over chunks of kPackCols keys.
+template <typename I, typename T>
+PackedKV<I> pack_keys_values(const Geometry& geom, const Views<I, T>& in, const Batch& batch) {
+  PackedKV<I> p;
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32)
+  if constexpr (is_16_bit<I>) {
+    constexpr at::ScalarType dt = c10::CppTypeToScalarType<I>::value;
+    p.on = true;
+    p.dp = geom.D + geom.D % 2;
+    p.dv = geom.Dv;
+    p.hkv = geom.Hkv;
+    int64_t kt = 0, vt = 0;
+    p.chunk_at.push_back(0);
+    for (const Seq& s : batch.seqs) {
+      const int64_t kb = (s.m + kPackCols - 1) / kPackCols;
+      p.k_at.push_back(kt);
+      p.v_at.push_back(vt);
+      p.mp.push_back(s.m + s.m % 2);
+      kt += geom.Hkv * kb * kPackCols * p.dp;
+      vt += geom.Hkv * p.mp.back() * p.dv;
+      p.chunk_at.push_back(p.chunk_at.back() + geom.Hkv * kb);
+    }
+    p.keys = at::empty({kt}, at::TensorOptions().dtype(dt));
+    p.values = at::empty({vt}, at::TensorOptions().dtype(dt));
+    at::parallel_for(0, p.chunk_at.back(), 1, [&](int64_t c0, int64_t c1) {
+      std::vector<I> buf(std::max(p.dp, kPackCols) * kPackCols);  // a chunk's k^T, or its v rows of a column block
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t s = std::upper_bound(p.chunk_at.begin(), p.chunk_at.end(), c) - p.chunk_at.begin() - 1;
+        const Seq& seq = batch.seqs[s];
+        const int64_t kb = (p.chunk_at[s + 1] - p.chunk_at[s]) / geom.Hkv, h = (c - p.chunk_at[s]) / kb;
+        const int64_t n0 = (c - p.chunk_at[s]) % kb * kPackCols, n = std::min(kPackCols, seq.m - n0);
+        const SeqCall<I, T> call = seq_call(geom, in, seq);
+        const PackedHead<I> ph = p.head(s, h);
+        const I* k = call.in.kh(seq.b, h) + n0 * in.ks[2];
+        std::fill(buf.begin(), buf.end(), I(0));
+        for (int64_t x = 0; x < n; ++x)
+          for (int64_t d = 0; d < geom.D; ++d) buf[d * kPackCols + x] = k[x * in.ks[2] + d];
+        at::native::cpublas::pack(p.dp, kPackCols, kPackCols, kPackCols, dt, dt, buf.data(),
+                                  const_cast<I*>(ph.keys(n0)));
+        const I* v = call.in.vh(seq.b, h) + n0 * in.vs[2];
+        const int64_t rows = n + n % 2;  // an odd last chunk gets a zero row
+        for (int64_t c0 = 0; c0 < geom.Dv; c0 += kPackCols) {
+          const int64_t cols = std::min(kPackCols, geom.Dv - c0);
+          for (int64_t x = 0; x < n; ++x) std::copy(v + x * in.vs[2] + c0, v + x * in.vs[2] + c0 + cols, &buf[x * cols]);
+          std::fill(buf.begin() + n * cols, buf.begin() + rows * cols, I(0));
+          at::native::cpublas::pack(rows, cols, cols, cols, dt, dt, buf.data(), const_cast<I*>(ph.values(c0, n0)));
+        }
+      }
+    });
+  }
+#endif
+  return p;
+}
+
 // The position-to-content term's KA rows of some keys for one head at a time (PosRows' layout), with the buffers they
 // are formed in.
 template <typename T>
@@ -1206,7 +1328,7 @@ inline void write_rows(int64_t rows, int64_t dv, const T* acc, const T* row_max,
 // dropout inside), acc += P v; at the end acc += PW a^V, out = acc / sum, lse.
 template <typename I, typename T>
 void forward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Dropout& drop, T scale,
-                  ForwardWorkspace<I, T>& ws, I* out, T* lse) {
+                  ForwardWorkspace<I, T>& ws, I* out, T* lse, const PackedHead<I>* packed) {
   const Geometry& geom = call.geom;
   const Views<I, T>& in = call.in;
   const int64_t b = call.seq.b, hkv = h / geom.group, last = 2 * geom.kk;
@@ -1230,7 +1352,8 @@ void forward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Dropou
   for (int64_t n0 = 0; n0 < keys_end; n0 += ws.tile_k) {
     const int64_t width = std::min(ws.tile_k, keys_end - n0);
     block_scores(geom, in, b, h, hkv, m0, rows, n0, width, scale, geom.has_qa() ? ws.key_rows.data() : nullptr, win,
-                 geom.has_q ? &ws.pos.rows : nullptr, ws.scores.data(), ld, ws.runs.data(), ws.block_max.data());
+                 geom.has_q ? &ws.pos.rows : nullptr, ws.scores.data(), ld, ws.runs.data(), ws.block_max.data(),
+                 packed);
     if (drop.on) drop.cols(drop_key, n0, width, ws.key_hashes.data());
     for (int64_t a = 0; a < rows; ++a) {
       softmax_block_row(ws.scores.data() + a * ld, ws.runs[a], ws.block_max[a], ws.row_max[a], ws.row_sum[a],
@@ -1240,8 +1363,16 @@ void forward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Dropou
       round_row(ws.scores.data() + a * ld, a, ld, width, ws.weights16);
     }
     const I* weights = operand<I>(ws.scores.data(), ws.weights16);
-    gemm_io<I, T>(false, false, rows, geom.Dv, width, T(1), weights, ld, v + n0 * in.vs[2], in.vs[2], T(1),
-                  ws.acc.data(), geom.Dv);
+    if (packed != nullptr) {  // brgemm over an even count of keys: an odd block's weights get a zero column
+      if (width % 2 == 1)
+        for (int64_t a = 0; a < rows; ++a) ws.weights16[a * ld + width] = I(0);
+      for (int64_t c0 = 0; c0 < geom.Dv; c0 += kPackCols)
+        brgemm_packed<I, T>(rows, std::min(kPackCols, geom.Dv - c0), width + width % 2, weights, ld,
+                         packed->values(c0, n0), ws.acc.data() + c0, geom.Dv, true);
+    } else {
+      gemm_io<I, T>(false, false, rows, geom.Dv, width, T(1), weights, ld, v + n0 * in.vs[2], in.vs[2], T(1),
+                    ws.acc.data(), geom.Dv);
+    }
   }
   if (geom.has_v)
     gemm<T>(false, false, rows, geom.Dv, win.rows, T(1), ws.value_weights.data(), win.cols,
@@ -1254,7 +1385,8 @@ void forward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Dropou
 // (seq_call), forms the KA rows of its sequence and head where the previous task's were another's, and runs its tile.
 template <typename I, typename T>
 void forward_impl(const Geometry& geom, const Views<I, T>& in, const Batch& batch, const Dropout& drop, T scale,
-                  int64_t tile_q, int64_t tile_k, I* out, T* lse) {
+                  int64_t tile_q, int64_t tile_k, bool brgemm, I* out, T* lse) {
+  const PackedKV<I> packed = brgemm ? pack_keys_values(geom, in, batch) : PackedKV<I>{};
   const int64_t table_cols = window_cap(geom, in.padded_rows, tile_q, geom.M);  // columns of a tile's table rows
   const ForwardSchedule sched = forward_schedule(geom, batch, tile_q, table_cols);
   // The position-to-content term: KA's row stride, room for the longest sequence's windows.
@@ -1271,8 +1403,13 @@ void forward_impl(const Geometry& geom, const Views<I, T>& in, const Batch& batc
         ws.pos.held = ka_of;
       }
       const int64_t row0 = (call.seq.b * geom.H + task.h) * batch.rows_q + call.seq.q0 + task.m0;  // of out, lse
-      forward_tile(call, task.h, task.m0, drop, scale, ws, out + row0 * geom.Dv, lse + row0);
+      const PackedHead<I> head = packed.on ? packed.head(task.seq, task.h / geom.group) : PackedHead<I>{};
+      forward_tile(call, task.h, task.m0, drop, scale, ws, out + row0 * geom.Dv, lse + row0,
+                   packed.on ? &head : nullptr);
     }
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+    if (packed.on) at::native::cpublas::brgemm_release();
+#endif
   });
 }
 
@@ -1727,6 +1864,13 @@ Batch packed_batch(Geometry& g, const at::Tensor& cu_q, const at::Tensor& cu_k) 
   return batch;
 }
 
+// Whether a forward call asked for brgemm (the CPU's choice) runs it: 16-bit inputs torch's brgemm takes, an even head
+// dim (pairs of rows pack together), value heads of a multiple of 16 columns (the packed blocks' widths), and enough
+// queries per key/value head to repay packing its keys and values (packing a block costs about a 32-row GEMM).
+bool uses_brgemm(const Geometry& g, at::ScalarType dt) {
+  return has_brgemm(dt) && g.D % 2 == 0 && g.Dv % 16 == 0 && g.N * g.group >= 64;
+}
+
 std::tuple<at::Tensor, at::Tensor> forward_call(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
                                                 const std::optional<at::Tensor>& rel_k,
                                                 const std::optional<at::Tensor>& rel_v,
@@ -1735,7 +1879,8 @@ std::tuple<at::Tensor, at::Tensor> forward_call(const at::Tensor& q_, const at::
                                                 const std::optional<at::Tensor>& q_pos,
                                                 const std::optional<at::Tensor>& rel_bias, int64_t kk, bool is_causal,
                                                 double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k,
-                                                const at::Tensor* cu_q, const at::Tensor* cu_k, const Dropout& drop) {
+                                                const at::Tensor* cu_q, const at::Tensor* cu_k, const Dropout& drop,
+                                                bool brgemm) {
   at::Tensor q = rows_contiguous(q_), k = rows_contiguous(k_), v = rows_contiguous(v_);
   at::Tensor tk = table(rel_k), tv = table(rel_v), tq = table(rel_q), mask = checked_mask(opt(mask_), q, k);
   at::Tensor tb = table(rel_bias);
@@ -1743,13 +1888,15 @@ std::tuple<at::Tensor, at::Tensor> forward_call(const at::Tensor& q_, const at::
   Geometry g = geometry(q, k, v, tk, tv, tq, tb, kk, is_causal, query_offset);
   const Batch batch = cu_q == nullptr ? dense_batch(g) : packed_batch(g, *cu_q, *cu_k);
   clamp_tiles(g, tile_q, tile_k);
+  brgemm = brgemm && uses_brgemm(g, q.scalar_type());
+  if (brgemm) tile_k = (tile_k + kPackCols - 1) / kPackCols * kPackCols;  // blocks start at packed blocks
   at::Tensor out = at::empty({g.B, g.H, batch.rows_q, g.Dv}, q.options());
   at::Tensor lse = at::empty({g.B, g.H, batch.rows_q}, q.options().dtype(compute_type(q)));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   const Padded pad = padded_tables(tk, tv, tq, g, tile_q);
   dispatch_types(q.scalar_type(), [&]<typename I, typename T>() {
     forward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, qp, pad, tb), batch, drop, static_cast<T>(scale),
-                       tile_q, tile_k, out.data_ptr<I>(), lse.data_ptr<T>());
+                       tile_q, tile_k, brgemm, out.data_ptr<I>(), lse.data_ptr<T>());
   });
   return {out, lse};
 }
@@ -1762,9 +1909,9 @@ std::tuple<at::Tensor, at::Tensor> shaw_fwd(const at::Tensor& q, const at::Tenso
                                             const std::optional<at::Tensor>& q_pos,
                                             const std::optional<at::Tensor>& rel_bias, int64_t kk, bool is_causal,
                                             double scale, int64_t query_offset, int64_t tile_q, int64_t tile_k,
-                                            const std::optional<at::Tensor>& seed, double dropout_p) {
+                                            const std::optional<at::Tensor>& seed, double dropout_p, bool brgemm) {
   return forward_call(q, k, v, rel_k, rel_v, mask, rel_q, q_pos, rel_bias, kk, is_causal, scale, query_offset, tile_q,
-                      tile_k, nullptr, nullptr, dropout_of(seed, dropout_p));
+                      tile_k, nullptr, nullptr, dropout_of(seed, dropout_p), brgemm);
 }
 
 std::tuple<at::Tensor, at::Tensor> shaw_varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -1775,9 +1922,10 @@ std::tuple<at::Tensor, at::Tensor> shaw_varlen_fwd(const at::Tensor& q, const at
                                                    const std::optional<at::Tensor>& rel_bias, const at::Tensor& cu_q,
                                                    const at::Tensor& cu_k, int64_t kk, bool is_causal, double scale,
                                                    int64_t query_offset, int64_t tile_q, int64_t tile_k,
-                                                   const std::optional<at::Tensor>& seed, double dropout_p) {
+                                                   const std::optional<at::Tensor>& seed, double dropout_p,
+                                                   bool brgemm) {
   return forward_call(q, k, v, rel_k, rel_v, std::nullopt, rel_q, q_pos, rel_bias, kk, is_causal, scale, query_offset,
-                      tile_q, tile_k, &cu_q, &cu_k, dropout_of(seed, dropout_p));
+                      tile_q, tile_k, &cu_q, &cu_k, dropout_of(seed, dropout_p), brgemm);
 }
 
 using Grads =
@@ -1875,19 +2023,21 @@ Grads shaw_varlen_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at:
 TORCH_LIBRARY(relattn_native, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, Tensor? rel_q, "
         "Tensor? q_pos, Tensor? rel_bias, int K, bool is_causal, float scale, int query_offset, int tile_q, int tile_k, "
-        "Tensor? seed=None, float dropout_p=0.0) -> (Tensor, Tensor)");
+        "Tensor? seed=None, float dropout_p=0.0, bool brgemm=False) -> (Tensor, Tensor)");
   m.def("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, "
         "Tensor? rel_q, Tensor? q_pos, Tensor? rel_bias, Tensor out, Tensor lse, int K, bool is_causal, float scale, "
         "int query_offset, int tile_q, int tile_k, int kv_splits, Tensor? seed=None, float dropout_p=0.0) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? rel_q, Tensor? q_pos, "
         "Tensor? rel_bias, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int K, bool is_causal, float scale, "
-        "int query_offset, int tile_q, int tile_k, Tensor? seed=None, float dropout_p=0.0) -> (Tensor, Tensor)");
+        "int query_offset, int tile_q, int tile_k, Tensor? seed=None, float dropout_p=0.0, bool brgemm=False) -> "
+        "(Tensor, Tensor)");
   m.def("varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? rel_q, "
         "Tensor? q_pos, Tensor? rel_bias, Tensor out, Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int K, "
         "bool is_causal, float scale, int query_offset, int tile_q, int tile_k, int kv_splits, Tensor? seed=None, "
         "float dropout_p=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("has_gemm16(ScalarType dtype) -> bool", [](at::ScalarType dtype) { return has_gemm16(dtype); });
+  m.def("has_brgemm(ScalarType dtype) -> bool", [](at::ScalarType dtype) { return has_brgemm(dtype); });
 }
 
 TORCH_LIBRARY_IMPL(relattn_native, CPU, m) {
