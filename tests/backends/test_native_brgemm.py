@@ -1,4 +1,4 @@
-"""The native kernel's forward through torch's brgemm (oneDNN's micro-kernel, AMX tiles where the CPU has them) on
+"""The native kernel's GEMMs through torch's brgemm (oneDNN's micro-kernel, AMX tiles where the CPU has them) on
 keys and values packed once per call (``native.uses_brgemm``, the ``brgemm`` setting): against the float64 oracle
 within the policy (bfloat16: twice plain PyTorch's error) and against the same call through MKL's 16-bit GEMMs
 (within a rounding of the output), outputs and gradients, where features meet: packed blocks cut by odd key counts and
@@ -55,9 +55,9 @@ def _inputs(case, seed=0):
 
 def _run(inputs, go, brgemm, **kw):
     present = inputs + [kw[name] for name in ("rel_q", "rel_bias") if name in kw]
-    with native.SETTINGS.override(gemm16=True, brgemm=brgemm):
+    with native.SETTINGS.override(gemm16=True, brgemm=brgemm):  # the backward's too
         out = fn.relative_attention(*inputs, backend="native", **kw)
-    return out, torch.autograd.grad(out, present, go)
+        return out, torch.autograd.grad(out, present, go)
 
 
 def _one_rounding(a, b, what):
@@ -68,7 +68,7 @@ def _one_rounding(a, b, what):
 
 @needs_brgemm
 @pytest.mark.parametrize("case", list(_CASES))
-def test_brgemm_forward_against_the_oracle_and_mkl(case):
+def test_brgemm_against_the_oracle_and_mkl(case):
     inputs, kw = _inputs(case)
     go = torch.randn(inputs[0].shape[:-1] + inputs[2].shape[-1:], generator=torch.Generator().manual_seed(9))
     assert native.uses_brgemm(BF16) or not native.choice().brgemm
@@ -77,12 +77,15 @@ def test_brgemm_forward_against_the_oracle_and_mkl(case):
     kw64 = {n: (t.detach().double() if isinstance(t, torch.Tensor) and n == "attn_mask" else t) for n, t in kw.items()}
     want_out, want = oracle_grads(inputs, go.double(), **{n: t for n, t in kw64.items() if n != "enable_gqa"})
     plain_out = attention_ref(*inputs, upcast=False, **{n: t for n, t in kw.items() if n != "enable_gqa"})
+    present = inputs + [kw[name] for name in ("rel_q", "rel_bias") if name in kw]
+    plain = torch.autograd.grad(plain_out, present, go.to(BF16))
     assert_close(got_out, want_out, BF16, f"{case} out", yardstick=plain_out)
     _one_rounding(got_out, mkl_out, f"{case} out")
     names = ["dq", "dk", "dv", "drel_k", "drel_v", "drel_q", "drel_bias"]
-    for name, a, b, w in zip(names, got, mkl, want, strict=False):
+    for name, a, b, w, p in zip(names, got, mkl, want, plain, strict=False):
         assert a.dtype == BF16 and torch.isfinite(a).all(), name
-        # the backward (MKL's GEMMs either way) reads each path's out and lse: its results are as close as those
+        assert_close(a, w, BF16, f"{case} {name}", yardstick=p)
+        # the backward (its q k^T, dO v^T and dS k through brgemm too, or all through MKL) reads each path's out
         assert max_error(a, b) <= 4 * torch.finfo(BF16).eps * w.abs().max().item(), f"{case} {name}"
 
 
@@ -107,29 +110,35 @@ def test_brgemm_dropout_draws_the_same_mask():
 
 @needs_brgemm
 def test_brgemm_packed_sequences():
-    """A packed call of ragged sequences (each packed from its own first key; an odd one ends in a zero row), causal
-    with a bias: each sequence as its own dense call through MKL."""
+    """A packed call of ragged sequences (each packed from its own first key; odd ones end in a zero row), causal,
+    outputs and gradients: each sequence as its own dense call through MKL."""
     g = torch.Generator().manual_seed(5)
     lens = [70, 131, 64, 99]
     t, h, d, kk = sum(lens), 2, 32, 12
-    q, k, v = (torch.randn(t, h, d, generator=g).to(BF16) for _ in range(3))
-    rel_k, rel_v = (torch.randn(2 * kk + 1, d, generator=g).mul(0.5) for _ in range(2))
+    q, k, v = (torch.randn(t, h, d, generator=g).to(BF16).requires_grad_() for _ in range(3))
+    rel_k, rel_v = (torch.randn(2 * kk + 1, d, generator=g).mul(0.5).to(BF16).requires_grad_() for _ in range(2))
+    go = torch.randn(t, h, d, generator=g).to(BF16)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     kw = dict(max_relative_position=kk, is_causal=True, backend="native")
-    with torch.no_grad(), native.SETTINGS.override(gemm16=True, brgemm=True):
-        got = fn.relative_attention_varlen(q, k, v, rel_k.to(BF16), rel_v.to(BF16), cu_seqlens_q=cu, **kw)
-    with torch.no_grad(), native.SETTINGS.override(gemm16=True, brgemm=False):
-        for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
-            one = fn.relative_attention(*(x[a:b].transpose(0, 1)[None] for x in (q, k, v)), rel_k.to(BF16),
-                                        rel_v.to(BF16), **kw)
-            _one_rounding(got[a:b], one[0].transpose(0, 1), f"sequence {s}")
+    inputs = [q, k, v, rel_k, rel_v]
+    with native.SETTINGS.override(gemm16=True, brgemm=True):
+        got = fn.relative_attention_varlen(q, k, v, rel_k, rel_v, cu_seqlens_q=cu, **kw)
+        got_grads = torch.autograd.grad(got, inputs, go)
+    with native.SETTINGS.override(gemm16=True, brgemm=False):
+        outs = [fn.relative_attention(*(x[a:b].transpose(0, 1)[None] for x in (q, k, v)), rel_k, rel_v, **kw)[0]
+                for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
+        want = torch.cat([o.transpose(0, 1) for o in outs])
+        want_grads = torch.autograd.grad(want, inputs, go)
+    _one_rounding(got, want, "out")
+    for name, a, b in zip(["dq", "dk", "dv", "drel_k", "drel_v"], got_grads, want_grads, strict=True):
+        assert max_error(a, b) <= 4 * torch.finfo(BF16).eps * b.abs().max().item(), name
 
 
 @needs_brgemm
 @pytest.mark.parametrize("shape", [(100, 31, 32), (100, 32, 40), (40, 32, 32)], ids=["odd-d", "dv40", "few-queries"])
 def test_calls_brgemm_does_not_take_run_on_mkl(shape):
-    """An odd head dim, value heads not a multiple of 16 wide, fewer than 64 queries per key/value head: the kernel
-    keeps MKL's GEMMs for them, with the same results (bitwise) whichever the setting."""
+    """Head dims that are not multiples of 16 (odd, 40), fewer than 64 queries per key/value head: the kernel keeps
+    MKL's GEMMs for them, with the same results (bitwise) whichever the setting."""
     n, d, dv = shape
     g = torch.Generator().manual_seed(6)
     q, k = (torch.randn(1, 1, n, d, generator=g).to(BF16) for _ in range(2))

@@ -40,9 +40,10 @@ come from the CPU's features (:func:`choice`, :mod:`relattn.backends.cpu`); ``RE
 * **16-bit GEMMs** where the CPU has instructions for them (``avx512_bf16`` or AMX for bfloat16; ``avx512_fp16``
   or AMX-FP16 for float16) and libtorch exports MKL's 16-bit GEMMs: q, k, v, dO stay 16-bit, the GEMMs over keys
   accumulate in float32, P and dS are rounded to 16 bits for theirs (as PyTorch's own CPU flash attention does);
-  softmax statistics, relative terms and accumulators are float32. On the ``amx`` class the forward's (q k^T, P v)
-  go to torch's brgemm (oneDNN's micro-kernel, AMX tiles) on keys and values packed once per call, where torch runs
-  it (:func:`uses_brgemm`; the ``brgemm`` setting): a third to a half of MKL's time on a tile's shapes.
+  softmax statistics, relative terms and accumulators are float32. On the ``amx`` class those whose B is k or v
+  (q k^T, P v forward; q k^T, dO v^T, dS k backward) go to torch's brgemm (oneDNN's micro-kernel, AMX tiles) on keys
+  and values packed once per call, where torch runs it (:func:`uses_brgemm`; the ``brgemm`` setting): a third to a
+  half of MKL's time on a tile's shapes.
 * **float32 copies** elsewhere: the inputs are converted to float32 and the float32 kernel runs (one rounding of
   the output). On a CPU without 16-bit instructions this is the faster of the two (MKL's 16-bit GEMMs convert
   inside there, and run slower than its float32 GEMM).
@@ -249,9 +250,9 @@ def brgemm_here(dtype: torch.dtype) -> bool:
 
 
 def uses_brgemm(dtype: torch.dtype) -> bool:
-    """Whether the forward's 16-bit GEMMs of ``dtype`` go to torch's brgemm on packed keys and values rather than
-    MKL's: 16-bit GEMMs (:func:`uses_gemm16`), the ``brgemm`` setting (None: the CPU's choice), torch runs it. The
-    kernel also needs an even head dim, value heads a multiple of 16 wide and 64 queries per key/value head."""
+    """Whether the 16-bit GEMMs of ``dtype`` whose B is k or v go to torch's brgemm on packed keys and values rather
+    than MKL's: 16-bit GEMMs (:func:`uses_gemm16`), the ``brgemm`` setting (None: the CPU's choice), torch runs it.
+    The kernel also needs head dims that are multiples of 16 and 64 queries per key/value head."""
     forced = SETTINGS.current.brgemm
     return uses_gemm16(dtype) and (choice().brgemm if forced is None else forced) and brgemm_here(dtype)
 
@@ -340,7 +341,8 @@ def backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, out, lse, *, max_relat
     tiles = _tiles(q.shape[-2], k.shape[-2], is_causal, max_relative_position)
     grads = torch.ops.relattn_native.bwd(go, q_, k_, v_, *_tables_and_mask(rel_k, rel_v, mask, rel_q), qp,
                                          _table(rel_bias), out_, lse, max_relative_position, is_causal, scale,
-                                         query_offset, *tiles, SETTINGS.current.kv_splits, seed, dropout_p)
+                                         query_offset, *tiles, SETTINGS.current.kv_splits, seed, dropout_p,
+                                         uses_brgemm(q.dtype))
     return _in_dtypes(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos, rel_bias))
 
 
@@ -383,7 +385,8 @@ def varlen_backward(grad_out, q, k, v, rel_k, rel_v, mask, seed, cu_seqlens_q, c
     rel_k_, rel_v_, _, rel_q_ = _tables_and_mask(rel_k, rel_v, None, rel_q)
     grads = torch.ops.relattn_native.varlen_bwd(go, q_, k_, v_, rel_k_, rel_v_, rel_q_, qp, _table(rel_bias), out_, lse,
                                                 cu_seqlens_q, cu_seqlens_k, max_relative_position, is_causal, scale,
-                                                query_offset, *tiles, SETTINGS.current.kv_splits, seed, dropout_p)
+                                                query_offset, *tiles, SETTINGS.current.kv_splits, seed, dropout_p,
+                                                uses_brgemm(q.dtype))
     return _in_dtypes(grads, (q, k, v, rel_k, rel_v, rel_q, q_pos, rel_bias))
 
 

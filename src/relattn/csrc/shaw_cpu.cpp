@@ -296,17 +296,31 @@ void brgemm_packed(int64_t m, int64_t n, int64_t k, const I* a, int64_t lda, con
 #endif
 }
 
-// One (sequence, key/value head)'s keys and values as PackedKV holds them: k^T in blocks of kPackCols keys, (dp,
-// kPackCols) each, dp = D rounded up to even; v in blocks of kPackCols columns (the last dv % kPackCols), (mp, cols)
-// each, mp = m rounded up to even. oneDNN packs pairs of rows together (VNNI), so v's rows from an even key n0 on are
-// those of v[n0:] packed.
+// One (sequence, key/value head)'s keys and values as PackedKV holds them (each form null where not packed), for the
+// GEMMs whose B they are: transposed (k^T for q k^T, v^T for dO v^T) in blocks of kPackCols keys, (d, kPackCols)
+// each; as rows (v for P v, k for dS k) in blocks of kPackCols columns (the last d % kPackCols), (mp, cols) each, mp =
+// m rounded up to even. oneDNN packs pairs of rows together (VNNI), so the rows from an even key n0 on are those of
+// [n0:] packed. Head dims are multiples of 16 (uses_brgemm).
 template <typename I>
 struct PackedHead {
-  const I *k, *v;
-  int64_t dp, mp, dv;
-  const I* keys(int64_t n0) const { return k + n0 / kPackCols * kPackCols * dp; }  // n0: a multiple of kPackCols
-  const I* values(int64_t c0, int64_t n0) const { return v + c0 * mp + n0 * std::min(kPackCols, dv - c0); }
+  const I *kt = nullptr, *vt = nullptr, *kr = nullptr, *vr = nullptr;
+  int64_t d = 0, dv = 0, mp = 0;
+  // n0: a multiple of kPackCols
+  const I* keys_t(int64_t n0) const { return kt + n0 * d; }
+  const I* values_t(int64_t n0) const { return vt + n0 * dv; }
+  // n0 even; c0 a multiple of kPackCols
+  const I* key_rows(int64_t c0, int64_t n0) const { return kr + c0 * mp + n0 * std::min(kPackCols, d - c0); }
+  const I* value_rows(int64_t c0, int64_t n0) const { return vr + c0 * mp + n0 * std::min(kPackCols, dv - c0); }
 };
+
+// Releases the AMX tile configuration torch's brgemm set on this thread: at the end of a thread's run, and after an
+// MKL 16-bit GEMM between brgemm calls (MKL configures the tiles its own way; torch would not configure them again
+// for the next call and its tile instructions would fault).
+inline void release_brgemm() {
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32)
+  at::native::cpublas::brgemm_release();
+#endif
+}
 
 // rows x cols of src (row stride ld) as T: src itself when I is T, else a dense copy in buf (row stride cols).
 // Returns the rows and sets ld_out to their stride.
@@ -855,7 +869,7 @@ void block_scores(const Geometry& g, const Views<I, T>& w, int64_t b, int64_t h,
   const I* q = w.qh(b, h) + m0 * w.qs[2];
   if (packed != nullptr) {  // brgemm on packed keys, kPackCols at a time (ld and n0 are multiples of it): unscaled
     for (int64_t x = 0; x < width; x += kPackCols)
-      brgemm_packed<I, T>(tq, kPackCols, packed->dp, q, w.qs[2], packed->keys(n0 + x), S + x, ld, false);
+      brgemm_packed<I, T>(tq, kPackCols, g.D, q, w.qs[2], packed->keys_t(n0 + x), S + x, ld, false);
   } else {
     gemm_io<I, T>(false, true, tq, width, g.D, scale, q, w.qs[2], w.kh(b, hkv) + n0 * w.ks[2], w.ks[2], T(0), S, ld);
   }
@@ -1100,49 +1114,86 @@ std::vector<int64_t> backward_schedule(const Geometry& geom, const Batch& batch,
 
 // ------------------------------------------------------------------ workspace
 
-// The keys and values of every (sequence, key/value head) of a 16-bit call, packed once per call for brgemm
-// (PackedHead's layout; rows past a sequence's last key zero): its GEMMs over keys run on oneDNN's micro-kernel (AMX
-// tiles where the CPU has them), which reads B packed, in a third to a half of the time MKL's 16-bit GEMMs take on
-// the per-tile shapes (benchmarks/README.md). `on` false: not packed (the GEMMs go to MKL).
+// The keys and values of every (sequence, key/value head) of a 16-bit call in the forms its GEMMs read them through
+// brgemm (PackedHead's layout; the forward's: k^T and v rows, the backward's: k^T, v^T and k rows), packed once per
+// call, rows past a sequence's last key zero: its GEMMs over keys run on oneDNN's micro-kernel (AMX tiles where the
+// CPU has them), which reads B packed, in a third to a half of the time MKL's 16-bit GEMMs take on the per-tile
+// shapes (docs/backends.md). `on` false: not packed (the GEMMs go to MKL).
 template <typename I>
 struct PackedKV {
-  bool on = false;
-  int64_t dp = 0, dv = 0, hkv = 0;
-  std::vector<int64_t> k_at, v_at, chunk_at, mp;  // per sequence: where its keys and values start, its first chunk
-  at::Tensor keys, values;
+  bool on = false, backward = false;
+  std::vector<int64_t> at, chunk_at, mp;  // per sequence: where its heads start, its first chunk, its rows
+  at::Tensor data;                        // per sequence and head: k^T, v^T (backward), k rows (backward), v rows
+  int64_t d = 0, dv = 0, hkv = 0;
+  int64_t head_size(int64_t s) const {
+    const int64_t kb = (chunk_at[s + 1] - chunk_at[s]) / hkv, blocks = kb * kPackCols;
+    return blocks * d + (backward ? blocks * dv + mp[s] * d : mp[s] * dv);
+  }
   PackedHead<I> head(int64_t s, int64_t h) const {
-    const int64_t kb = (chunk_at[s + 1] - chunk_at[s]) / hkv;
-    return {keys.data_ptr<I>() + k_at[s] + h * kb * kPackCols * dp, values.data_ptr<I>() + v_at[s] + h * mp[s] * dv,
-            dp, mp[s], dv};
+    const int64_t kb = (chunk_at[s + 1] - chunk_at[s]) / hkv, blocks = kb * kPackCols;
+    I* base = data.data_ptr<I>() + at[s] + h * head_size(s);
+    PackedHead<I> ph{base, nullptr, nullptr, nullptr, d, dv, mp[s]};
+    if (backward) {
+      ph.vt = base + blocks * d;
+      ph.kr = ph.vt + blocks * dv;
+    } else {
+      ph.vr = base + blocks * d;
+    }
+    return ph;
   }
 };
 
-// Packs k^T and v of every sequence and key/value head, in parallel over chunks of kPackCols keys.
-template <typename I, typename T>
-PackedKV<I> pack_keys_values(const Geometry& geom, const Views<I, T>& in, const Batch& batch) {
-  PackedKV<I> p;
+// rows x d of src (rows ld apart), n <= kPackCols of them, transposed into buf (d, kPackCols; zero past row n) and
+// packed at dst.
+template <typename I>
+void pack_transposed(const I* src, int64_t ld, int64_t n, int64_t d, std::vector<I>& buf, I* dst) {
 #if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32)
+  constexpr at::ScalarType dt = c10::CppTypeToScalarType<I>::value;
+  std::fill(buf.begin(), buf.begin() + d * kPackCols, I(0));
+  for (int64_t x = 0; x < n; ++x)
+    for (int64_t c = 0; c < d; ++c) buf[c * kPackCols + x] = src[x * ld + c];
+  at::native::cpublas::pack(d, kPackCols, kPackCols, kPackCols, dt, dt, buf.data(), dst);
+#endif
+}
+
+// n <= kPackCols rows of src (ld apart) as the rows of PackedHead's row form: each column block copied into buf and
+// packed at its place (at(c0): the block's rows from this chunk's first), an odd count with a zero row.
+template <typename I, typename F>
+void pack_rows(const I* src, int64_t ld, int64_t n, int64_t d, std::vector<I>& buf, F at) {
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32)
+  constexpr at::ScalarType dt = c10::CppTypeToScalarType<I>::value;
+  const int64_t rows = n + n % 2;
+  for (int64_t c0 = 0; c0 < d; c0 += kPackCols) {
+    const int64_t cols = std::min(kPackCols, d - c0);
+    for (int64_t x = 0; x < n; ++x) std::copy(src + x * ld + c0, src + x * ld + c0 + cols, &buf[x * cols]);
+    std::fill(buf.begin() + n * cols, buf.begin() + rows * cols, I(0));
+    at::native::cpublas::pack(rows, cols, cols, cols, dt, dt, buf.data(), const_cast<I*>(at(c0)));
+  }
+#endif
+}
+
+// Packs the forms the forward (or the backward) reads of every sequence and key/value head, in parallel over chunks
+// of kPackCols keys.
+template <typename I, typename T>
+PackedKV<I> pack_keys_values(const Geometry& geom, const Views<I, T>& in, const Batch& batch, bool backward) {
+  PackedKV<I> p;
   if constexpr (is_16_bit<I>) {
-    constexpr at::ScalarType dt = c10::CppTypeToScalarType<I>::value;
     p.on = true;
-    p.dp = geom.D + geom.D % 2;
+    p.backward = backward;
+    p.d = geom.D;
     p.dv = geom.Dv;
     p.hkv = geom.Hkv;
-    int64_t kt = 0, vt = 0;
+    int64_t total = 0;
     p.chunk_at.push_back(0);
     for (const Seq& s : batch.seqs) {
-      const int64_t kb = (s.m + kPackCols - 1) / kPackCols;
-      p.k_at.push_back(kt);
-      p.v_at.push_back(vt);
+      p.at.push_back(total);
       p.mp.push_back(s.m + s.m % 2);
-      kt += geom.Hkv * kb * kPackCols * p.dp;
-      vt += geom.Hkv * p.mp.back() * p.dv;
-      p.chunk_at.push_back(p.chunk_at.back() + geom.Hkv * kb);
+      p.chunk_at.push_back(p.chunk_at.back() + geom.Hkv * ((s.m + kPackCols - 1) / kPackCols));
+      total += geom.Hkv * p.head_size(static_cast<int64_t>(p.at.size()) - 1);
     }
-    p.keys = at::empty({kt}, at::TensorOptions().dtype(dt));
-    p.values = at::empty({vt}, at::TensorOptions().dtype(dt));
+    p.data = at::empty({total}, at::TensorOptions().dtype(c10::CppTypeToScalarType<I>::value));
     at::parallel_for(0, p.chunk_at.back(), 1, [&](int64_t c0, int64_t c1) {
-      std::vector<I> buf(std::max(p.dp, kPackCols) * kPackCols);  // a chunk's k^T, or its v rows of a column block
+      std::vector<I> buf(std::max(geom.D, geom.Dv) * kPackCols);  // a chunk transposed, or a column block of rows
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t s = std::upper_bound(p.chunk_at.begin(), p.chunk_at.end(), c) - p.chunk_at.begin() - 1;
         const Seq& seq = batch.seqs[s];
@@ -1150,24 +1201,17 @@ PackedKV<I> pack_keys_values(const Geometry& geom, const Views<I, T>& in, const 
         const int64_t n0 = (c - p.chunk_at[s]) % kb * kPackCols, n = std::min(kPackCols, seq.m - n0);
         const SeqCall<I, T> call = seq_call(geom, in, seq);
         const PackedHead<I> ph = p.head(s, h);
-        const I* k = call.in.kh(seq.b, h) + n0 * in.ks[2];
-        std::fill(buf.begin(), buf.end(), I(0));
-        for (int64_t x = 0; x < n; ++x)
-          for (int64_t d = 0; d < geom.D; ++d) buf[d * kPackCols + x] = k[x * in.ks[2] + d];
-        at::native::cpublas::pack(p.dp, kPackCols, kPackCols, kPackCols, dt, dt, buf.data(),
-                                  const_cast<I*>(ph.keys(n0)));
-        const I* v = call.in.vh(seq.b, h) + n0 * in.vs[2];
-        const int64_t rows = n + n % 2;  // an odd last chunk gets a zero row
-        for (int64_t c0 = 0; c0 < geom.Dv; c0 += kPackCols) {
-          const int64_t cols = std::min(kPackCols, geom.Dv - c0);
-          for (int64_t x = 0; x < n; ++x) std::copy(v + x * in.vs[2] + c0, v + x * in.vs[2] + c0 + cols, &buf[x * cols]);
-          std::fill(buf.begin() + n * cols, buf.begin() + rows * cols, I(0));
-          at::native::cpublas::pack(rows, cols, cols, cols, dt, dt, buf.data(), const_cast<I*>(ph.values(c0, n0)));
+        const I *k = call.in.kh(seq.b, h) + n0 * in.ks[2], *v = call.in.vh(seq.b, h) + n0 * in.vs[2];
+        pack_transposed(k, in.ks[2], n, geom.D, buf, const_cast<I*>(ph.keys_t(n0)));
+        if (backward) {
+          pack_transposed(v, in.vs[2], n, geom.Dv, buf, const_cast<I*>(ph.values_t(n0)));
+          pack_rows(k, in.ks[2], n, geom.D, buf, [&](int64_t col) { return ph.key_rows(col, n0); });
+        } else {
+          pack_rows(v, in.vs[2], n, geom.Dv, buf, [&](int64_t col) { return ph.value_rows(col, n0); });
         }
       }
     });
   }
-#endif
   return p;
 }
 
@@ -1231,18 +1275,20 @@ struct BackwardWorkspace {
   std::vector<T> value_weights;  // PW: each row's summed weights per table row (tile_q, table_cols)
   std::vector<T> pos_queries, dout_rows;  // 16-bit q_pos and dO rows as T, for the GEMMs with the tables
   std::vector<I> block16;      // a block's weights or dS rounded to I, for the GEMMs with 16-bit inputs
+  std::vector<T> dq_rows;      // brgemm: the tile's dS @ k, unscaled (tile_q, D)
   std::vector<uint32_t> key_hashes;  // the dropout hashes of a block's keys
   KeyScores<T> pos;            // KA rows of the task's keys, for one query head at a time
   std::vector<T> pos_grad, pos_grad_lo, pos_grad_hi;  // dKA's bins, and its edge columns (PosRows' layout)
   BackwardWorkspace(const Geometry& geom, int64_t tile_q, int64_t tile_k, int64_t seg_keys, int64_t table_cols,
-                    int64_t ka_ld, bool drop)
+                    int64_t ka_ld, bool drop, bool brgemm)
       : tile_q(tile_q), tile_k(tile_k), table_cols(table_cols), weights(tile_q * tile_k), grads(tile_q * tile_k),
         keep(drop ? tile_q * tile_k : 0), out_dot(tile_q), block_max(tile_q), runs(tile_q),
         key_rows(geom.has_qa() ? tile_q * table_cols : 0), key_rows_grad(geom.has_qa() ? tile_q * table_cols : 0),
         value_rows(geom.has_v ? tile_q * table_cols : 0), value_weights(geom.has_v ? tile_q * table_cols : 0),
         pos_queries(!std::is_same_v<I, T> && geom.has_k ? tile_q * geom.D : 0),
         dout_rows(!std::is_same_v<I, T> && geom.has_v ? tile_q * geom.Dv : 0),
-        block16(!std::is_same_v<I, T> ? tile_q * tile_k : 0), key_hashes(drop ? tile_k : 0),
+        block16(!std::is_same_v<I, T> ? tile_q * tile_k : 0), dq_rows(brgemm ? tile_q * geom.D : 0),
+        key_hashes(drop ? tile_k : 0),
         pos(geom, seg_keys, ka_ld, !std::is_same_v<I, T>), pos_grad(geom.has_q ? seg_keys * ka_ld : 0),
         pos_grad_lo(geom.has_q ? seg_keys : 0), pos_grad_hi(geom.has_q ? seg_keys : 0) {}
 };
@@ -1344,6 +1390,7 @@ void forward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Dropou
                              : nullptr;
     tile_key_rows(geom, in, h, qf, ldq, rows, win, scale, ws.key_rows.data());
   }
+  if (packed != nullptr) release_brgemm();  // after MKL's GEMMs (the tables', the task's KA rows)
   std::fill(ws.value_weights.begin(), ws.value_weights.end(), T(0));
   std::fill(ws.acc.begin(), ws.acc.end(), T(0));
   std::fill(ws.row_max.begin(), ws.row_max.end(), neg_inf<T>);
@@ -1368,7 +1415,7 @@ void forward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Dropou
         for (int64_t a = 0; a < rows; ++a) ws.weights16[a * ld + width] = I(0);
       for (int64_t c0 = 0; c0 < geom.Dv; c0 += kPackCols)
         brgemm_packed<I, T>(rows, std::min(kPackCols, geom.Dv - c0), width + width % 2, weights, ld,
-                         packed->values(c0, n0), ws.acc.data() + c0, geom.Dv, true);
+                         packed->value_rows(c0, n0), ws.acc.data() + c0, geom.Dv, true);
     } else {
       gemm_io<I, T>(false, false, rows, geom.Dv, width, T(1), weights, ld, v + n0 * in.vs[2], in.vs[2], T(1),
                     ws.acc.data(), geom.Dv);
@@ -1386,7 +1433,7 @@ void forward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Dropou
 template <typename I, typename T>
 void forward_impl(const Geometry& geom, const Views<I, T>& in, const Batch& batch, const Dropout& drop, T scale,
                   int64_t tile_q, int64_t tile_k, bool brgemm, I* out, T* lse) {
-  const PackedKV<I> packed = brgemm ? pack_keys_values(geom, in, batch) : PackedKV<I>{};
+  const PackedKV<I> packed = brgemm ? pack_keys_values(geom, in, batch, false) : PackedKV<I>{};
   const int64_t table_cols = window_cap(geom, in.padded_rows, tile_q, geom.M);  // columns of a tile's table rows
   const ForwardSchedule sched = forward_schedule(geom, batch, tile_q, table_cols);
   // The position-to-content term: KA's row stride, room for the longest sequence's windows.
@@ -1407,9 +1454,7 @@ void forward_impl(const Geometry& geom, const Views<I, T>& in, const Batch& batc
       forward_tile(call, task.h, task.m0, drop, scale, ws, out + row0 * geom.Dv, lse + row0,
                    packed.on ? &head : nullptr);
     }
-#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
-    if (packed.on) at::native::cpublas::brgemm_release();
-#endif
+    if (packed.on) release_brgemm();
   });
 }
 
@@ -1460,6 +1505,7 @@ struct SegmentKeys {
   const I *k, *v;
   T *dk, *dv;
   int64_t lo, hi;
+  const PackedHead<I>* packed = nullptr;  // the head's keys and values packed for brgemm, or null (MKL's GEMMs)
 };
 
 // Softmax, one row of a block, recomputed: the row's scores s (runs r, max block_max) become P = exp(s - lse), and
@@ -1570,10 +1616,15 @@ void backward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Segme
     std::fill(ws.value_weights.begin(), ws.value_weights.begin() + rows * wc, T(0));
   }
   T *P = ws.weights.data(), *G = ws.grads.data();
+  const PackedHead<I>* packed = keys.packed;
+  if (packed != nullptr) {
+    release_brgemm();  // after MKL's GEMMs (the tables', the segment's KA rows and their gradients)
+    std::fill(ws.dq_rows.begin(), ws.dq_rows.begin() + rows * geom.D, T(0));
+  }
   for (int64_t n0 = keys.lo; n0 < keys_end; n0 += ws.tile_k) {
     const int64_t width = std::min(ws.tile_k, keys_end - n0);
     block_scores(geom, in, b, h, hkv, m0, rows, n0, width, scale, geom.has_qa() ? ws.key_rows.data() : nullptr, win,
-                 geom.has_q ? &ws.pos.rows : nullptr, P, ld, ws.runs.data(), ws.block_max.data());
+                 geom.has_q ? &ws.pos.rows : nullptr, P, ld, ws.runs.data(), ws.block_max.data(), packed);
     if (drop.on) drop.cols(drop_key, n0, width, ws.key_hashes.data());
     for (int64_t a = 0; a < rows; ++a) {  // P = exp(S - lse); with dropout the dropped weights PZ in G's rows
       weights_row(P + a * ld, drop.on ? ws.keep.data() + a * ld : nullptr, G + a * ld, ws.runs[a], width,
@@ -1584,8 +1635,15 @@ void backward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Segme
     // dv += PZ.T @ dO (PZ: the weights as dropped, P without dropout);  dP = dO @ v.T (+ the value term)
     gemm_io<I, T>(true, false, width, geom.Dv, rows, T(1), operand<I>(drop.on ? G : P, ws.block16), ld, tile.dout,
                   tile.dout_ld, T(1), keys.dv + n0 * geom.Dv, geom.Dv);
-    gemm_io<I, T>(false, true, rows, width, geom.Dv, T(1), tile.dout, tile.dout_ld, keys.v + n0 * in.vs[2], in.vs[2],
-                  T(0), G, ld);
+    if (packed != nullptr) release_brgemm();  // after MKL's GEMM
+    if (packed != nullptr) {
+      for (int64_t x = 0; x < width; x += kPackCols)
+        brgemm_packed<I, T>(rows, kPackCols, geom.Dv, tile.dout, tile.dout_ld, packed->values_t(n0 + x), G + x, ld,
+                            false);
+    } else {
+      gemm_io<I, T>(false, true, rows, width, geom.Dv, T(1), tile.dout, tile.dout_ld, keys.v + n0 * in.vs[2],
+                    in.vs[2], T(0), G, ld);
+    }
     for (int64_t a = 0; a < rows; ++a) {
       score_grad_row(G + a * ld, P + a * ld, drop.on ? ws.keep.data() + a * ld : nullptr, ws.runs[a], width,
                      ws.out_dot[a], geom.has_v ? ws.value_rows.data() + a * wc : nullptr,
@@ -1597,10 +1655,21 @@ void backward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Segme
                    ws.pos_grad_hi.data(), ws.pos.rows);
     // dq += scale dS @ k;  dk += scale dS.T @ q
     const I* dS = operand<I>(G, ws.block16);
-    gemm_io<I, T>(false, false, rows, geom.D, width, scale, dS, ld, keys.k + n0 * in.ks[2], in.ks[2], T(1),
-                  tile.dq + m0 * geom.D, geom.D);
+    if (packed != nullptr) {  // over an even count of keys (an odd block's dS gets a zero column), scaled below
+      if (width % 2 == 1)
+        for (int64_t a = 0; a < rows; ++a) ws.block16[a * ld + width] = I(0);
+      for (int64_t c0 = 0; c0 < geom.D; c0 += kPackCols)
+        brgemm_packed<I, T>(rows, std::min(kPackCols, geom.D - c0), width + width % 2, dS, ld,
+                            packed->key_rows(c0, n0), ws.dq_rows.data() + c0, geom.D, true);
+    } else {
+      gemm_io<I, T>(false, false, rows, geom.D, width, scale, dS, ld, keys.k + n0 * in.ks[2], in.ks[2], T(1),
+                    tile.dq + m0 * geom.D, geom.D);
+    }
     gemm_io<I, T>(true, false, width, geom.D, rows, scale, dS, ld, q, in.qs[2], T(1), keys.dk + n0 * geom.D, geom.D);
+    if (packed != nullptr) release_brgemm();
   }
+  if (packed != nullptr)
+    for (int64_t x = 0; x < rows * geom.D; ++x) tile.dq[m0 * geom.D + x] += scale * ws.dq_rows[x];
   tile_table_grads(geom, in, h, rows, win, scale, ws.key_rows_grad.data(), qf, ldq, ws.value_weights.data(), dof, ldo,
                    tile.dq_pos + m0 * geom.D, grads);
 }
@@ -1671,7 +1740,8 @@ void backward_segment(const SeqCall<I, T>& call, const Batch& batch, int64_t hkv
 // share of dq into its own slab (summed afterwards in segment order, so the result does not depend on the threads).
 template <typename I, typename T>
 void backward_impl(const Geometry& geom, const Views<I, T>& in, const Batch& batch, const Dropout& drop, T scale,
-                   int64_t tile_q, int64_t tile_k, int64_t splits, const BackwardIO<I, T>& io) {
+                   int64_t tile_q, int64_t tile_k, int64_t splits, bool brgemm, const BackwardIO<I, T>& io) {
+  const PackedKV<I> packed = brgemm ? pack_keys_values(geom, in, batch, true) : PackedKV<I>{};
   const KeySegments segs{splits, tile_k};
   const int64_t seg_keys = std::min(geom.M, segs.keys(geom.M));  // the most keys of a task (the longest sequence)
   const int64_t table_cols = window_cap(geom, in.padded_rows, tile_q, seg_keys);  // columns of a tile's table rows
@@ -1679,17 +1749,20 @@ void backward_impl(const Geometry& geom, const Views<I, T>& in, const Batch& bat
   const auto bounds = backward_schedule(geom, batch, tile_q, segs, table_cols);
   for_parts(bounds, [&](int64_t part, int64_t begin, int64_t end) {
     const TableGrads<T> grads = part_table_grads(geom, io, part);
-    BackwardWorkspace<I, T> ws(geom, tile_q, tile_k, seg_keys, table_cols, ka_ld, drop.on);
+    BackwardWorkspace<I, T> ws(geom, tile_q, tile_k, seg_keys, table_cols, ka_ld, drop.on, packed.on);
     for (int64_t t = begin; t < end; ++t) {
       const BackwardTask task = backward_task(t, geom.Hkv, splits);
       const SeqCall<I, T> call = seq_call(geom, in, batch.seqs[task.seq]);
       const int64_t lo = segs.lo(call.geom.M, task.split), hi = segs.hi(call.geom.M, task.split);
       if (call.geom.N == 0 || hi <= lo) continue;  // no query, or no key: no gradient
       const int64_t first_key = (call.seq.b * geom.Hkv + task.hkv) * batch.rows_k + call.seq.k0;  // of dk, dv
+      const PackedHead<I> head = packed.on ? packed.head(task.seq, task.hkv) : PackedHead<I>{};
       const SegmentKeys<I, T> keys{call.in.kh(call.seq.b, task.hkv), call.in.vh(call.seq.b, task.hkv),
-                                   io.dk + first_key * geom.D, io.dv + first_key * geom.Dv, lo, hi};
+                                   io.dk + first_key * geom.D, io.dv + first_key * geom.Dv, lo, hi,
+                                   packed.on ? &head : nullptr};
       backward_segment(call, batch, task.hkv, task.split, keys, drop, scale, ka_ld, io, ws, grads);
     }
+    if (packed.on) release_brgemm();
   });
 }
 
@@ -1864,11 +1937,11 @@ Batch packed_batch(Geometry& g, const at::Tensor& cu_q, const at::Tensor& cu_k) 
   return batch;
 }
 
-// Whether a forward call asked for brgemm (the CPU's choice) runs it: 16-bit inputs torch's brgemm takes, an even head
-// dim (pairs of rows pack together), value heads of a multiple of 16 columns (the packed blocks' widths), and enough
-// queries per key/value head to repay packing its keys and values (packing a block costs about a 32-row GEMM).
+// Whether a call that asked for brgemm (the CPU's choice) runs it: 16-bit inputs torch's brgemm takes, head dims
+// multiples of 16 (the packed blocks' widths, and pairs of rows pack together), and enough queries per key/value head
+// to repay packing its keys and values (packing a 64-key block costs about a 32-row GEMM).
 bool uses_brgemm(const Geometry& g, at::ScalarType dt) {
-  return has_brgemm(dt) && g.D % 2 == 0 && g.Dv % 16 == 0 && g.N * g.group >= 64;
+  return has_brgemm(dt) && g.D % 16 == 0 && g.Dv % 16 == 0 && g.N * g.group >= 64;
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_call(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
@@ -1940,7 +2013,7 @@ Grads backward_call(const at::Tensor& grad_out_, const at::Tensor& q_, const at:
                     const std::optional<at::Tensor>& q_pos, const std::optional<at::Tensor>& rel_bias,
                     const at::Tensor& out_, const at::Tensor& lse_, int64_t kk, bool is_causal, double scale,
                     int64_t query_offset, int64_t tile_q, int64_t tile_k, int64_t kv_splits, const at::Tensor* cu_q,
-                    const at::Tensor* cu_k, const Dropout& drop) {
+                    const at::Tensor* cu_k, const Dropout& drop, bool brgemm) {
   at::Tensor q = rows_contiguous(q_), k = rows_contiguous(k_), v = rows_contiguous(v_);
   at::Tensor grad_out = rows_contiguous(grad_out_), out = out_.contiguous(), lse = lse_.contiguous();
   at::Tensor tk = opt(rel_k), tv = opt(rel_v), tq = opt(rel_q), mask = checked_mask(opt(mask_), q, k);
@@ -1956,6 +2029,8 @@ Grads backward_call(const at::Tensor& grad_out_, const at::Tensor& q_, const at:
               "relattn native: grad_out and out must be (B, H, N, Dv) and lse (B, H, N) for q ", q.sizes(), "; got ",
               grad_out.sizes(), ", ", out.sizes(), ", ", lse.sizes());
   clamp_tiles(g, tile_q, tile_k);
+  brgemm = brgemm && uses_brgemm(g, q.scalar_type());
+  if (brgemm) tile_k = (tile_k + kPackCols - 1) / kPackCols * kPackCols;  // blocks and segments start at packed blocks
   const int64_t threads = at::get_num_threads(), blocks = (g.M + tile_k - 1) / tile_k;
   // Key segments per head: 1 when the heads spread evenly over the threads or there are two per thread, else
   // enough for two tasks per thread (fewer idle threads at the end); kv_splits > 0 forces the number.
@@ -1988,7 +2063,7 @@ Grads backward_call(const at::Tensor& grad_out_, const at::Tensor& q_, const at:
                                 g.has_q ? drq.data_ptr<T>() : nullptr, g.has_b ? drb.data_ptr<T>() : nullptr,
                                 {own[0], own[1], own[2], own[3]}};
       backward_impl<I, T>(g, views<I, T>(q, k, v, tk, tv, mask, tq, qp, pad, tb), batch, drop, static_cast<T>(scale),
-                          tile_q, tile_k, splits, io);
+                          tile_q, tile_k, splits, brgemm, io);
     });
   }
   const auto slabs = [&](const at::Tensor& t) { return splits == 1 ? t[0] : t.sum(0); };
@@ -2002,9 +2077,10 @@ Grads shaw_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor
                const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& rel_q,
                const std::optional<at::Tensor>& q_pos, const std::optional<at::Tensor>& rel_bias, const at::Tensor& out,
                const at::Tensor& lse, int64_t kk, bool is_causal, double scale, int64_t query_offset, int64_t tile_q,
-               int64_t tile_k, int64_t kv_splits, const std::optional<at::Tensor>& seed, double dropout_p) {
+               int64_t tile_k, int64_t kv_splits, const std::optional<at::Tensor>& seed, double dropout_p,
+               bool brgemm) {
   return backward_call(grad_out, q, k, v, rel_k, rel_v, mask, rel_q, q_pos, rel_bias, out, lse, kk, is_causal, scale,
-                       query_offset, tile_q, tile_k, kv_splits, nullptr, nullptr, dropout_of(seed, dropout_p));
+                       query_offset, tile_q, tile_k, kv_splits, nullptr, nullptr, dropout_of(seed, dropout_p), brgemm);
 }
 
 Grads shaw_varlen_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -2013,9 +2089,10 @@ Grads shaw_varlen_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at:
                       const std::optional<at::Tensor>& rel_bias, const at::Tensor& out, const at::Tensor& lse,
                       const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t kk, bool is_causal, double scale,
                       int64_t query_offset, int64_t tile_q, int64_t tile_k, int64_t kv_splits,
-                      const std::optional<at::Tensor>& seed, double dropout_p) {
+                      const std::optional<at::Tensor>& seed, double dropout_p, bool brgemm) {
   return backward_call(grad_out, q, k, v, rel_k, rel_v, std::nullopt, rel_q, q_pos, rel_bias, out, lse, kk, is_causal,
-                       scale, query_offset, tile_q, tile_k, kv_splits, &cu_q, &cu_k, dropout_of(seed, dropout_p));
+                       scale, query_offset, tile_q, tile_k, kv_splits, &cu_q, &cu_k, dropout_of(seed, dropout_p),
+                       brgemm);
 }
 
 }  // namespace
@@ -2026,8 +2103,8 @@ TORCH_LIBRARY(relattn_native, m) {
         "Tensor? seed=None, float dropout_p=0.0, bool brgemm=False) -> (Tensor, Tensor)");
   m.def("bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? mask, "
         "Tensor? rel_q, Tensor? q_pos, Tensor? rel_bias, Tensor out, Tensor lse, int K, bool is_causal, float scale, "
-        "int query_offset, int tile_q, int tile_k, int kv_splits, Tensor? seed=None, float dropout_p=0.0) -> "
-        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "int query_offset, int tile_q, int tile_k, int kv_splits, Tensor? seed=None, float dropout_p=0.0, "
+        "bool brgemm=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? rel_q, Tensor? q_pos, "
         "Tensor? rel_bias, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int K, bool is_causal, float scale, "
         "int query_offset, int tile_q, int tile_k, Tensor? seed=None, float dropout_p=0.0, bool brgemm=False) -> "
@@ -2035,7 +2112,7 @@ TORCH_LIBRARY(relattn_native, m) {
   m.def("varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? rel_k, Tensor? rel_v, Tensor? rel_q, "
         "Tensor? q_pos, Tensor? rel_bias, Tensor out, Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int K, "
         "bool is_causal, float scale, int query_offset, int tile_q, int tile_k, int kv_splits, Tensor? seed=None, "
-        "float dropout_p=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "float dropout_p=0.0, bool brgemm=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("has_gemm16(ScalarType dtype) -> bool", [](at::ScalarType dtype) { return has_gemm16(dtype); });
   m.def("has_brgemm(ScalarType dtype) -> bool", [](at::ScalarType dtype) { return has_brgemm(dtype); });
 }
