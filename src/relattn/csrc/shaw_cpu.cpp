@@ -511,12 +511,6 @@ void exp_into(T* s, int64_t n, T m, Lanes<T>& acc) {
   }
 }
 
-// s[0:n] = exp(s[0:n] + shift).
-template <typename T>
-void exp_shift(T* s, int64_t n, T shift) {
-  transform_reduce(s, n, T(0), T(0), [shift](auto y, int64_t) { return exp_of(y + decltype(y)(shift)); }, add);
-}
-
 // The sum of s[0:n] (s unchanged).
 template <typename T>
 T sum(T* s, int64_t n) {
@@ -1517,12 +1511,20 @@ inline void weights_row(T* s, T* z, T* pz, const Runs& r, int64_t width, T block
                         int64_t last, const RowMask<T>& mask) {
   const bool flat = r.valid == 0 || block_max == neg_inf<T> || !(lse > neg_inf<T>);
   const T p = !flat || lse == lse || r.valid == 0 ? T(0) : lse;
+  // the exps, and with the value term and no dropout the left and right runs' sums in the same pass
+  const bool runs_apart = pw != nullptr && !flat && !mask.on;
+  Lanes<T> lanes_lo(0), lanes_hi(0), lanes(0);
   if (flat) {
     std::fill(s, s + r.valid, p);
     std::fill(s + r.valid, s + width, T(0));
+  } else if (runs_apart) {
+    exp_into(s, r.left, lse, lanes_lo);
+    exp_into(s + r.left, r.right - r.left, lse, lanes);
+    exp_into(s + r.right, r.valid - r.right, lse, lanes_hi);
   } else {
-    exp_shift(s, r.valid, -lse);
+    exp_into(s, r.valid, lse, lanes);
   }
+  if (runs_apart) return fold_runs(pw, s, r, win.first, last, lanes_sum<T>(lanes_lo), lanes_sum<T>(lanes_hi));
   if (mask.on) {
     keep_row(z, r.valid, mask.row, mask.cols, mask.thresh, mask.inv);
     for (int64_t x = 0; x < r.valid; ++x) pz[x] = s[x] * z[x];
