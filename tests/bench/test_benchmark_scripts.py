@@ -184,3 +184,20 @@ def test_training(tmp_path):
     (op,) = result["op"]
     assert op["n"] == 48 and op["dropout_p"] == 0.1 and op["backend"] == "native"
     assert f"| 48 | {op['dropout ms']:.0f} ms | {op['no dropout ms']:.0f} ms | {op['dropout / no dropout']:.2f}×" in out
+
+
+@pytest.mark.slow
+def test_gemm16():
+    """benchmarks/gemm16.py: MKL's 16-bit GEMM against torch's brgemm on the kernel's tile shapes, both giving the
+    same result, or the line saying this CPU runs no such pair."""
+    out = _run("gemm16.py", "--reps", "3")
+    if "nothing to compare" in out:
+        return
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("CPU ") and len(lines) == 3 + 5 + 1 + 5 and lines[8].startswith("float32")
+    for line in lines[9:]:
+        assert len(line.split()) == 8 and float(line.split()[5]) > 0, line
+    for line in lines[3:8]:
+        cells = line.split()  # M x N x K, MKL, brgemm, MKL / brgemm, pack, equal
+        mkl, brgemm, ratio = float(cells[5]), float(cells[6]), float(cells[7])
+        assert mkl > 0 and brgemm > 0 and ratio == pytest.approx(mkl / brgemm, rel=0.03) and cells[-1] == "yes"

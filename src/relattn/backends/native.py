@@ -42,8 +42,8 @@ come from the CPU's features (:func:`choice`, :mod:`relattn.backends.cpu`); ``RE
   accumulate in float32, P and dS are rounded to 16 bits for theirs (as PyTorch's own CPU flash attention does);
   softmax statistics, relative terms and accumulators are float32. On the ``amx`` class those whose B is k or v
   (q k^T, P v forward; q k^T, dO v^T, dS k backward) go to torch's brgemm (oneDNN's micro-kernel, AMX tiles) on keys
-  and values packed once per call, where torch runs it (:func:`uses_brgemm`; the ``brgemm`` setting): a third to a
-  half of MKL's time on a tile's shapes.
+  and values packed once per call, where torch runs it (:func:`uses_brgemm`; the ``brgemm`` setting): 0.2-0.4 of
+  MKL's time on a tile's shapes on the Xeon AMX (``benchmarks/gemm16.py``).
 * **float32 copies** elsewhere: the inputs are converted to float32 and the float32 kernel runs (one rounding of
   the output). On a CPU without 16-bit instructions this is the faster of the two (MKL's 16-bit GEMMs convert
   inside there, and run slower than its float32 GEMM).

@@ -1111,8 +1111,8 @@ std::vector<int64_t> backward_schedule(const Geometry& geom, const Batch& batch,
 // The keys and values of every (sequence, key/value head) of a 16-bit call in the forms its GEMMs read them through
 // brgemm (PackedHead's layout; the forward's: k^T and v rows, the backward's: k^T, v^T and k rows), packed once per
 // call, rows past a sequence's last key zero: its GEMMs over keys run on oneDNN's micro-kernel (AMX tiles where the
-// CPU has them), which reads B packed, in a third to a half of the time MKL's 16-bit GEMMs take on the per-tile
-// shapes (docs/backends.md). `on` false: not packed (the GEMMs go to MKL).
+// CPU has them), which reads B packed, in 0.2-0.4 of the time MKL's 16-bit GEMMs take on the per-tile shapes
+// (benchmarks/gemm16.py). `on` false: not packed (the GEMMs go to MKL).
 template <typename I>
 struct PackedKV {
   bool on = false, backward = false;
