@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_close, attention_ref, max_error, oracle_grads, unavailable_here
+from helpers import assert_close, attention_ref, max_error, oracle_grads, tol, unavailable_here
 from relattn import functional as fn
 from relattn.backends import native
 
@@ -36,18 +36,18 @@ _CASES = {
 }
 
 
-def _inputs(case, seed=0):
+def _inputs(case, seed=0, dtype=BF16):
     b, h, hkv, n, m, d, dv, kk, causal, off, extra = _CASES[case]
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(BF16).requires_grad_()
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype).requires_grad_()
 
     inputs = [rand(b, h, n, d), rand(b, hkv, m, d), rand(b, hkv, m, dv), rand(h, 2 * kk + 1, d, scale=0.5),
               rand(2 * kk + 1, dv, scale=0.5)]
     kw = dict(max_relative_position=kk, is_causal=causal, query_offset=off, enable_gqa=hkv != h)
     if extra == "mask":
-        kw["attn_mask"] = torch.randn(b, 1, n, m, generator=g, dtype=torch.float64).to(BF16)
+        kw["attn_mask"] = torch.randn(b, 1, n, m, generator=g, dtype=torch.float64).to(dtype)
     if extra == "rel_q":
         kw["rel_q"], kw["rel_bias"] = rand(h, 2 * kk + 1, d, scale=0.5), rand(h, 2 * kk + 1)
     return inputs, kw
@@ -60,33 +60,42 @@ def _run(inputs, go, brgemm, **kw):
         return out, torch.autograd.grad(out, present, go)
 
 
+def _paths_bound(b, dtype, roundings):
+    """How far the two GEMM paths may differ: a few roundings of a 16-bit result at its magnitude; float32's sums in
+    another order, the policy's float32 bound."""
+    peak = b.detach().abs().max().item()
+    return roundings * torch.finfo(dtype).eps * peak if dtype != torch.float32 else tol(dtype) * (1 + peak)
+
+
 def _one_rounding(a, b, what):
-    """a and b (the two GEMM paths) within one rounding of the dtype at their magnitude."""
-    bound = torch.finfo(a.dtype).eps * max(b.detach().abs().max().item(), 1e-30) * 2
+    """a and b (the two GEMM paths) within one rounding of the dtype at their magnitude (float32: the policy)."""
+    bound = _paths_bound(b, a.dtype, 2)
     assert max_error(a, b) <= bound, f"{what}: brgemm and MKL differ by {max_error(a, b):.3g} > {bound:.3g}"
 
 
 @needs_brgemm
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("case", list(_CASES))
-def test_brgemm_against_the_oracle_and_mkl(case):
-    inputs, kw = _inputs(case)
+def test_brgemm_against_the_oracle_and_mkl(case, dtype):
+    """bfloat16 (five GEMMs on packed keys and values) and float32 (P v and dS k on v and k as they lie)."""
+    inputs, kw = _inputs(case, dtype=dtype)
     go = torch.randn(inputs[0].shape[:-1] + inputs[2].shape[-1:], generator=torch.Generator().manual_seed(9))
-    assert native.uses_brgemm(BF16) or not native.choice().brgemm
-    got_out, got = _run(inputs, go.to(BF16), True, **kw)
-    mkl_out, mkl = _run(inputs, go.to(BF16), False, **kw)
+    assert native.uses_brgemm(dtype) or not native.choice().brgemm
+    got_out, got = _run(inputs, go.to(dtype), True, **kw)
+    mkl_out, mkl = _run(inputs, go.to(dtype), False, **kw)
     kw64 = {n: (t.detach().double() if isinstance(t, torch.Tensor) and n == "attn_mask" else t) for n, t in kw.items()}
     want_out, want = oracle_grads(inputs, go.double(), **{n: t for n, t in kw64.items() if n != "enable_gqa"})
     plain_out = attention_ref(*inputs, upcast=False, **{n: t for n, t in kw.items() if n != "enable_gqa"})
     present = inputs + [kw[name] for name in ("rel_q", "rel_bias") if name in kw]
-    plain = torch.autograd.grad(plain_out, present, go.to(BF16))
-    assert_close(got_out, want_out, BF16, f"{case} out", yardstick=plain_out)
+    plain = torch.autograd.grad(plain_out, present, go.to(dtype))
+    assert_close(got_out, want_out, dtype, f"{case} out", yardstick=plain_out)
     _one_rounding(got_out, mkl_out, f"{case} out")
     names = ["dq", "dk", "dv", "drel_k", "drel_v", "drel_q", "drel_bias"]
     for name, a, b, w, p in zip(names, got, mkl, want, plain, strict=False):
-        assert a.dtype == BF16 and torch.isfinite(a).all(), name
-        assert_close(a, w, BF16, f"{case} {name}", yardstick=p)
-        # the backward (its q k^T, dO v^T and dS k through brgemm too, or all through MKL) reads each path's out
-        assert max_error(a, b) <= 4 * torch.finfo(BF16).eps * w.abs().max().item(), f"{case} {name}"
+        assert a.dtype == dtype and torch.isfinite(a).all(), name
+        assert_close(a, w, dtype, f"{case} {name}", yardstick=p)
+        # the backward (its brgemm GEMMs, or all through MKL) reads each path's out: as close as those
+        assert max_error(a, b) <= _paths_bound(w, dtype, 4), f"{case} {name}"
 
 
 @needs_brgemm

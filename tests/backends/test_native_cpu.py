@@ -105,18 +105,20 @@ def test_gemm16_follows_the_features(monkeypatch, name):
 @needs_native
 @pytest.mark.parametrize("name", list(CPUS))
 def test_brgemm_follows_the_choice(monkeypatch, name):
-    """The forward's brgemm where the CPU's class chooses it (AMX), 16-bit GEMMs run and torch runs brgemm for the
-    dtype (mocked: it does); the ``brgemm`` setting overrides the class, never the other two."""
+    """brgemm where the CPU's class chooses it (AMX) and torch runs it for the dtype (mocked: it does), for float32
+    and for 16-bit inputs that run 16-bit GEMMs, never float64; the ``brgemm`` setting overrides the class, never the
+    other two."""
     choice = cpu.choose(CPUS[name])
     monkeypatch.setattr(native, "choice", lambda: choice)
     monkeypatch.setattr(native, "brgemm_here", lambda dtype: True)
     with native.SETTINGS.override(gemm16=True, brgemm=None):
-        assert native.uses_brgemm(torch.bfloat16) == (WANT[name][0] == "amx")
-        assert not native.uses_brgemm(torch.float32)
+        assert native.uses_brgemm(torch.bfloat16) == native.uses_brgemm(torch.float32) == (WANT[name][0] == "amx")
+        assert not native.uses_brgemm(torch.float64)
     with native.SETTINGS.override(gemm16=True, brgemm=True):
         assert native.uses_brgemm(torch.bfloat16)
     with native.SETTINGS.override(gemm16=False, brgemm=True):
         assert not native.uses_brgemm(torch.bfloat16)  # float32 copies: no 16-bit GEMM at all
+        assert native.uses_brgemm(torch.float32)
     monkeypatch.setattr(native, "brgemm_here", lambda dtype: False)
     with native.SETTINGS.override(gemm16=True, brgemm=True):
         assert not native.uses_brgemm(torch.bfloat16)

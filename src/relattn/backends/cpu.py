@@ -12,7 +12,8 @@ class                     example                  choices
 ``amx``                   Intel Xeon (Sapphire     256-query tiles, 512-key blocks, long tables too; bfloat16 (and
                           Rapids and later)        float16 with AMX-FP16 or ``avx512_fp16``) through 16-bit GEMMs,
                                                    those whose B is k or v through torch's brgemm
-                                                   (oneDNN's micro-kernel, AMX tiles) where torch runs it (measured)
+                                                   (oneDNN's micro-kernel, AMX tiles) where torch runs it, and
+                                                   float32's P v and dS k (measured)
 ``avx512_bf16``           AMD EPYC Zen 4, Intel    the same tiles, 64-query ones for long tables (as every class
                           Cooper Lake              below); bfloat16 through 16-bit GEMMs (reasoned, not
                                                    measured: SDPA's own bfloat16 path is fast there, and float32
@@ -87,9 +88,10 @@ class NativeChoice:
     def describe(self) -> str:
         g16 = ", ".join(sorted(self.gemm16)) or "none"
         via = "torch's brgemm for those reading k, v where it runs, else MKL's" if self.brgemm else "MKL's"
+        f32 = "; float32's P v and dS k through torch's brgemm where it runs" if self.brgemm else ""
         return (f"class {self.cpu_class}: {self.tile_q}-query tiles ({self.wide_table_tile} for long tables), "
-                f"{self.tile_k}-key blocks, 16-bit GEMMs ({via}) for {g16} (other 16-bit inputs as float32 copies); "
-                f"{self.why}")
+                f"{self.tile_k}-key blocks, 16-bit GEMMs ({via}) for {g16} (other 16-bit inputs as float32 copies)"
+                f"{f32}; {self.why}")
 
 
 def _proc_cpuinfo() -> dict[str, str]:
@@ -148,7 +150,7 @@ class NativeSettings:
     tile_k: int = 512  # keys per block (benchmarks/fast_vs_sdpa.py: 128 and 1024 within a few percent at N = 2048)
     kv_splits: int = 0  # backward: key segments per head (0: more than 1 only when batch * heads leaves threads idle)
     gemm16: bool | None = None  # 16-bit inputs: True 16-bit GEMMs, False float32 copies, None the CPU's choice
-    brgemm: bool | None = None  # 16-bit GEMMs on k, v: True torch's brgemm where it runs, False MKL's, None the CPU's
+    brgemm: bool | None = None  # GEMMs on k, v: True torch's brgemm where it runs, False MKL's, None the CPU's
 
     def __post_init__(self):
         for name, low in (("tile_q", 0), ("tile_k", 1), ("kv_splits", 0)):

@@ -43,7 +43,8 @@ come from the CPU's features (:func:`choice`, :mod:`relattn.backends.cpu`); ``RE
   softmax statistics, relative terms and accumulators are float32. On the ``amx`` class those whose B is k or v
   (q k^T, P v forward; q k^T, dO v^T, dS k backward) go to torch's brgemm (oneDNN's micro-kernel, AMX tiles) on keys
   and values packed once per call, where torch runs it (:func:`uses_brgemm`; the ``brgemm`` setting): 0.2-0.4 of
-  MKL's time on a tile's shapes on the Xeon AMX (``benchmarks/gemm16.py``).
+  MKL's time on a tile's shapes on the Xeon AMX (``benchmarks/gemm16.py``). Float32 calls there take torch's float32
+  brgemm for P v and dS k (on v and k as they lie: about 0.9 of MKL's sgemm's time).
 * **float32 copies** elsewhere: the inputs are converted to float32 and the float32 kernel runs (one rounding of
   the output). On a CPU without 16-bit instructions this is the faster of the two (MKL's 16-bit GEMMs convert
   inside there, and run slower than its float32 GEMM).
@@ -250,11 +251,15 @@ def brgemm_here(dtype: torch.dtype) -> bool:
 
 
 def uses_brgemm(dtype: torch.dtype) -> bool:
-    """Whether the 16-bit GEMMs of ``dtype`` whose B is k or v go to torch's brgemm on packed keys and values rather
-    than MKL's: 16-bit GEMMs (:func:`uses_gemm16`), the ``brgemm`` setting (None: the CPU's choice), torch runs it.
-    The kernel also needs head dims that are multiples of 16 and 64 queries per key/value head."""
+    """Whether GEMMs of ``dtype`` go to torch's brgemm rather than MKL's: float32's ``P v`` and ``dS k`` (on v and k
+    as they lie), or 16-bit's whose B is k or v (on keys and values packed once; 16-bit GEMMs, :func:`uses_gemm16`);
+    the ``brgemm`` setting (None: the CPU's choice), and torch runs it for ``dtype``. The kernel also needs 64 queries
+    per key/value head, and for 16-bit inputs head dims that are multiples of 16."""
+    if dtype not in LOW_PRECISION and dtype != torch.float32:
+        return False
     forced = SETTINGS.current.brgemm
-    return uses_gemm16(dtype) and (choice().brgemm if forced is None else forced) and brgemm_here(dtype)
+    wanted = choice().brgemm if forced is None else forced
+    return wanted and (dtype == torch.float32 or uses_gemm16(dtype)) and brgemm_here(dtype)
 
 
 def tile_q(n: int, causal: bool, rows: int = 0, keys: int = 0) -> int:
@@ -317,7 +322,7 @@ def forward(q, k, v, rel_k, rel_v, mask, seed=None, *, max_relative_position: in
     normaliser's."""
     _require()
     dtype = q.dtype
-    brgemm = dtype in LOW_PRECISION and uses_brgemm(dtype)
+    brgemm = q.shape[-2] * (q.shape[-3] // k.shape[-3]) >= 64 and uses_brgemm(dtype)  # the kernel's test, first
     if dtype in LOW_PRECISION:
         q, k, v, q_pos = _data(uses_gemm16(dtype), q, k, v, q_pos)
         tables = _tables_and_mask(rel_k, rel_v, mask, rel_q)

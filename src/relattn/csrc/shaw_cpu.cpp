@@ -107,8 +107,24 @@ bool has_gemm16(at::ScalarType dtype) {
 
 // Whether torch's brgemm (oneDNN's micro-kernel: AMX where the CPU has it) takes `dtype` on this CPU, as PyTorch's own
 // CPU flash attention asks (cpublas::could_pack): PackedKV.
+// Float32: whether its brgemm (no packing: B as it lies) runs here at all, asked once by a 1x1x1 call (torch raises
+// where oneDNN's micro-kernels are not built or the CPU lacks what they need).
 bool has_brgemm(at::ScalarType dtype) {
-#if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32)
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32) && defined(CPUBLAS_BRGEMM_F32F32F32)
+  if (dtype == at::kFloat) {
+    static const bool runs = [] {
+      try {
+        const float a = 1, b = 2;
+        float c = 0;
+        at::native::cpublas::brgemm(1, 1, 1, 1, 1, 1, false, &a, &b, &c, false);
+        at::native::cpublas::brgemm_release(false);
+        return c == 2;
+      } catch (const c10::Error&) {
+        return false;
+      }
+    }();
+    return runs;
+  }
   return (dtype == at::kBFloat16 || dtype == at::kHalf) && at::native::cpublas::could_pack(dtype);
 #else
   return false;
@@ -293,6 +309,19 @@ void brgemm_packed(int64_t m, int64_t n, int64_t k, const I* a, int64_t lda, con
 #if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32)
   if constexpr (is_16_bit<I> && std::is_same_v<T, float>)
     at::native::cpublas::brgemm(m, n, k, lda, n, ldc, add, a, b, c, true);
+#endif
+}
+
+// Row-major C[m, n] (+= where `add`) A[m, k] @ B[k, n] in float32 through torch's brgemm, B as it lies (rows ldb
+// apart), kPackCols columns a call: on the tile shapes of P v and dS k about 0.9 of MKL's sgemm's time
+// (benchmarks/gemm16.py). Other types: nothing (never called).
+template <typename I, typename T>
+void brgemm_rows(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const I* b, int64_t ldb, T* c,
+                 int64_t ldc, bool add) {
+#if defined(CPUBLAS_BRGEMM_F32F32F32)
+  if constexpr (std::is_same_v<I, float> && std::is_same_v<T, float>)
+    for (int64_t c0 = 0; c0 < n; c0 += kPackCols)
+      at::native::cpublas::brgemm(m, std::min(kPackCols, n - c0), k, lda, ldb, ldc, add, a, b + c0, c + c0, false);
 #endif
 }
 
@@ -1368,7 +1397,7 @@ inline void write_rows(int64_t rows, int64_t dv, const T* acc, const T* row_max,
 // dropout inside), acc += P v; at the end acc += PW a^V, out = acc / sum, lse.
 template <typename I, typename T>
 void forward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Dropout& drop, T scale,
-                  ForwardWorkspace<I, T>& ws, I* out, T* lse, const PackedHead<I>* packed) {
+                  ForwardWorkspace<I, T>& ws, I* out, T* lse, const PackedHead<I>* packed, bool direct) {
   const Geometry& geom = call.geom;
   const Views<I, T>& in = call.in;
   const int64_t b = call.seq.b, hkv = h / geom.group, last = 2 * geom.kk;
@@ -1410,6 +1439,9 @@ void forward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Dropou
       for (int64_t c0 = 0; c0 < geom.Dv; c0 += kPackCols)
         brgemm_packed<I, T>(rows, std::min(kPackCols, geom.Dv - c0), width + width % 2, weights, ld,
                          packed->value_rows(c0, n0), ws.acc.data() + c0, geom.Dv, true);
+    } else if (direct) {  // float32 brgemm on v as it lies
+      brgemm_rows<I, T>(rows, geom.Dv, width, ws.scores.data(), ld, v + n0 * in.vs[2], in.vs[2], ws.acc.data(), geom.Dv,
+                     true);
     } else {
       gemm_io<I, T>(false, false, rows, geom.Dv, width, T(1), weights, ld, v + n0 * in.vs[2], in.vs[2], T(1),
                     ws.acc.data(), geom.Dv);
@@ -1427,7 +1459,8 @@ void forward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Dropou
 template <typename I, typename T>
 void forward_impl(const Geometry& geom, const Views<I, T>& in, const Batch& batch, const Dropout& drop, T scale,
                   int64_t tile_q, int64_t tile_k, bool brgemm, I* out, T* lse) {
-  const PackedKV<I> packed = brgemm ? pack_keys_values(geom, in, batch, false) : PackedKV<I>{};
+  const PackedKV<I> packed = brgemm && is_16_bit<I> ? pack_keys_values(geom, in, batch, false) : PackedKV<I>{};
+  const bool direct = brgemm && std::is_same_v<I, float>;  // float32: brgemm on the rows of v as they lie
   const int64_t table_cols = window_cap(geom, in.padded_rows, tile_q, geom.M);  // columns of a tile's table rows
   const ForwardSchedule sched = forward_schedule(geom, batch, tile_q, table_cols);
   // The position-to-content term: KA's row stride, room for the longest sequence's windows.
@@ -1446,9 +1479,9 @@ void forward_impl(const Geometry& geom, const Views<I, T>& in, const Batch& batc
       const int64_t row0 = (call.seq.b * geom.H + task.h) * batch.rows_q + call.seq.q0 + task.m0;  // of out, lse
       const PackedHead<I> head = packed.on ? packed.head(task.seq, task.h / geom.group) : PackedHead<I>{};
       forward_tile(call, task.h, task.m0, drop, scale, ws, out + row0 * geom.Dv, lse + row0,
-                   packed.on ? &head : nullptr);
+                   packed.on ? &head : nullptr, direct);
     }
-    if (packed.on) release_brgemm();
+    if (packed.on || direct) release_brgemm();
   });
 }
 
@@ -1500,6 +1533,7 @@ struct SegmentKeys {
   T *dk, *dv;
   int64_t lo, hi;
   const PackedHead<I>* packed = nullptr;  // the head's keys and values packed for brgemm, or null (MKL's GEMMs)
+  bool direct = false;                    // float32: dS k through brgemm on k as it lies
 };
 
 // Softmax, one row of a block, recomputed: the row's scores s (runs r, max block_max) become P = exp(s - lse), and
@@ -1619,10 +1653,8 @@ void backward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Segme
   }
   T *P = ws.weights.data(), *G = ws.grads.data();
   const PackedHead<I>* packed = keys.packed;
-  if (packed != nullptr) {
-    release_brgemm();  // after MKL's GEMMs (the tables', the segment's KA rows and their gradients)
-    std::fill(ws.dq_rows.begin(), ws.dq_rows.begin() + rows * geom.D, T(0));
-  }
+  if (packed != nullptr) release_brgemm();  // after MKL's GEMMs (the tables', the segment's KA rows and gradients)
+  if (packed != nullptr || keys.direct) std::fill(ws.dq_rows.begin(), ws.dq_rows.begin() + rows * geom.D, T(0));
   for (int64_t n0 = keys.lo; n0 < keys_end; n0 += ws.tile_k) {
     const int64_t width = std::min(ws.tile_k, keys_end - n0);
     block_scores(geom, in, b, h, hkv, m0, rows, n0, width, scale, geom.has_qa() ? ws.key_rows.data() : nullptr, win,
@@ -1663,6 +1695,8 @@ void backward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Segme
       for (int64_t c0 = 0; c0 < geom.D; c0 += kPackCols)
         brgemm_packed<I, T>(rows, std::min(kPackCols, geom.D - c0), width + width % 2, dS, ld,
                             packed->key_rows(c0, n0), ws.dq_rows.data() + c0, geom.D, true);
+    } else if (keys.direct) {  // float32 brgemm on k as it lies, scaled below
+      brgemm_rows<I, T>(rows, geom.D, width, G, ld, keys.k + n0 * in.ks[2], in.ks[2], ws.dq_rows.data(), geom.D, true);
     } else {
       gemm_io<I, T>(false, false, rows, geom.D, width, scale, dS, ld, keys.k + n0 * in.ks[2], in.ks[2], T(1),
                     tile.dq + m0 * geom.D, geom.D);
@@ -1670,7 +1704,7 @@ void backward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Segme
     gemm_io<I, T>(true, false, width, geom.D, rows, scale, dS, ld, q, in.qs[2], T(1), keys.dk + n0 * geom.D, geom.D);
     if (packed != nullptr) release_brgemm();
   }
-  if (packed != nullptr)
+  if (packed != nullptr || keys.direct)
     for (int64_t x = 0; x < rows * geom.D; ++x) tile.dq[m0 * geom.D + x] += scale * ws.dq_rows[x];
   tile_table_grads(geom, in, h, rows, win, scale, ws.key_rows_grad.data(), qf, ldq, ws.value_weights.data(), dof, ldo,
                    tile.dq_pos + m0 * geom.D, grads);
@@ -1743,7 +1777,8 @@ void backward_segment(const SeqCall<I, T>& call, const Batch& batch, int64_t hkv
 template <typename I, typename T>
 void backward_impl(const Geometry& geom, const Views<I, T>& in, const Batch& batch, const Dropout& drop, T scale,
                    int64_t tile_q, int64_t tile_k, int64_t splits, bool brgemm, const BackwardIO<I, T>& io) {
-  const PackedKV<I> packed = brgemm ? pack_keys_values(geom, in, batch, true) : PackedKV<I>{};
+  const PackedKV<I> packed = brgemm && is_16_bit<I> ? pack_keys_values(geom, in, batch, true) : PackedKV<I>{};
+  const bool direct = brgemm && std::is_same_v<I, float>;  // float32: brgemm on the rows of k as they lie
   const KeySegments segs{splits, tile_k};
   const int64_t seg_keys = std::min(geom.M, segs.keys(geom.M));  // the most keys of a task (the longest sequence)
   const int64_t table_cols = window_cap(geom, in.padded_rows, tile_q, seg_keys);  // columns of a tile's table rows
@@ -1751,7 +1786,7 @@ void backward_impl(const Geometry& geom, const Views<I, T>& in, const Batch& bat
   const auto bounds = backward_schedule(geom, batch, tile_q, segs, table_cols);
   for_parts(bounds, [&](int64_t part, int64_t begin, int64_t end) {
     const TableGrads<T> grads = part_table_grads(geom, io, part);
-    BackwardWorkspace<I, T> ws(geom, tile_q, tile_k, seg_keys, table_cols, ka_ld, drop.on, packed.on);
+    BackwardWorkspace<I, T> ws(geom, tile_q, tile_k, seg_keys, table_cols, ka_ld, drop.on, packed.on || direct);
     for (int64_t t = begin; t < end; ++t) {
       const BackwardTask task = backward_task(t, geom.Hkv, splits);
       const SeqCall<I, T> call = seq_call(geom, in, batch.seqs[task.seq]);
@@ -1761,10 +1796,10 @@ void backward_impl(const Geometry& geom, const Views<I, T>& in, const Batch& bat
       const PackedHead<I> head = packed.on ? packed.head(task.seq, task.hkv) : PackedHead<I>{};
       const SegmentKeys<I, T> keys{call.in.kh(call.seq.b, task.hkv), call.in.vh(call.seq.b, task.hkv),
                                    io.dk + first_key * geom.D, io.dv + first_key * geom.Dv, lo, hi,
-                                   packed.on ? &head : nullptr};
+                                   packed.on ? &head : nullptr, direct};
       backward_segment(call, batch, task.hkv, task.split, keys, drop, scale, ka_ld, io, ws, grads);
     }
-    if (packed.on) release_brgemm();
+    if (packed.on || direct) release_brgemm();
   });
 }
 
@@ -1939,11 +1974,13 @@ Batch packed_batch(Geometry& g, const at::Tensor& cu_q, const at::Tensor& cu_k) 
   return batch;
 }
 
-// Whether a call that asked for brgemm (the CPU's choice) runs it: 16-bit inputs torch's brgemm takes, head dims
-// multiples of 16 (the packed blocks' widths, and pairs of rows pack together), and enough queries per key/value head
-// to repay packing its keys and values (packing a 64-key block costs about a 32-row GEMM).
+// Whether a call that asked for brgemm (the CPU's choice) runs it: a dtype torch's brgemm takes here; for 16-bit
+// inputs head dims that are multiples of 16 (the packed blocks' widths, and pairs of rows pack together); and enough
+// queries per key/value head to repay packing its keys and values (packing a 64-key block costs about a 32-row GEMM;
+// float32 packs nothing, but a decoding step keeps MKL's GEMMs, as it was measured).
 bool uses_brgemm(const Geometry& g, at::ScalarType dt) {
-  return has_brgemm(dt) && g.D % 16 == 0 && g.Dv % 16 == 0 && g.N * g.group >= 64;
+  const bool dims = dt == at::kFloat || (g.D % 16 == 0 && g.Dv % 16 == 0);  // float32 packs nothing
+  return g.N * g.group >= 64 && dims && has_brgemm(dt);
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_call(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
@@ -1964,7 +2001,8 @@ std::tuple<at::Tensor, at::Tensor> forward_call(const at::Tensor& q_, const at::
   const Batch batch = cu_q == nullptr ? dense_batch(g) : packed_batch(g, *cu_q, *cu_k);
   clamp_tiles(g, tile_q, tile_k);
   brgemm = brgemm && uses_brgemm(g, q.scalar_type());
-  if (brgemm) tile_k = (tile_k + kPackCols - 1) / kPackCols * kPackCols;  // blocks start at packed blocks
+  if (brgemm && is_16_bit_type(q.scalar_type()))
+    tile_k = (tile_k + kPackCols - 1) / kPackCols * kPackCols;  // blocks start at packed blocks
   at::Tensor out = at::empty({g.B, g.H, batch.rows_q, g.Dv}, q.options());
   at::Tensor lse = at::empty({g.B, g.H, batch.rows_q}, q.options().dtype(compute_type(q)));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
@@ -2032,7 +2070,8 @@ Grads backward_call(const at::Tensor& grad_out_, const at::Tensor& q_, const at:
               grad_out.sizes(), ", ", out.sizes(), ", ", lse.sizes());
   clamp_tiles(g, tile_q, tile_k);
   brgemm = brgemm && uses_brgemm(g, q.scalar_type());
-  if (brgemm) tile_k = (tile_k + kPackCols - 1) / kPackCols * kPackCols;  // blocks and segments start at packed blocks
+  if (brgemm && is_16_bit_type(q.scalar_type()))
+    tile_k = (tile_k + kPackCols - 1) / kPackCols * kPackCols;  // blocks and segments start at packed blocks
   const int64_t threads = at::get_num_threads(), blocks = (g.M + tile_k - 1) / tile_k;
   // Key segments per head: 1 when the heads spread evenly over the threads or there are two per thread, else
   // enough for two tasks per thread (fewer idle threads at the end); kv_splits > 0 forces the number.
