@@ -313,15 +313,14 @@ void brgemm_packed(int64_t m, int64_t n, int64_t k, const I* a, int64_t lda, con
 }
 
 // Row-major C[m, n] (+= where `add`) A[m, k] @ B[k, n] in float32 through torch's brgemm, B as it lies (rows ldb
-// apart), kPackCols columns a call: on the tile shapes of P v and dS k about 0.9 of MKL's sgemm's time
-// (benchmarks/gemm16.py). Other types: nothing (never called).
+// apart), in one call (column blocks would read A once each): on the tile shapes of P v and dS k about 0.9 of
+// MKL's sgemm's time (benchmarks/gemm16.py). Other types: nothing (never called).
 template <typename I, typename T>
 void brgemm_rows(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const I* b, int64_t ldb, T* c,
                  int64_t ldc, bool add) {
 #if defined(CPUBLAS_BRGEMM_F32F32F32)
   if constexpr (std::is_same_v<I, float> && std::is_same_v<T, float>)
-    for (int64_t c0 = 0; c0 < n; c0 += kPackCols)
-      at::native::cpublas::brgemm(m, std::min(kPackCols, n - c0), k, lda, ldb, ldc, add, a, b + c0, c + c0, false);
+    at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add, a, b, c, false);
 #endif
 }
 
@@ -1460,7 +1459,9 @@ template <typename I, typename T>
 void forward_impl(const Geometry& geom, const Views<I, T>& in, const Batch& batch, const Dropout& drop, T scale,
                   int64_t tile_q, int64_t tile_k, bool brgemm, I* out, T* lse) {
   const PackedKV<I> packed = brgemm && is_16_bit<I> ? pack_keys_values(geom, in, batch, false) : PackedKV<I>{};
-  const bool direct = brgemm && std::is_same_v<I, float>;  // float32: brgemm on the rows of v as they lie
+  // float32: brgemm on the rows of v as they lie, where they lie dense (rows a head's width apart, as measured; rows a
+  // token apart, as a (B, N, H, D) projection's view gives them, keep MKL's, which copies what it reads)
+  const bool direct = brgemm && std::is_same_v<I, float> && in.vs[2] == geom.Dv;
   const int64_t table_cols = window_cap(geom, in.padded_rows, tile_q, geom.M);  // columns of a tile's table rows
   const ForwardSchedule sched = forward_schedule(geom, batch, tile_q, table_cols);
   // The position-to-content term: KA's row stride, room for the longest sequence's windows.
@@ -1778,7 +1779,7 @@ template <typename I, typename T>
 void backward_impl(const Geometry& geom, const Views<I, T>& in, const Batch& batch, const Dropout& drop, T scale,
                    int64_t tile_q, int64_t tile_k, int64_t splits, bool brgemm, const BackwardIO<I, T>& io) {
   const PackedKV<I> packed = brgemm && is_16_bit<I> ? pack_keys_values(geom, in, batch, true) : PackedKV<I>{};
-  const bool direct = brgemm && std::is_same_v<I, float>;  // float32: brgemm on the rows of k as they lie
+  const bool direct = brgemm && std::is_same_v<I, float> && in.ks[2] == geom.D;  // as the forward's: k's rows dense
   const KeySegments segs{splits, tile_k};
   const int64_t seg_keys = std::min(geom.M, segs.keys(geom.M));  // the most keys of a task (the longest sequence)
   const int64_t table_cols = window_cap(geom, in.padded_rows, tile_q, seg_keys);  // columns of a tile's table rows
