@@ -392,6 +392,22 @@ constexpr auto add = [](auto a, auto b) { return a + b; };
 // NaN-propagating, as ATen's vectorized maximum: a row's NaN score must make its max NaN (see ``row_is_nan``).
 constexpr auto max = [](auto a, auto b) { return (b > a || b != b) ? b : a; };
 
+// step(x, lanes) for the full vectors of [0, n) from x = 0, in four chains of lanes taken in turn (one chain would
+// wait on its latency every vector; the step's own work is cheap); returns where the full vectors end.
+template <typename V, typename F>
+int64_t in_four_chains(int64_t n, F step, V& l0, V& l1, V& l2, V& l3) {
+  const int64_t w = V::size();
+  int64_t x = 0;
+  for (; x + 4 * w <= n; x += 4 * w) {
+    step(x, l0);
+    step(x + w, l1);
+    step(x + 2 * w, l2);
+    step(x + 3 * w, l3);
+  }
+  for (; x + w <= n; x += w) step(x, l0);
+  return x;
+}
+
 // s[x] = f(s[x], x) for x in [0, n), then returns ``reduce`` of ``init`` and the new values. ``f`` takes and
 // returns a Vec<float> (8 or 16 lanes) or a scalar: float rows run vectorized with a scalar tail, double rows
 // (tests only) as scalars. ``identity`` is the neutral element of ``reduce``.
@@ -407,13 +423,7 @@ T transform_reduce(T* s, int64_t n, T init, T identity, F f, R reduce) {
       y.store(s + at);
       lanes = reduce(lanes, y);
     };
-    for (; x + 4 * w <= n; x += 4 * w) {  // four chains of reduce: one would wait on its latency every vector
-      step(x, l0);
-      step(x + w, l1);
-      step(x + 2 * w, l2);
-      step(x + 3 * w, l3);
-    }
-    for (; x + w <= n; x += w) step(x, l0);
+    x = in_four_chains(n, step, l0, l1, l2, l3);
     const Vec<T> lanes = reduce(reduce(l0, l1), reduce(l2, l3));
     T buf[Vec<T>::size()];
     lanes.store(buf);
@@ -458,7 +468,6 @@ struct RowMax {
 template <typename T, bool kVec>
 void add_max(T* s, const T* b, T c, int64_t n, RowMax<T>& m) {
   if constexpr (RowMax<T>::kLanes) {
-    const int64_t w = Vec<T>::size();
     const Vec<T> cv(c), low(neg_inf<T>);
     Vec<T> l0 = m.acc, l1 = low, l2 = low, l3 = low;  // locals: the stores to s may alias m
     const auto step = [&](int64_t at, Vec<T>& lanes) {
@@ -466,14 +475,7 @@ void add_max(T* s, const T* b, T c, int64_t n, RowMax<T>& m) {
       y.store(s + at);
       lanes = at::vec::maximum(lanes, y);
     };
-    int64_t x = 0;
-    for (; x + 4 * w <= n; x += 4 * w) {
-      step(x, l0);
-      step(x + w, l1);
-      step(x + 2 * w, l2);
-      step(x + 3 * w, l3);
-    }
-    for (; x + w <= n; x += w) step(x, l0);
+    const int64_t x = in_four_chains(n, step, l0, l1, l2, l3);
     if (x < n) {
       const int64_t rest = n - x;
       const Vec<T> y = Vec<T>::loadu(s + x, rest) + (kVec ? Vec<T>::loadu(b + x, rest) : cv);
@@ -508,7 +510,6 @@ T lanes_sum(const Lanes<T>& acc) {
 template <typename T>
 void exp_into(T* s, int64_t n, T m, Lanes<T>& acc) {
   if constexpr (std::is_same_v<T, float>) {
-    const int64_t w = Vec<T>::size();
     const Vec<T> mv(m), zero(0);
     Vec<T> l1 = zero, l2 = zero, l3 = zero;
     const auto step = [&](int64_t at, Vec<T>& lanes) {
@@ -516,14 +517,7 @@ void exp_into(T* s, int64_t n, T m, Lanes<T>& acc) {
       y.store(s + at);
       lanes = lanes + y;
     };
-    int64_t x = 0;
-    for (; x + 4 * w <= n; x += 4 * w) {
-      step(x, acc);
-      step(x + w, l1);
-      step(x + 2 * w, l2);
-      step(x + 3 * w, l3);
-    }
-    for (; x + w <= n; x += w) step(x, acc);
+    const int64_t x = in_four_chains(n, step, acc, l1, l2, l3);
     if (x < n) {
       const int64_t rest = n - x;
       const Vec<T> y = exp_of(Vec<T>::loadu(s + x, rest) - mv);
