@@ -56,8 +56,9 @@
 // cblas_gemm_f16f16f32, which libtorch_cpu exports on x86 (weak references: null where absent, and the caller
 // converts to float32 instead). P and dS are rounded to 16 bits for their GEMMs; scores, softmax statistics, the
 // relative terms (2K+1 per row, with float32 tables) and every accumulator stay float32. Where the caller asks
-// (brgemm: the CPU's choice) and torch runs it, the forward's two go to torch's batch-reduce GEMM instead (oneDNN's
-// micro-kernel, AMX tiles where the CPU has them) on keys and values packed once per call (PackedKV).
+// (brgemm: the CPU's choice) and torch runs it, those whose B is k or v (q k^T, P v forward; q k^T, dO v^T, dS k
+// backward) go to torch's batch-reduce GEMM instead (oneDNN's micro-kernel, AMX tiles where the CPU has them) on keys
+// and values packed once per call (PackedKV); float32's P v and dS k likewise, on v and k as they lie (brgemm_rows).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -105,10 +106,9 @@ bool has_gemm16(at::ScalarType dtype) {
   return false;
 }
 
-// Whether torch's brgemm (oneDNN's micro-kernel: AMX where the CPU has it) takes `dtype` on this CPU, as PyTorch's own
-// CPU flash attention asks (cpublas::could_pack): PackedKV.
-// Float32: whether its brgemm (no packing: B as it lies) runs here at all, asked once by a 1x1x1 call (torch raises
-// where oneDNN's micro-kernels are not built or the CPU lacks what they need).
+// Whether torch's brgemm (oneDNN's micro-kernel: AMX where the CPU has it) takes `dtype` on this CPU: for 16-bit
+// types as PyTorch's own CPU flash attention asks (cpublas::could_pack: PackedKV); for float32 (no packing: B as it
+// lies) by one 1x1x1 call, once (torch raises where oneDNN's micro-kernels are not built or the CPU lacks them).
 bool has_brgemm(at::ScalarType dtype) {
 #if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32) && defined(CPUBLAS_BRGEMM_F32F32F32)
   if (dtype == at::kFloat) {
@@ -340,6 +340,27 @@ struct PackedHead {
   const I* key_rows(int64_t c0, int64_t n0) const { return kr + c0 * mp + n0 * std::min(kPackCols, d - c0); }
   const I* value_rows(int64_t c0, int64_t n0) const { return vr + c0 * mp + n0 * std::min(kPackCols, dv - c0); }
 };
+
+// C[rows, width] = A[rows, k] @ the keys [n0, n0 + width) of a transposed form (PackedHead's kt or vt, k their head
+// dim; `first`: keys_t(n0) or values_t(n0)), a packed block of kPackCols keys a call: C's row stride ld, and n0, are
+// multiples of kPackCols (the last block's columns past width are zero keys' scores).
+template <typename I, typename T>
+void brgemm_over_keys(int64_t rows, int64_t k, int64_t width, const I* a, int64_t lda, const I* first, T* c,
+                      int64_t ld) {
+  for (int64_t x = 0; x < width; x += kPackCols)
+    brgemm_packed<I, T>(rows, kPackCols, k, a, lda, first + x * k, c + x, ld, false);
+}
+
+// C[rows, d] += A[rows, width] @ the keys [n0, n0 + width) of a row form (at(c0): column block c0's rows from key n0,
+// PackedHead's key_rows or value_rows), over an even count of keys: an odd width gives A a zero column (its row
+// stride lda exceeds width then: the block is not a full one).
+template <typename I, typename T, typename F>
+void brgemm_over_columns(int64_t rows, int64_t d, int64_t width, I* a, int64_t lda, F at, T* c) {
+  if (width % 2 == 1)
+    for (int64_t r = 0; r < rows; ++r) a[r * lda + width] = I(0);
+  for (int64_t c0 = 0; c0 < d; c0 += kPackCols)
+    brgemm_packed<I, T>(rows, std::min(kPackCols, d - c0), width + width % 2, a, lda, at(c0), c + c0, d, true);
+}
 
 // Releases the AMX tile configuration torch's brgemm set on this thread: at the end of a thread's run, and after an
 // MKL 16-bit GEMM between brgemm calls (MKL configures the tiles its own way; torch would not configure them again
@@ -883,9 +904,8 @@ void block_scores(const Geometry& g, const Views<I, T>& w, int64_t b, int64_t h,
                   int64_t n0, int64_t width, T scale, const T* QA, const Window& win, const PosRows<T>* pos, T* S,
                   int64_t ld, Runs* runs, T* rmax, const PackedHead<I>* packed = nullptr) {
   const I* q = w.qh(b, h) + m0 * w.qs[2];
-  if (packed != nullptr) {  // brgemm on packed keys, kPackCols at a time (ld and n0 are multiples of it): unscaled
-    for (int64_t x = 0; x < width; x += kPackCols)
-      brgemm_packed<I, T>(tq, kPackCols, g.D, q, w.qs[2], packed->keys_t(n0 + x), S + x, ld, false);
+  if (packed != nullptr) {  // brgemm on packed keys: unscaled
+    brgemm_over_keys<I, T>(tq, g.D, width, q, w.qs[2], packed->keys_t(n0), S, ld);
   } else {
     gemm_io<I, T>(false, true, tq, width, g.D, scale, q, w.qs[2], w.kh(b, hkv) + n0 * w.ks[2], w.ks[2], T(0), S, ld);
   }
@@ -1141,12 +1161,13 @@ struct PackedKV {
   std::vector<int64_t> at, chunk_at, mp;  // per sequence: where its heads start, its first chunk, its rows
   at::Tensor data;                        // per sequence and head: k^T, v^T (backward), k rows (backward), v rows
   int64_t d = 0, dv = 0, hkv = 0;
+  int64_t chunks(int64_t s) const { return (chunk_at[s + 1] - chunk_at[s]) / hkv; }  // of kPackCols keys, a head
   int64_t head_size(int64_t s) const {
-    const int64_t kb = (chunk_at[s + 1] - chunk_at[s]) / hkv, blocks = kb * kPackCols;
+    const int64_t blocks = chunks(s) * kPackCols;
     return blocks * d + (backward ? blocks * dv + mp[s] * d : mp[s] * dv);
   }
   PackedHead<I> head(int64_t s, int64_t h) const {
-    const int64_t kb = (chunk_at[s + 1] - chunk_at[s]) / hkv, blocks = kb * kPackCols;
+    const int64_t blocks = chunks(s) * kPackCols;
     I* base = data.data_ptr<I>() + at[s] + h * head_size(s);
     PackedHead<I> ph{base, nullptr, nullptr, nullptr, d, dv, mp[s]};
     if (backward) {
@@ -1213,7 +1234,7 @@ PackedKV<I> pack_keys_values(const Geometry& geom, const Views<I, T>& in, const 
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t s = std::upper_bound(p.chunk_at.begin(), p.chunk_at.end(), c) - p.chunk_at.begin() - 1;
         const Seq& seq = batch.seqs[s];
-        const int64_t kb = (p.chunk_at[s + 1] - p.chunk_at[s]) / geom.Hkv, h = (c - p.chunk_at[s]) / kb;
+        const int64_t kb = p.chunks(s), h = (c - p.chunk_at[s]) / kb;
         const int64_t n0 = (c - p.chunk_at[s]) % kb * kPackCols, n = std::min(kPackCols, seq.m - n0);
         const SeqCall<I, T> call = seq_call(geom, in, seq);
         const PackedHead<I> ph = p.head(s, h);
@@ -1426,12 +1447,9 @@ void forward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Dropou
       round_row(ws.scores.data() + a * ld, a, ld, width, ws.weights16);
     }
     const I* weights = operand<I>(ws.scores.data(), ws.weights16);
-    if (packed != nullptr) {  // brgemm over an even count of keys: an odd block's weights get a zero column
-      if (width % 2 == 1)
-        for (int64_t a = 0; a < rows; ++a) ws.weights16[a * ld + width] = I(0);
-      for (int64_t c0 = 0; c0 < geom.Dv; c0 += kPackCols)
-        brgemm_packed<I, T>(rows, std::min(kPackCols, geom.Dv - c0), width + width % 2, weights, ld,
-                         packed->value_rows(c0, n0), ws.acc.data() + c0, geom.Dv, true);
+    if (packed != nullptr) {
+      brgemm_over_columns<I, T>(rows, geom.Dv, width, ws.weights16.data(), ld,
+                                [&](int64_t c0) { return packed->value_rows(c0, n0); }, ws.acc.data());
     } else if (direct) {  // float32 brgemm on v as it lies
       brgemm_rows<I, T>(rows, geom.Dv, width, ws.scores.data(), ld, v + n0 * in.vs[2], in.vs[2], ws.acc.data(), geom.Dv,
                      true);
@@ -1664,11 +1682,9 @@ void backward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Segme
     // dv += PZ.T @ dO (PZ: the weights as dropped, P without dropout);  dP = dO @ v.T (+ the value term)
     gemm_io<I, T>(true, false, width, geom.Dv, rows, T(1), operand<I>(drop.on ? G : P, ws.block16), ld, tile.dout,
                   tile.dout_ld, T(1), keys.dv + n0 * geom.Dv, geom.Dv);
-    if (packed != nullptr) release_brgemm();  // after MKL's GEMM
     if (packed != nullptr) {
-      for (int64_t x = 0; x < width; x += kPackCols)
-        brgemm_packed<I, T>(rows, kPackCols, geom.Dv, tile.dout, tile.dout_ld, packed->values_t(n0 + x), G + x, ld,
-                            false);
+      release_brgemm();  // after MKL's GEMM
+      brgemm_over_keys<I, T>(rows, geom.Dv, width, tile.dout, tile.dout_ld, packed->values_t(n0), G, ld);
     } else {
       gemm_io<I, T>(false, true, rows, width, geom.Dv, T(1), tile.dout, tile.dout_ld, keys.v + n0 * in.vs[2],
                     in.vs[2], T(0), G, ld);
@@ -1684,12 +1700,9 @@ void backward_tile(const SeqCall<I, T>& call, int64_t h, int64_t m0, const Segme
                    ws.pos_grad_hi.data(), ws.pos.rows);
     // dq += scale dS @ k;  dk += scale dS.T @ q
     const I* dS = operand<I>(G, ws.block16);
-    if (packed != nullptr) {  // over an even count of keys (an odd block's dS gets a zero column), scaled below
-      if (width % 2 == 1)
-        for (int64_t a = 0; a < rows; ++a) ws.block16[a * ld + width] = I(0);
-      for (int64_t c0 = 0; c0 < geom.D; c0 += kPackCols)
-        brgemm_packed<I, T>(rows, std::min(kPackCols, geom.D - c0), width + width % 2, dS, ld,
-                            packed->key_rows(c0, n0), ws.dq_rows.data() + c0, geom.D, true);
+    if (packed != nullptr) {  // scaled below
+      brgemm_over_columns<I, T>(rows, geom.D, width, ws.block16.data(), ld,
+                                [&](int64_t c0) { return packed->key_rows(c0, n0); }, ws.dq_rows.data());
     } else if (keys.direct) {  // float32 brgemm on k as it lies, scaled below
       brgemm_rows<I, T>(rows, geom.D, width, G, ld, keys.k + n0 * in.ks[2], in.ks[2], ws.dq_rows.data(), geom.D, true);
     } else {
